@@ -1,0 +1,289 @@
+"""Hugging Face <-> megatron-core checkpoint conversion, and loading checkpoints into models.
+
+A cooper_mcore model checkpoint is a megatron-core distributed checkpoint (``torch_dist``
+format, loadable at any TP/PP) plus ``cooper_model.json`` (the architecture, the original HF
+config and the dtype) and ``hf_extra/`` (tokenizer and generation files copied from the HF
+folder, so that an export is a complete HF model folder).
+
+Conversion builds the model once at TP=PP=1 without random init and streams tensors in or
+out one at a time, so the model is never in memory twice. Folders are written under a temporary
+name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from cooper_mcore.convert.mapping import (
+    canonical_mcore_name,
+    hf_shapes,
+    param_mappings,
+    to_hf,
+    to_mcore,
+)
+from cooper_mcore.convert.safetensors_io import HFCheckpointReader, write_tensors
+from cooper_mcore.models.arch import ArchSpec, load_hf_config
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "cooper_model.json"
+EXTRA_DIR = "hf_extra"
+FORMAT_VERSION = 1
+_EXTRA_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_meta(ckpt_dir: str) -> tuple[ArchSpec, dict[str, Any], torch.dtype]:
+    """Read a checkpoint's architecture, original HF config and dtype."""
+    path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{ckpt_dir!r} is not a cooper_mcore model checkpoint (no {META_FILE})"
+        )
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    return ArchSpec.from_dict(meta["arch"]), meta["hf_config"], _DTYPES[meta["dtype"]]
+
+
+def _write_meta(ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+    meta = {"format_version": FORMAT_VERSION, "arch": arch.to_dict(), "hf_config": hf_config,
+            "dtype": dtype_name(dtype)}
+    with open(os.path.join(ckpt_dir, META_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+
+
+def _hf_dtype(reader: HFCheckpointReader, cfg: dict[str, Any]) -> torch.dtype:
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if name in _DTYPES:
+        return _DTYPES[name]
+    return reader.get("model.embed_tokens.weight").dtype
+
+
+def check_hf_shapes(reader: HFCheckpointReader, arch: ArchSpec, hf_dir: str) -> None:
+    """Raise ValueError naming the first tensor whose shape disagrees with config.json."""
+    for name, expected in hf_shapes(arch).items():
+        if name == "score.weight" and name not in reader.weight_map:
+            continue  # a reward head initialised from a causal LM
+        if name not in reader.weight_map:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {hf_dir!r}")
+        got = reader.shape(name)
+        if got != expected:
+            raise ValueError(
+                f"tensor {name!r}: checkpoint shape {got} does not match the shape {expected} "
+                f"implied by {hf_dir}/config.json"
+            )
+
+
+def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: int = 0) -> None:
+    """Copy an HF checkpoint into a TP=PP=1 Megatron model, one tensor at a time.
+
+    A missing ``score.weight`` (reward model made from a causal LM) is initialised with
+    N(0, initializer_range), as transformers does.
+    """
+    cfg = load_hf_config(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    check_hf_shapes(reader, arch, hf_dir)
+    params = {canonical_mcore_name(k): v for k, v in model.state_dict().items()
+              if not k.endswith("_extra_state")}
+    mapped = set()
+    with torch.no_grad():
+        for m in param_mappings(arch):
+            if m.hf == ("score.weight",) and "score.weight" not in reader.weight_map:
+                gen = torch.Generator().manual_seed(seed)
+                std = cfg.get("initializer_range", 0.02)
+                value = torch.randn(params[m.mcore].shape, generator=gen) * std
+                logger.warning("no score.weight in %s: reward head initialised N(0, %g)", hf_dir, std)
+            else:
+                value = to_mcore(m, [reader.get(n) for n in m.hf], arch)
+            params[m.mcore].copy_(value)
+            mapped.add(m.mcore)
+    missing = set(params) - mapped
+    assert not missing, f"model parameters without a mapping: {sorted(missing)}"
+
+
+def _copy_extra_files(src_dir: str, dst_dir: str) -> None:
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in _EXTRA_FILES:
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+
+
+def _atomic_dir(out: str) -> str:
+    parent = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    if os.path.exists(out):
+        raise FileExistsError(f"output {out!r} already exists; remove it or choose another path")
+    return tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=parent)
+
+
+def save_model_checkpoint(
+    model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any],
+    dtype: torch.dtype,
+) -> None:
+    """Save a (possibly TP/PP-sharded) model as a distributed checkpoint into an empty folder.
+
+    Collective: every rank of the model's groups calls it.
+    """
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    if torch.distributed.get_rank() == 0:
+        _write_meta(ckpt_dir, arch, hf_config, dtype)
+
+
+def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec | None = None) -> None:
+    """Load a model checkpoint into a built model at any TP/PP layout.
+
+    Args:
+        model: this rank's model (unwrapped GPTModel or RewardGPTModel).
+        ckpt_dir: a folder written by :func:`save_model_checkpoint` or ``hf-to-mcore``.
+        arch: the architecture the model was built with; checked against the checkpoint's.
+
+    Raises:
+        ValueError: the checkpoint's architecture or a tensor's global shape differs.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt_arch, _, _ = read_meta(ckpt_dir)
+    if arch is not None and arch != ckpt_arch:
+        diffs = {k: (v, getattr(ckpt_arch, k)) for k, v in arch.to_dict().items()
+                 if ckpt_arch.to_dict()[k] != v}
+        raise ValueError(f"checkpoint {ckpt_dir!r} does not match the model: "
+                         + ", ".join(f"{k}: model {a} vs checkpoint {b}" for k, (a, b) in diffs.items()))
+    sharded = model.sharded_state_dict()
+    saved = dist_checkpointing.load_tensors_metadata(ckpt_dir)
+    for key, sh in _sharded_tensors(sharded):
+        if key not in saved:
+            raise ValueError(f"tensor {key!r} is missing from checkpoint {ckpt_dir!r}")
+        if tuple(saved[key].global_shape) != tuple(sh.global_shape):
+            raise ValueError(
+                f"tensor {key!r}: checkpoint shape {tuple(saved[key].global_shape)} does not "
+                f"match the model's {tuple(sh.global_shape)} ({ckpt_dir})"
+            )
+    with torch.no_grad():
+        state = dist_checkpointing.load(sharded, ckpt_dir)
+        model.load_state_dict(state, strict=False)
+
+
+def _sharded_tensors(sharded: dict) -> list:
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    out = []
+    for v in nested_values(sharded):
+        if isinstance(v, ShardedTensor):
+            out.append((v.key, v))
+        elif hasattr(v, "build"):  # ShardedTensorFactory (e.g. swiglu fc1): check its parts
+            built = v.build()
+            out.extend((t.key, t) for t in nested_values(built) if isinstance(t, ShardedTensor))
+    return out
+
+
+def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None) -> ArchSpec:
+    """Convert an HF safetensors folder into a cooper_mcore model checkpoint.
+
+    Args:
+        hf_dir: HF model folder (config.json + safetensors).
+        out: output folder; must not exist.
+        model_type: "causal_lm" or "reward"; default: from the config's architecture.
+    """
+    from cooper_mcore.models.builder import build_model
+    from cooper_mcore.parallel import ParallelConfig, single_process_world
+
+    cfg = load_hf_config(hf_dir)
+    arch = ArchSpec.from_hf_config(cfg, model_type)
+    reader = HFCheckpointReader(hf_dir)
+    dtype = _hf_dtype(reader, cfg)
+    check_hf_shapes(reader, arch, hf_dir)
+    tmp = _atomic_dir(out)
+    try:
+        with single_process_world():
+            model = build_model(arch, ParallelConfig(), dtype=dtype, init_weights=False, use_te=False)
+            load_hf_weights(model, hf_dir, arch)
+            del reader
+            save_model_checkpoint(model, tmp, arch, cfg, dtype)
+            del model
+        _copy_extra_files(hf_dir, os.path.join(tmp, EXTRA_DIR))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %s (%s %s, %s)", out, arch.family, arch.model_type, dtype_name(dtype))
+    return arch
+
+
+def hf_config_for(arch: ArchSpec, base_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json of an export: the original config with the architecture's fields."""
+    cfg = dict(base_config)
+    cfg["architectures"] = [arch.hf_architecture()]
+    cfg["model_type"] = arch.family
+    cfg["dtype"] = dtype_name(dtype)
+    cfg.pop("torch_dtype", None)
+    cfg["tie_word_embeddings"] = arch.tie_word_embeddings
+    if arch.model_type == "reward":
+        cfg["num_labels"] = 1
+        cfg["id2label"] = {"0": "LABEL_0"}
+        cfg["label2id"] = {"LABEL_0": 0}
+        if arch.pad_token_id is None and cfg.get("pad_token_id") is None:
+            cfg["pad_token_id"] = cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), int) else 0
+    return cfg
+
+
+def hf_tensors(model: torch.nn.Module, arch: ArchSpec, layer_offset: int = 0):
+    """Yield ``(hf_name, tensor)`` for every parameter of a TP=1 model (or PP stage).
+
+    Args:
+        model: a model (or pipeline stage) holding full, unsharded tensors.
+        arch: its architecture.
+        layer_offset: global number of this stage's first layer.
+    """
+    params = {canonical_mcore_name(k, layer_offset): v for k, v in model.state_dict().items()
+              if not k.endswith("_extra_state")}
+    for m in param_mappings(arch):
+        if m.mcore not in params:
+            continue  # another pipeline stage holds it
+        for name, t in zip(m.hf, to_hf(m, params[m.mcore], arch)):
+            yield name, t
+
+
+def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSpec:
+    """Export a cooper_mcore model checkpoint as an HF folder (safetensors + config.json)."""
+    from cooper_mcore.models.builder import build_model
+    from cooper_mcore.parallel import ParallelConfig, single_process_world
+
+    arch, base_cfg, dtype = read_meta(ckpt)
+    tmp = _atomic_dir(out)
+    try:
+        with single_process_world():
+            model = build_model(arch, ParallelConfig(), dtype=dtype, init_weights=False, use_te=False)
+            load_model_checkpoint(model, ckpt, arch)
+            shapes = hf_shapes(arch)
+            layout = [(n, shapes[n], dtype) for m in param_mappings(arch) for n in m.hf]
+            write_tensors(tmp, layout, hf_tensors(model, arch), max_shard_bytes)
+            del model
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(hf_config_for(arch, base_cfg, dtype), f, indent=2)
+        extra = os.path.join(ckpt, EXTRA_DIR)
+        if os.path.isdir(extra):
+            for name in os.listdir(extra):
+                shutil.copy2(os.path.join(extra, name), os.path.join(tmp, name))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %s (%s)", out, arch.hf_architecture())
+    return arch

@@ -1,0 +1,195 @@
+"""Build Megatron ``GPTModel``s (the policy) and reward models from an :class:`ArchSpec`.
+
+The reward model is the same backbone with a bias-free linear head to one scalar, read at the
+last non-pad token, as ``Qwen2ForSequenceClassification(num_labels=1)``.
+
+Process groups are passed explicitly (``pg_collection``) so that two models (policy and RM)
+can live in one process; by default megatron-core's global groups are used.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cooper_mcore.models.arch import ArchSpec, rope_inv_freq
+from cooper_mcore.models.spec import layer_spec
+from cooper_mcore.parallel import ParallelConfig
+
+
+def transformer_config(
+    arch: ArchSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    recompute: bool = False,
+) -> TransformerConfig:
+    """The megatron TransformerConfig equal to the HF architecture.
+
+    Args:
+        arch: the architecture.
+        parallel: TP/PP layout.
+        dtype: parameter dtype (float32 or bfloat16).
+        init_weights: run megatron's random init (False when weights are loaded right after).
+        recompute: full activation recomputation of each layer.
+    """
+    if arch.num_layers % parallel.pp:
+        raise ValueError(f"num_layers={arch.num_layers} is not divisible by pp={parallel.pp}")
+    if arch.num_query_groups % parallel.tp:
+        raise ValueError(
+            f"num_key_value_heads={arch.num_query_groups} is not divisible by tp={parallel.tp}"
+        )
+    if arch.vocab_size % parallel.tp:
+        raise ValueError(f"vocab_size={arch.vocab_size} is not divisible by tp={parallel.tp}")
+    cuda = torch.cuda.is_available()
+    kwargs = {}
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not cuda,
+        perform_initialization=init_weights,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=cuda,
+        **kwargs,
+    )
+
+
+class ScalarHead(MegatronModule):
+    """A bias-free linear map from the hidden state to one scalar, replicated across TP ranks.
+
+    Called like megatron's output layer: ``head(hidden, weight=None, runtime_gather_output=None)``
+    returns ``(scores [s, b, 1], None)``.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group) -> None:
+        super().__init__(config=config)
+        self.tp_group = tp_group
+        self.weight = torch.nn.Parameter(
+            torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=_init_device())
+        )
+        if config.perform_initialization:
+            with torch.no_grad():
+                config.init_method(self.weight)
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=True, group=self.tp_group
+            )
+        return F.linear(hidden, self.weight), None
+
+
+class RewardGPTModel(GPTModel):
+    """A GPT backbone whose output layer is a :class:`ScalarHead`.
+
+    ``forward(..., sequence_lengths=L)`` returns the score at position ``L - 1`` of each row
+    (the last non-pad token of right-padded inputs) on the last pipeline stage, ``[b]``;
+    without ``sequence_lengths`` it returns the per-token scores ``[b, s]``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["share_embeddings_and_output_weights"] = False
+        super().__init__(*args, **kwargs)
+        if self.post_process:
+            self.output_layer = ScalarHead(self.config, self.pg_collection.tp)
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, sequence_lengths=None, **kwargs):
+        out = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if not self.post_process:
+            return out
+        scores = out.squeeze(-1)
+        if sequence_lengths is None:
+            return scores
+        rows = torch.arange(scores.shape[0], device=scores.device)
+        return scores[rows, sequence_lengths.to(scores.device) - 1]
+
+
+def _init_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_model(
+    arch: ArchSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    use_te: Optional[bool] = None,
+    recompute: bool = False,
+) -> GPTModel:
+    """Build this rank's part of the policy (``causal_lm``) or reward model (``reward``).
+
+    Args:
+        arch: the architecture (its ``model_type`` picks policy or reward model).
+        parallel: TP/PP layout; must match the initialised process groups.
+        dtype: parameter dtype.
+        init_weights: random-initialise (False when a checkpoint is loaded next).
+        pg_collection: process groups to use; default: megatron's global groups.
+        pre_process / post_process: this stage holds the embedding / the output head;
+            default: from the pipeline rank.
+        use_te: force the Transformer Engine spec on/off; default: on when available.
+        recompute: full activation recomputation.
+    """
+    config = transformer_config(arch, parallel, dtype, init_weights, recompute)
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
+    assert pp_size == parallel.pp, f"pp group size {pp_size} != parallel.pp {parallel.pp}"
+    if pre_process is None:
+        pre_process = pp_rank == 0
+    if post_process is None:
+        post_process = pp_rank == pp_size - 1
+    cls = RewardGPTModel if arch.model_type == "reward" else GPTModel
+    model = cls(
+        config=config,
+        transformer_layer_spec=layer_spec(arch.qk_norm, use_te),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope.theta,
+        pg_collection=pg_collection,
+    )
+    # Exact HF rotary frequencies (megatron hard-codes llama3 scaling's other parameters).
+    inv = rope_inv_freq(arch.rope, arch.head_dim).to(model.rotary_pos_emb.inv_freq.device)
+    model.rotary_pos_emb.inv_freq = inv
+    return model

@@ -1,0 +1,69 @@
+"""Tiny random Hugging Face models of every supported family, built offline from configs.
+
+Used by the tests, the benchmarks and the pre-demo ``cooper demo``: no hub access is needed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAMILIES = ("qwen2", "qwen2_tied", "llama", "qwen3")
+
+
+def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
+    """A small transformers config of ``family`` (see :data:`FAMILIES`).
+
+    Args:
+        family: "qwen2" (untied), "qwen2_tied", "llama" (Llama 3.2-style rope scaling) or "qwen3".
+        model_type: "causal_lm" or "reward" (``...ForSequenceClassification``, one label).
+        overrides: config fields to change (e.g. hidden_size, num_hidden_layers).
+    """
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                  max_position_embeddings=256, rms_norm_eps=1e-6)
+    if family in ("qwen2", "qwen2_tied"):
+        cls, prefix = transformers.Qwen2Config, "Qwen2"
+        common.update(tie_word_embeddings=family == "qwen2_tied", rope_theta=10000.0)
+    elif family == "llama":
+        cls, prefix = transformers.LlamaConfig, "Llama"
+        common.update(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif family == "qwen3":
+        cls, prefix = transformers.Qwen3Config, "Qwen3"
+        common.update(head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
+    common.update(overrides)
+    cfg = cls(**common)
+    if model_type == "reward":
+        cfg.architectures = [prefix + "ForSequenceClassification"]
+        cfg.num_labels = 1
+        cfg.pad_token_id = 0
+        cfg.tie_word_embeddings = False
+    else:
+        cfg.architectures = [prefix + "ForCausalLM"]
+    return cfg
+
+
+def save_tiny_hf_model(out_dir: str, family: str, model_type: str = "causal_lm",
+                       seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> str:
+    """Build a random tiny HF model and save it (safetensors) to ``out_dir``."""
+    import transformers
+
+    cfg = tiny_hf_config(family, model_type, **overrides)
+    torch.manual_seed(seed)
+    auto = (transformers.AutoModelForSequenceClassification if model_type == "reward"
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_config(cfg, dtype=dtype)
+    with torch.no_grad():  # make norms and biases non-trivial so that mapping errors show
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir

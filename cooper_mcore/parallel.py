@@ -1,0 +1,123 @@
+"""Distributed initialisation and the parallel layout shared by the policy and the reward model.
+
+On machines with CUDA this uses NCCL; without it, gloo and the megatron-core CPU mode
+(:mod:`cooper_mcore.compat.cpu`). Works under ``torchrun`` (reads ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``) and in a plain single process (world size 1 on a free local port).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout. Data parallelism is whatever is left of the world size.
+
+    Attributes:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        sequence_parallel: shard activations along the sequence in TP regions (needs tp > 1).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+
+    def validate(self, world_size: int) -> None:
+        """Raise ValueError if the layout cannot be built on ``world_size`` processes."""
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if world_size % (self.tp * self.pp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+
+
+def device() -> torch.device:
+    """The device this process computes on (its local GPU, or the CPU)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """Initialise torch.distributed and megatron-core's model-parallel groups.
+
+    Args:
+        parallel: the TP/PP layout.
+        seed: base seed for megatron's model-parallel RNG tracker.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    from cooper_mcore.compat.cpu import enable_cpu_mode
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        enable_cpu_mode()
+    if not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "RANK" in os.environ:  # torchrun / SLURM launcher
+            dist.init_process_group(backend=backend)
+        else:  # a plain single process
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0, world_size=1,
+            )
+    parallel.validate(dist.get_world_size())
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+            create_gloo_process_groups=not cuda,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    logger.debug(
+        "rank %d/%d: tp=%d pp=%d dp=%d",
+        dist.get_rank(), dist.get_world_size(), parallel.tp, parallel.pp,
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down the model-parallel groups and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process_world(parallel: ParallelConfig | None = None, seed: int = 1234):
+    """A world of one process (TP=PP=1) for tools such as the converter.
+
+    If torch.distributed is already initialised, it is used as it is and left alone.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    init_distributed(parallel or ParallelConfig(), seed=seed)
+    try:
+        yield
+    finally:
+        destroy_distributed()

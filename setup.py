@@ -1,0 +1,37 @@
+"""Packaging for cooper_mcore.
+
+GPU-only dependencies (transformer-engine, sglang) are optional extras; nothing on the CPU
+path imports them. apex is optional and built from source in the Dockerfile.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="cooper_mcore",
+    version="0.1.0",
+    description="Cooper (co-optimized policy and reward model RL) on Megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["cooper_mcore", "cooper_mcore.*"]),
+    install_requires=[
+        "megatron-core>=0.16,<0.17",
+        "torch>=2.6",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "math-verify>=0.7",
+        "wandb>=0.19",
+        "numpy",
+        "packaging",
+        "psutil",  # megatron-core's async checkpoint writer hangs without it
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": ["cooper=cooper_mcore.cli:main"]},
+)
