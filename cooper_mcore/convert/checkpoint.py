@@ -256,8 +256,7 @@ def hf_tensors(model: torch.nn.Module, arch: ArchSpec, layer_offset: int = 0):
     for m in param_mappings(arch):
         if m.mcore not in params:
             continue  # another pipeline stage holds it
-        for name, t in zip(m.hf, to_hf(m, params[m.mcore], arch)):
-            yield name, t
+        yield from zip(m.hf, to_hf(m, params[m.mcore], arch))
 
 
 def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSpec:
@@ -273,7 +272,9 @@ def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSp
             load_model_checkpoint(model, ckpt, arch)
             shapes = hf_shapes(arch)
             layout = [(n, shapes[n], dtype) for m in param_mappings(arch) for n in m.hf]
-            write_tensors(tmp, layout, hf_tensors(model, arch), max_shard_bytes)
+            # the torch-native spec keeps norm weights in fp32; export them in the model dtype
+            tensors = ((n, t.to(dtype)) for n, t in hf_tensors(model, arch))
+            write_tensors(tmp, layout, tensors, max_shard_bytes)
             del model
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config_for(arch, base_cfg, dtype), f, indent=2)

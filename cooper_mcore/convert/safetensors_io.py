@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from safetensors import safe_open

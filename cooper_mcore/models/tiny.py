@@ -61,7 +61,7 @@ def save_tiny_hf_model(out_dir: str, family: str, model_type: str = "causal_lm",
             else transformers.AutoModelForCausalLM)
     model = auto.from_config(cfg, dtype=dtype)
     with torch.no_grad():  # make norms and biases non-trivial so that mapping errors show
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     os.makedirs(out_dir, exist_ok=True)

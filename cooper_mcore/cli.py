@@ -1,0 +1,74 @@
+"""The ``cooper`` command (also ``python -m cooper_mcore``).
+
+Subcommands are thin: they parse arguments and call one library function.
+
+    cooper convert hf-to-mcore --hf-dir D --out D [--model-type causal_lm|reward]
+    cooper convert mcore-to-hf --ckpt D --out D
+    cooper demo [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger("cooper_mcore")
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
+
+    if args.direction == "hf-to-mcore":
+        hf_to_mcore(args.hf_dir, args.out, args.model_type)
+    else:
+        mcore_to_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30))
+    logger.info("done: %s", args.out)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from cooper_mcore.demo import run_demo
+
+    run_demo(args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cooper", description="Cooper RL on Megatron-core")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    conv = sub.add_parser("convert", help="convert checkpoints between HF and Megatron formats")
+    csub = conv.add_subparsers(dest="direction", required=True)
+    h2m = csub.add_parser("hf-to-mcore", help="HF safetensors folder -> Megatron dist checkpoint")
+    h2m.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
+    h2m.add_argument("--out", required=True, help="output checkpoint folder (must not exist)")
+    h2m.add_argument("--model-type", choices=["causal_lm", "reward"], default=None,
+                     help="default: from the config's architecture")
+    m2h = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors folder")
+    m2h.add_argument("--ckpt", required=True, help="checkpoint folder written by hf-to-mcore/training")
+    m2h.add_argument("--out", required=True, help="output HF folder (must not exist)")
+    m2h.add_argument("--max-shard-gib", type=float, default=5.0, help="safetensors shard size")
+    conv.set_defaults(func=_convert)
+
+    demo = sub.add_parser("demo", help="the embedded default job (tiny, CPU)")
+    demo.add_argument("--out", default="runs/demo", help="output folder")
+    demo.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+    )
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        logger.error("%s", e.args[0] if e.args else e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

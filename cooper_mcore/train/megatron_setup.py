@@ -1,0 +1,102 @@
+"""Wrap a Megatron model for training: DDP (grad buffers), the distributed optimizer, one step.
+
+Used for the policy and for the reward model; each gets its own wrapper and optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer settings of one model.
+
+    Attributes:
+        lr: learning rate.
+        weight_decay: decoupled weight decay (AdamW).
+        adam_beta1 / adam_beta2 / adam_eps: Adam parameters.
+        clip_grad: global gradient-norm clip (0 disables).
+        distributed_optimizer: shard optimizer states across data-parallel ranks.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = True
+
+
+def wrap_for_training(
+    model: torch.nn.Module, optim: OptimConfig
+) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+    """Wrap ``model`` in megatron DDP and build its optimizer (fp32 main params for bf16)."""
+    config = model.config
+    bf16 = config.params_dtype == torch.bfloat16
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=optim.distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=optim.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp, optimizer
+
+
+def train_step(
+    ddp: DistributedDataParallel,
+    optimizer: MegatronOptimizer,
+    forward_step: Callable,
+    microbatches: Iterator,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+) -> tuple[list[dict], float | None]:
+    """One optimizer step over ``num_microbatches`` micro-batches (gradient accumulation).
+
+    Args:
+        forward_step: megatron ``forward_step_func(data_iterator, model) -> (output, loss_fn)``;
+            ``loss_fn(output) -> (loss, metrics dict)``.
+
+    Returns:
+        The per-micro-batch metrics of the last pipeline stage and the gradient norm.
+    """
+    ddp.train()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    metrics = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=microbatches,
+        model=[ddp],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    assert ok, "optimizer step failed (found inf/nan with a loss scaler)"
+    return metrics, grad_norm

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random HF models of every family, converted once per session, and a
+helper that runs a worker script under torchrun (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "dist" / "workers"
+VARIANTS = [(f, t) for f in ("qwen2", "qwen2_tied", "llama", "qwen3") for t in ("causal_lm", "reward")]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> str:
+    """Run ``tests/dist/workers/<script>`` on ``nproc`` local processes; return its stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", str(WORKERS / script), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if r.returncode != 0:
+        raise AssertionError(f"torchrun {script} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return r.stdout
+
+
+def last_json(stdout: str):
+    """The last line of a worker's output that is a JSON document."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith(("{", "[")):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line in worker output:\n{stdout[-2000:]}")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
+    """{(family, model_type): (hf_dir, mcore_ckpt)} for every tiny variant."""
+    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.models.tiny import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for i, (family, model_type) in enumerate(VARIANTS):
+        hf_dir = str(root / f"{family}-{model_type}-hf")
+        ckpt = str(root / f"{family}-{model_type}-mcore")
+        save_tiny_hf_model(hf_dir, family, model_type, seed=i)
+        hf_to_mcore(hf_dir, ckpt)
+        out[(family, model_type)] = (hf_dir, ckpt)
+    return out
