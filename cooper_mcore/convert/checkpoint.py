@@ -5,8 +5,9 @@ format, loadable at any TP/PP) plus ``cooper_model.json`` (the architecture, the
 config and the dtype) and ``hf_extra/`` (tokenizer and generation files copied from the HF
 folder, so that an export is a complete HF model folder).
 
-Conversion builds the model once at TP=PP=1 without random init and streams tensors in or
-out one at a time, so the model is never in memory twice. Folders are written under a temporary
+``hf-to-mcore`` builds the model once at TP=PP=1 without random init, fills it one HF tensor
+at a time and saves it without extra copies; ``mcore-to-hf`` builds no model and reads the
+checkpoint one layer at a time. Neither needs the model in memory twice. Folders are written under a temporary
 name and renamed when complete.
 """
 
@@ -22,6 +23,9 @@ from typing import Any
 import torch
 
 from cooper_mcore.convert.mapping import (
+    _LAYER_RE,
+    _LOCAL_TO_TE,
+    ParamMapping,
     canonical_mcore_name,
     hf_shapes,
     param_mappings,
@@ -107,12 +111,26 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: i
                 std = cfg.get("initializer_range", 0.02)
                 value = torch.randn(params[m.mcore].shape, generator=gen) * std
                 logger.warning("no score.weight in %s: reward head initialised N(0, %g)", hf_dir, std)
+                params[m.mcore].copy_(value)
             else:
-                value = to_mcore(m, [reader.get(n) for n in m.hf], arch)
-            params[m.mcore].copy_(value)
+                _read_mapped(reader, m, params[m.mcore], arch)
             mapped.add(m.mcore)
     missing = set(params) - mapped
     assert not missing, f"model parameters without a mapping: {sorted(missing)}"
+
+
+def _read_mapped(reader: HFCheckpointReader, m: ParamMapping, dest: torch.Tensor, arch: ArchSpec) -> None:
+    """Fill one Megatron parameter from its HF tensors, reading straight into it when the
+    layout allows (copies, and the gate/up halves of ``linear_fc1``)."""
+    direct = dest.is_contiguous() and all(reader.dtype(n) == dest.dtype for n in m.hf)
+    if direct and m.kind == "copy":
+        reader.read_into(m.hf[0], dest)
+    elif direct and m.kind == "gate_up":
+        gate, up = dest.chunk(2, dim=0)
+        reader.read_into(m.hf[0], gate)
+        reader.read_into(m.hf[1], up)
+    else:  # interleaved QKV, or a dtype change (e.g. bf16 norms into fp32 parameters)
+        dest.copy_(to_mcore(m, [reader.get(n) for n in m.hf], arch))
 
 
 def _copy_extra_files(src_dir: str, dst_dir: str) -> None:
@@ -132,17 +150,48 @@ def _atomic_dir(out: str) -> str:
 
 def save_model_checkpoint(
     model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any],
-    dtype: torch.dtype,
+    dtype: torch.dtype, consume: bool = False,
 ) -> None:
     """Save a (possibly TP/PP-sharded) model as a distributed checkpoint into an empty folder.
 
     Collective: every rank of the model's groups calls it.
+
+    Args:
+        consume: the model is not needed afterwards. megatron-core's writer clones every CPU
+            tensor that is a view (the gate and up halves of ``linear_fc1``); with ``consume``
+            the views become their own tensors one parameter at a time and the parameter is
+            freed, so saving needs no second copy of those weights.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import apply_factories
 
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    sharded = model.sharded_state_dict()
+    if consume:
+        apply_factories(sharded)
+        _detach_views(sharded, model)
+    dist_checkpointing.save(sharded, ckpt_dir)
     if torch.distributed.get_rank() == 0:
         _write_meta(ckpt_dir, arch, hf_config, dtype)
+
+
+def _detach_views(sharded: dict, model: torch.nn.Module) -> None:
+    """Give each ShardedTensor that views part of a parameter its own storage, then free the
+    parameter (see :func:`save_model_checkpoint`)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    owners = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    by_storage: dict[int, list] = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor) and sh.data is not None:
+            t = sh.data
+            if t.device.type == "cpu" and t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(sh)
+    for ptr, shards in by_storage.items():
+        for sh in shards:
+            sh.data = sh.data.clone()
+        if ptr in owners:
+            owners[ptr].data = torch.empty(0, dtype=owners[ptr].dtype)
 
 
 def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec | None = None) -> None:
@@ -215,7 +264,7 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None) -> ArchSpe
             model = build_model(arch, ParallelConfig(), dtype=dtype, init_weights=False, use_te=False)
             load_hf_weights(model, hf_dir, arch)
             del reader
-            save_model_checkpoint(model, tmp, arch, cfg, dtype)
+            save_model_checkpoint(model, tmp, arch, cfg, dtype, consume=True)
             del model
         _copy_extra_files(hf_dir, os.path.join(tmp, EXTRA_DIR))
         os.replace(tmp, out)
@@ -259,23 +308,71 @@ def hf_tensors(model: torch.nn.Module, arch: ArchSpec, layer_offset: int = 0):
         yield from zip(m.hf, to_hf(m, params[m.mcore], arch))
 
 
+def _ckpt_key(mcore_name: str) -> tuple[str, int | None]:
+    """Distributed-checkpoint key and layer index of a mapping name.
+
+    megatron-core stacks the layers of a block under one key with a leading layer axis, and
+    stores the local spec's norm weights under Transformer Engine's names.
+    """
+    match = _LAYER_RE.match(mcore_name)
+    if not match:
+        return mcore_name, None
+    rest = _LOCAL_TO_TE.get(match.group(2), match.group(2))
+    return f"decoder.layers.{rest}", int(match.group(1))
+
+
+def _export_order(arch: ArchSpec) -> list[tuple[ParamMapping, str, int | None]]:
+    """Mappings grouped by checkpoint key (first-seen order), then by layer."""
+    keyed = [(m, *_ckpt_key(m.mcore)) for m in param_mappings(arch)]
+    first = {}
+    for i, (_, key, _) in enumerate(keyed):
+        first.setdefault(key, i)
+    return sorted(keyed, key=lambda x: (first[x[1]], -1 if x[2] is None else x[2]))
+
+
+def stream_checkpoint_tensors(ckpt: str, arch: ArchSpec):
+    """Yield ``(hf_name, tensor)`` from a model checkpoint, reading one stored tensor at a time.
+
+    No model is built. megatron-core stacks all layers of a parameter under one key, so the
+    largest read is one parameter of all layers (e.g. ``linear_fc1``), never the whole model.
+    The order is :func:`_export_order`'s. Needs torch.distributed initialised (one process).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    meta = dist_checkpointing.load_tensors_metadata(ckpt)
+    current_key, value = None, None
+    for m, key, layer in _export_order(arch):
+        if key != current_key:
+            if key not in meta:
+                raise ValueError(f"tensor {key!r} is missing from checkpoint {ckpt!r}")
+            shape = tuple(meta[key].global_shape)
+            if layer is not None and shape[0] != arch.num_layers:
+                raise ValueError(f"tensor {key!r}: checkpoint has {shape[0]} layers, "
+                                 f"the architecture {arch.num_layers}")
+            value = None  # free the previous key first
+            request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=meta[key].dtype))}
+            value = dist_checkpointing.load(request, ckpt)[key]
+            current_key = key
+        yield from zip(m.hf, to_hf(m, value if layer is None else value[layer], arch))
+
+
 def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSpec:
-    """Export a cooper_mcore model checkpoint as an HF folder (safetensors + config.json)."""
-    from cooper_mcore.models.builder import build_model
-    from cooper_mcore.parallel import ParallelConfig, single_process_world
+    """Export a cooper_mcore model checkpoint as an HF folder (safetensors + config.json).
+
+    Streams: one stored tensor (one parameter of all layers) is in memory at a time.
+    """
+    from cooper_mcore.parallel import single_process_world
 
     arch, base_cfg, dtype = read_meta(ckpt)
     tmp = _atomic_dir(out)
     try:
         with single_process_world():
-            model = build_model(arch, ParallelConfig(), dtype=dtype, init_weights=False, use_te=False)
-            load_model_checkpoint(model, ckpt, arch)
             shapes = hf_shapes(arch)
-            layout = [(n, shapes[n], dtype) for m in param_mappings(arch) for n in m.hf]
+            layout = [(n, shapes[n], dtype) for m, _, _ in _export_order(arch) for n in m.hf]
             # the torch-native spec keeps norm weights in fp32; export them in the model dtype
-            tensors = ((n, t.to(dtype)) for n, t in hf_tensors(model, arch))
+            tensors = ((n, t.to(dtype)) for n, t in stream_checkpoint_tensors(ckpt, arch))
             write_tensors(tmp, layout, tensors, max_shard_bytes)
-            del model
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config_for(arch, base_cfg, dtype), f, indent=2)
         extra = os.path.join(ckpt, EXTRA_DIR)

@@ -27,6 +27,7 @@ _TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+_LOCAL_TO_TE = {v: k for k, v in _TE_NAMES.items()}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 

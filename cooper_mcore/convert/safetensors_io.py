@@ -1,7 +1,8 @@
 """Streaming safetensors I/O for Hugging Face checkpoint folders.
 
 :class:`HFCheckpointReader` opens a folder with ``model.safetensors`` or a sharded
-``model.safetensors.index.json`` and hands out one tensor at a time.
+``model.safetensors.index.json`` and reads one tensor at a time, optionally straight into a
+model parameter.
 :func:`write_tensors` streams tensors one at a time into shards plus an index, so the whole
 model never needs to be in memory twice (the library's ``save_file`` serialises every tensor to
 bytes first).
@@ -15,7 +16,6 @@ import struct
 from collections.abc import Iterable
 
 import torch
-from safetensors import safe_open
 
 _DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -24,49 +24,103 @@ _DTYPES = {
 }
 
 
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
 class HFCheckpointReader:
-    """Lazy access to the tensors of an HF safetensors checkpoint folder."""
+    """Lazy access to the tensors of an HF safetensors checkpoint folder.
+
+    Reads with plain positional reads into tensors it allocates (or the caller's, with
+    :meth:`read_into`): no memory map, so the process holds no file pages beyond the tensor
+    being read, and a tensor can land directly in a model parameter.
+    """
 
     def __init__(self, hf_dir: str) -> None:
         self.hf_dir = hf_dir
         index = os.path.join(hf_dir, "model.safetensors.index.json")
-        single = os.path.join(hf_dir, "model.safetensors")
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+            files = ["model.safetensors"]
         else:
             raise FileNotFoundError(
                 f"no model.safetensors or model.safetensors.index.json in {hf_dir!r} "
                 "(only safetensors checkpoints are read)"
             )
-        self.weight_map: dict[str, str] = weight_map
-        self._handles: dict[str, object] = {}
-
-    def keys(self) -> list[str]:
-        return list(self.weight_map)
-
-    def _handle(self, fname: str):
-        if fname not in self._handles:
-            path = os.path.join(self.hf_dir, fname)
+        self._entries: dict[str, tuple[str, torch.dtype, tuple[int, ...], int, int]] = {}
+        for fname in files:
+            path = os.path.join(hf_dir, fname)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"shard {path!r} named in the index is missing")
-            self._handles[fname] = safe_open(path, framework="pt")
-        return self._handles[fname]
+            for name, entry in _read_header(path).items():
+                self._entries[name] = (path, *entry)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {k: os.path.basename(v[0]) for k, v in self._entries.items()}
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._file(name)).get_slice(name).get_shape())
+        return self._entry(name)[2]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entry(name)[1]
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (a fresh CPU tensor)."""
-        return self._handle(self._file(name)).get_tensor(name)
+        """Read one tensor into a fresh CPU tensor."""
+        _, dtype, shape, _, _ = self._entry(name)
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(name, out)
+        return out
 
-    def _file(self, name: str) -> str:
-        if name not in self.weight_map:
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read one tensor into ``out`` (contiguous CPU, same shape and dtype)."""
+        path, dtype, shape, start, end = self._entry(name)
+        assert out.is_contiguous() and out.device.type == "cpu"
+        assert tuple(out.shape) == shape and out.dtype == dtype, (name, out.shape, out.dtype)
+        if end == start:
+            return
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            got = 0
+            while got < len(buf):
+                n = f.readinto(buf[got:])
+                if not n:
+                    raise ValueError(f"{path!r} is truncated: tensor {name!r} ends past the file")
+                got += n
+
+    def _entry(self, name: str):
+        if name not in self._entries:
             raise KeyError(f"tensor {name!r} not found in the checkpoint {self.hf_dir!r}")
-        return self.weight_map[name]
+        return self._entries[name]
+
+
+def _read_header(path: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    """Parse a safetensors header: name -> (dtype, shape, absolute start, absolute end)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path!r} is not a safetensors file (too short)")
+        n = struct.unpack("<Q", raw)[0]
+        if n > size - 8:
+            raise ValueError(f"{path!r} is not a safetensors file (bad header length)")
+        header = json.loads(f.read(n))
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _FROM_NAME:
+            raise ValueError(f"{path!r}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+        start, end = meta["data_offsets"]
+        if 8 + n + end > size:
+            raise ValueError(f"{path!r} is truncated: tensor {name!r} ends past the file")
+        out[name] = (_FROM_NAME[meta["dtype"]], tuple(meta["shape"]), 8 + n + start, 8 + n + end)
+    return out
 
 
 def write_tensors(

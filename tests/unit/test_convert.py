@@ -147,3 +147,20 @@ def test_loading_into_a_different_model_names_the_difference(tiny_models, tmp_pa
         with pytest.raises(ValueError, match=r"'decoder.layers.mlp.linear_fc1.weight': checkpoint shape "
                                              r"\(4, 192, 64\) does not match the model's \(4, 256, 64\)"):
             load_model_checkpoint(model, ckpt)
+
+
+def test_live_model_to_hf_names(tiny_models):
+    """hf_tensors (the weight-sync path) maps a loaded Megatron model to the HF tensors."""
+    from cooper_mcore.convert.checkpoint import hf_tensors
+    from cooper_mcore.models.builder import build_model
+    from cooper_mcore.parallel import ParallelConfig, single_process_world
+
+    hf_dir, ckpt = tiny_models[("qwen3", "reward")]
+    arch = read_meta(ckpt)[0]
+    ref = _hf_tensors(hf_dir)
+    with single_process_world():
+        model = build_model(arch, ParallelConfig(), init_weights=False)
+        load_model_checkpoint(model, ckpt, arch)
+        got = dict(hf_tensors(model, arch))
+    assert sorted(got) == sorted(ref)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
