@@ -28,7 +28,6 @@ import time
 
 import psutil
 import torch
-from safetensors import safe_open
 
 SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
