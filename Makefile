@@ -39,7 +39,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider tests
 
 test-fast: $(STAMP)
-	$(VPY) -m pytest -q -m "not dist" tests
+	$(VPY) -m pytest -q -m "not multiproc" tests
 
 lint: $(STAMP)
 	$(VPY) -m ruff check cooper_mcore tools tests benchmarks

@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS = ROOT / "tests" / "dist" / "workers"
+WORKERS = ROOT / "tests" / "multiproc" / "workers"
 VARIANTS = [(f, t) for f in ("qwen2", "qwen2_tied", "llama", "qwen3") for t in ("causal_lm", "reward")]
 
 
@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> str:
-    """Run ``tests/dist/workers/<script>`` on ``nproc`` local processes; return its stdout."""
+    """Run ``tests/multiproc/workers/<script>`` on ``nproc`` local processes; return its stdout."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", str(WORKERS / script), *args]

@@ -159,8 +159,7 @@ def save_model_checkpoint(
     Args:
         consume: the model is not needed afterwards. megatron-core's writer clones every CPU
             tensor that is a view (the gate and up halves of ``linear_fc1``); with ``consume``
-            the views become their own tensors one parameter at a time and the parameter is
-            freed, so saving needs no second copy of those weights.
+            no second copy is made (see :func:`_detach_views`).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import apply_factories
@@ -175,23 +174,53 @@ def save_model_checkpoint(
 
 
 def _detach_views(sharded: dict, model: torch.nn.Module) -> None:
-    """Give each ShardedTensor that views part of a parameter its own storage, then free the
-    parameter (see :func:`save_model_checkpoint`)."""
+    """Make every ShardedTensor own its data without a second copy of the model.
+
+    megatron-core's swiglu factory saves ``linear_fc1`` as two views (gate and up halves),
+    which its writer would clone. When the two halves of one parameter are all of it (TP=1),
+    they are merged back into one ShardedTensor over the whole parameter: same key and global
+    shape, so any TP layout still loads it through the factory. Other views are cloned, one
+    parameter at a time, and the parameter freed.
+    """
     from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    def is_view(t: torch.Tensor) -> bool:
+        return t.untyped_storage().nbytes() != t.numel() * t.element_size()
 
     owners = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    for key_path, container, shards in _sharded_lists(sharded):
+        if (len(shards) == 2 and all(isinstance(x, ShardedTensor) for x in shards)
+                and shards[0].key == shards[1].key and shards[0].prepend_axis_num <= 1
+                and shards[0].data.untyped_storage().data_ptr() in owners):
+            w, v = shards
+            param = owners[w.data.untyped_storage().data_ptr()]
+            axis = w.prepend_axis_num
+            if (w.axis_fragmentations[axis] == 2 and param.data.numel() == w.data.numel() * 2
+                    and v.global_offset[axis] == w.data.shape[0]):
+                offsets = [(0, w.global_offset[0], w.axis_fragmentations[0])] if axis else []
+                container[key_path] = ShardedTensor.from_rank_offsets(
+                    w.key, param.data, *offsets, replica_id=w.replica_id, prepend_axis_num=axis)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
     by_storage: dict[int, list] = {}
     for sh in nested_values(sharded):
-        if isinstance(sh, ShardedTensor) and sh.data is not None:
-            t = sh.data
-            if t.device.type == "cpu" and t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(sh)
+        if isinstance(sh, ShardedTensor) and sh.data is not None and sh.data.device.type == "cpu":
+            if is_view(sh.data):
+                by_storage.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
     for ptr, shards in by_storage.items():
         for sh in shards:
             sh.data = sh.data.clone()
         if ptr in owners:
             owners[ptr].data = torch.empty(0, dtype=owners[ptr].dtype)
+
+
+def _sharded_lists(d: dict):
+    """(key, parent dict, value) for every list value in a nested dict."""
+    for k, v in list(d.items()):
+        if isinstance(v, dict):
+            yield from _sharded_lists(v)
+        elif isinstance(v, list):
+            yield k, d, v
 
 
 def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec | None = None) -> None:

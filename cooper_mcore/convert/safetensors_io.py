@@ -171,7 +171,7 @@ def write_tensors(
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         tmp = os.path.join(out_dir, fname + ".tmp")
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", buffering=0) as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for name, shape, dtype, _ in shard:

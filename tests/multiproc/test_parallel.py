@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from cooper_mcore.convert.checkpoint import mcore_to_hf
 from tests.conftest import ROOT, VARIANTS, _free_port, last_json, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.multiproc
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 1, 2), (4, 2, 2)]  # (processes, tp, pp)
 
 
