@@ -28,18 +28,27 @@ def sample_batch(vocab_size: int, batch: int, seq: int, pad_id: int | None, seed
     return ids, lengths
 
 
-def compare_logits(hf_dir: str, ckpt: str, parallel: ParallelConfig, batch: int = 2,
-                   seq: int = 16, seed: int = 0) -> float:
-    """Max |logit difference| between transformers and the Megatron checkpoint.
+def load_checkpoint_model(ckpt: str, parallel: ParallelConfig, pg_collection=None):
+    """Build this rank's part of a checkpoint's model and load the checkpoint into it.
+
+    Returns:
+        ``(model, arch)``.
+    """
+    arch, _, dtype = read_meta(ckpt)
+    model = build_model(arch, parallel, dtype=dtype, init_weights=False, pg_collection=pg_collection)
+    load_model_checkpoint(model, ckpt, arch)
+    return model, arch
+
+
+def logits_diff(model, arch, hf_dir: str, batch: int = 2, seq: int = 16, seed: int = 0) -> float:
+    """Max |logit difference| between a loaded Megatron model and transformers on random input.
 
     For reward models, the difference of the scalar scores at the last non-pad token.
     Collective over the initialised world; every rank returns the same value.
     """
     import transformers
 
-    arch, _, dtype = read_meta(ckpt)
-    model = build_model(arch, parallel, dtype=dtype, init_weights=False)
-    load_model_checkpoint(model, ckpt, arch)
+    dtype = model.config.params_dtype
     pad = arch.pad_token_id if arch.model_type == "reward" else None
     if arch.model_type == "reward" and pad is None:
         pad = transformers.AutoConfig.from_pretrained(hf_dir).pad_token_id
@@ -64,3 +73,10 @@ def compare_logits(hf_dir: str, ckpt: str, parallel: ParallelConfig, batch: int 
     diff = diff.to(device())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff.item())
+
+
+def compare_logits(hf_dir: str, ckpt: str, parallel: ParallelConfig, batch: int = 2,
+                   seq: int = 16, seed: int = 0) -> float:
+    """Load ``ckpt`` at the ``parallel`` layout and return :func:`logits_diff` against ``hf_dir``."""
+    model, arch = load_checkpoint_model(ckpt, parallel)
+    return logits_diff(model, arch, hf_dir, batch, seq, seed)

@@ -21,8 +21,9 @@ def test_logits_equal_transformers(tiny_models, tmp_path, nproc, tp, pp):
     resave = tmp_path / "resaved"
     resave.mkdir()
     out = last_json(torchrun("logits.py", nproc, "--pairs", json.dumps(pairs), "--tp", str(tp),
-                             "--pp", str(pp), "--resave-dir", str(resave)))
-    assert set(out) == {p[0] for p in pairs}
+                             "--pp", str(pp), "--resave-dir", str(resave),
+                             "--together", "qwen2-causal_lm,qwen2-reward"))
+    assert set(out) == {p[0] for p in pairs} | {"together:qwen2-causal_lm", "together:qwen2-reward"}
     for name, diff in out.items():
         assert diff < 2e-5, (name, diff)
     if tp * pp > 1:  # saved at this layout, loaded at TP=PP=1: the same tensors bit for bit

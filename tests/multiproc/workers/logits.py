@@ -8,7 +8,7 @@ import os
 import torch.distributed as dist
 
 from cooper_mcore.convert.checkpoint import load_model_checkpoint, read_meta, save_model_checkpoint
-from cooper_mcore.convert.compare import compare_logits
+from cooper_mcore.convert.compare import compare_logits, load_checkpoint_model, logits_diff
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 
@@ -19,6 +19,7 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--resave-dir", default=None)
+    p.add_argument("--together", default=None, help="comma-separated names to hold at once")
     args = p.parse_args()
     parallel = ParallelConfig(tp=args.tp, pp=args.pp)
     init_distributed(parallel)
@@ -35,6 +36,17 @@ def main():
             dist.barrier()
             save_model_checkpoint(model, target, arch, cfg, dtype)
             dist.barrier()
+    # A policy and a reward model held together in one process, each given the process groups
+    # explicitly, then both checked.
+    if args.together:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        pairs = {name: (hf, ck) for name, hf, ck in json.loads(args.pairs)}
+        held = {name: load_checkpoint_model(pairs[name][1], parallel, pg_collection=groups)
+                for name in args.together.split(",")}
+        for name, (model, arch) in held.items():
+            out[f"together:{name}"] = logits_diff(model, arch, pairs[name][0], batch=3, seq=12)
     if dist.get_rank() == 0:
         print(json.dumps(out), flush=True)
     destroy_distributed()
