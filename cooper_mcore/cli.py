@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
     )
+    if not args.verbose:
+        logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:

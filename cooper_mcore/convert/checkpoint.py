@@ -179,35 +179,37 @@ def _detach_views(sharded: dict, model: torch.nn.Module) -> None:
     megatron-core's swiglu factory saves ``linear_fc1`` as two views (gate and up halves),
     which its writer would clone. When the two halves of one parameter are all of it (TP=1),
     they are merged back into one ShardedTensor over the whole parameter: same key and global
-    shape, so any TP layout still loads it through the factory. Other views are cloned, one
-    parameter at a time, and the parameter freed.
+    shape, so any TP layout still loads it through the factory. Any other view is cloned, one
+    parameter at a time, and that parameter freed.
     """
     from megatron.core.dist_checkpointing import ShardedTensor
-
-    def is_view(t: torch.Tensor) -> bool:
-        return t.untyped_storage().nbytes() != t.numel() * t.element_size()
-
-    owners = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
-    for key_path, container, shards in _sharded_lists(sharded):
-        if (len(shards) == 2 and all(isinstance(x, ShardedTensor) for x in shards)
-                and shards[0].key == shards[1].key and shards[0].prepend_axis_num <= 1
-                and shards[0].data.untyped_storage().data_ptr() in owners):
-            w, v = shards
-            param = owners[w.data.untyped_storage().data_ptr()]
-            axis = w.prepend_axis_num
-            if (w.axis_fragmentations[axis] == 2 and param.data.numel() == w.data.numel() * 2
-                    and v.global_offset[axis] == w.data.shape[0]):
-                offsets = [(0, w.global_offset[0], w.axis_fragmentations[0])] if axis else []
-                container[key_path] = ShardedTensor.from_rank_offsets(
-                    w.key, param.data, *offsets, replica_id=w.replica_id, prepend_axis_num=axis)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    by_storage: dict[int, list] = {}
+    owners = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+
+    def owner(sh) -> torch.nn.Parameter | None:
+        if isinstance(sh, ShardedTensor) and sh.data is not None:
+            return owners.get(sh.data.untyped_storage().data_ptr())
+        return None
+
+    for key, container, shards in _sharded_lists(sharded):  # 1. merge whole-parameter halves
+        if len(shards) != 2 or owner(shards[0]) is None or owner(shards[0]) is not owner(shards[1]):
+            continue
+        w, v = shards
+        param, axis = owner(w), w.prepend_axis_num
+        if (w.key == v.key and axis <= 1 and w.axis_fragmentations[axis] == 2
+                and param.numel() == 2 * w.data.numel() and v.global_offset[axis] == w.data.shape[0]):
+            offsets = [(0, w.global_offset[0], w.axis_fragmentations[0])] if axis else []
+            container[key] = ShardedTensor.from_rank_offsets(
+                w.key, param.data, *offsets, replica_id=w.replica_id, prepend_axis_num=axis)
+
+    views: dict[int, list] = {}  # 2. clone what is still a view, freeing its parameter
     for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor) and sh.data is not None and sh.data.device.type == "cpu":
-            if is_view(sh.data):
-                by_storage.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
-    for ptr, shards in by_storage.items():
+            t = sh.data
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                views.setdefault(t.untyped_storage().data_ptr(), []).append(sh)
+    for ptr, shards in views.items():
         for sh in shards:
             sh.data = sh.data.clone()
         if ptr in owners:
@@ -254,7 +256,9 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
             )
     with torch.no_grad():
         state = dist_checkpointing.load(sharded, ckpt_dir)
-        model.load_state_dict(state, strict=False)
+        missing, _ = model.load_state_dict(state, strict=False)  # strict trips on _extra_state
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    assert not missing, f"parameters not loaded from {ckpt_dir}: {missing}"
 
 
 def _sharded_tensors(sharded: dict) -> list:

@@ -164,3 +164,29 @@ def test_live_model_to_hf_names(tiny_models):
         got = dict(hf_tensors(model, arch))
     assert sorted(got) == sorted(ref)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_converter_save_makes_no_copy_of_fc1(tiny_models):
+    """hf-to-mcore saves linear_fc1 whole (no view left for megatron's writer to clone)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    from cooper_mcore.convert.checkpoint import _detach_views
+    from cooper_mcore.models.builder import build_model
+    from cooper_mcore.parallel import ParallelConfig, single_process_world
+
+    _, ckpt = tiny_models[("llama", "causal_lm")]
+    arch = read_meta(ckpt)[0]
+    with single_process_world():
+        model = build_model(arch, ParallelConfig(), init_weights=False)
+        fc1 = {p.data_ptr() for n, p in model.named_parameters() if "linear_fc1" in n}
+        sharded = model.sharded_state_dict()
+        apply_factories(sharded)
+        before = [s for s in nested_values(sharded) if isinstance(s, ShardedTensor) and "fc1.weight" in s.key]
+        assert len(before) == 2 * arch.num_layers  # megatron's swiglu halves
+        _detach_views(sharded, model)
+        after = [s for s in nested_values(sharded) if isinstance(s, ShardedTensor) and "fc1.weight" in s.key]
+    assert len(after) == arch.num_layers
+    assert {s.data.data_ptr() for s in after} == fc1  # the parameters themselves, not copies
+    assert all(s.global_shape == (arch.num_layers, 2 * arch.ffn_hidden_size, arch.hidden_size) for s in after)
