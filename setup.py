@@ -26,6 +26,8 @@ setup(
         "numpy",
         "packaging",
         "psutil",  # megatron-core's async checkpoint writer hangs without it
+        "pyarrow",  # Parquet datasets
+        "requests",  # OpenAI-compatible clients (assistant LLM, judge) and SGLang servers
         "pyyaml",
         "tqdm",
     ],

@@ -1,0 +1,86 @@
+"""Typed records passed between the stages of a Cooper step.
+
+prompts -> rollouts -> verification and reward scores -> advantages -> policy update ->
+preference pairs -> reward-model update. Each stage takes and returns these, never dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Prompt:
+    """One training or evaluation problem.
+
+    Attributes:
+        id: stable identifier (from the data, or ``<file>:<line>``).
+        question: the problem statement.
+        answer: the reference (gold) answer.
+        source: optional dataset name.
+        text: the prompt as given to the policy (after the template); empty until templated.
+        token_ids: ``text`` tokenised; empty until tokenised.
+    """
+
+    id: str
+    question: str
+    answer: str
+    source: Optional[str] = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Sample:
+    """One completion of a prompt.
+
+    Attributes:
+        prompt_id: the :class:`Prompt` it answers.
+        token_ids: the completion's tokens (without the prompt).
+        text: the completion decoded.
+        logprobs: per-token log-probabilities under the engine's weights, if asked for.
+        finish_reason: "stop" (EOS or a stop string) or "length".
+        rule_correct: the rule verifier's verdict; None if not verified or unverifiable.
+        reward: the reward used for the policy update.
+        weight_version: the policy weight version that generated it.
+    """
+
+    prompt_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: Optional[list[float]] = None
+    finish_reason: str = "stop"
+    rule_correct: Optional[bool] = None
+    reward: Optional[float] = None
+    weight_version: int = 0
+
+
+@dataclass
+class RolloutGroup:
+    """The G samples of one prompt (GRPO normalises advantages within a group)."""
+
+    prompt: Prompt
+    samples: list[Sample]
+
+
+@dataclass
+class PreferencePair:
+    """A reward-model training pair for one prompt.
+
+    Attributes:
+        prompt: the problem.
+        chosen: a completion the rule verifier marked correct.
+        rejected: a completion verified wrong (assistant-written or other); None if none.
+        source: where ``rejected`` came from ("assistant", "policy", "perturb", "random").
+    """
+
+    prompt: Prompt
+    chosen: Optional[str]
+    rejected: Optional[str]
+    source: str = ""
+
+    @property
+    def valid(self) -> bool:
+        """A pair takes part in the loss only with both sides present."""
+        return self.chosen is not None and self.rejected is not None
