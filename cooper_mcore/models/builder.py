@@ -189,7 +189,34 @@ def build_model(
         rotary_base=arch.rope.theta,
         pg_collection=pg_collection,
     )
+    if not init_weights:
+        _mark_tensor_parallel_weights(model)
     # Exact HF rotary frequencies (megatron hard-codes llama3 scaling's other parameters).
     inv = rope_inv_freq(arch.rope, arch.head_dim).to(model.rotary_pos_emb.inv_freq.device)
     model.rotary_pos_emb.inv_freq = inv
     return model
+
+
+def _mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Set the tensor-parallel attributes megatron-core skips without random init.
+
+    megatron-core 0.16 sets ``tensor_model_parallel``/``partition_dim`` on column/row-parallel
+    weights only inside its init functions; with ``perform_initialization=False`` they are
+    missing, and gradient-norm accounting and weight gathering would treat shards as
+    replicated. Biases are marked either way.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)

@@ -26,6 +26,11 @@ def main():
     out = {}
     for name, hf_dir, ckpt in json.loads(args.pairs):
         out[name] = compare_logits(hf_dir, ckpt, parallel, batch=3, seq=12)
+        model, _ = load_checkpoint_model(ckpt, parallel)
+        unmarked = [n for n, p in model.named_parameters()
+                    if any(k in n for k in ("linear_qkv.weight", "linear_proj", "linear_fc", "word_embeddings"))
+                    and not getattr(p, "tensor_model_parallel", False)]
+        out[f"unmarked:{name}"] = len(unmarked)
         if args.resave_dir:
             arch, cfg, dtype = read_meta(ckpt)
             model = build_model(arch, parallel, dtype=dtype, init_weights=False)

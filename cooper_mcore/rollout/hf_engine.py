@@ -1,0 +1,208 @@
+"""A rollout engine on transformers, for CPU runs and small GPUs.
+
+Batched sampling with a KV cache (``model.generate`` on left-padded prompts, positions from the
+attention mask, so padding does not change the result), temperature / top-p / max tokens / stop
+strings, per-token log-probabilities of the sampled tokens under the model's raw distribution
+(temperature 1, as the trainer's old-policy log-probabilities). Weights arrive through the same
+``update_weights`` path as SGLang's: buckets of named Hugging Face tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Optional
+
+import torch
+
+from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class HFEngine:
+    """Rollout engine over a ``transformers`` causal LM.
+
+    Args:
+        model: a loaded ``AutoModelForCausalLM`` (its device is the engine's device).
+        tokenizer: used for text prompts, decoding and stop strings; optional for token-id
+            prompts (then ``text`` is empty and stop strings are not supported).
+        eos_token_id / pad_token_id: default: from the tokenizer or the model config.
+        max_batch_size: prompts generated together at most.
+    """
+
+    def __init__(self, model, tokenizer=None, eos_token_id: Optional[int] = None,
+                 pad_token_id: Optional[int] = None, max_batch_size: int = 64) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.eos_token_id = _first(eos_token_id, getattr(tokenizer, "eos_token_id", None), cfg.eos_token_id)
+        self.pad_token_id = _first(pad_token_id, getattr(tokenizer, "pad_token_id", None), cfg.pad_token_id,
+                                   self.eos_token_id, 0)
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+        self._device = next(model.parameters()).device
+        self._params = dict(model.named_parameters())
+        self._released = False
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        **kwargs) -> HFEngine:
+        """Load a model (and its tokenizer if the folder has one) from an HF folder."""
+        import os
+
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tok = None
+        if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                                 "tokenizer_config.json")):
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+        return cls(model, tok, **kwargs)
+
+    # -- generation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Prompts, params: SamplingParams) -> list[GenerateOutput]:
+        """Complete each prompt once (outputs in input order)."""
+        params.validate()
+        if self._released:
+            raise RuntimeError("HFEngine.generate called while memory is released; call resume_memory()")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        ids = [self._encode(p) for p in prompts]
+        gen = torch.Generator(device="cpu")
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+        outputs: list[GenerateOutput] = []
+        for i in range(0, len(ids), self.max_batch_size):
+            outputs.extend(self._generate_batch(ids[i:i + self.max_batch_size], params, gen))
+        return outputs
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        return ids
+
+    def _generate_batch(self, ids: list[list[int]], params: SamplingParams, gen: torch.Generator):
+        import transformers
+
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for r, x in enumerate(ids):  # left padding
+            input_ids[r, width - len(x):] = torch.tensor(x)
+            mask[r, width - len(x):] = 1
+        greedy = params.temperature == 0
+        config = transformers.GenerationConfig(
+            max_new_tokens=params.max_new_tokens, do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=None if greedy else 0,
+            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True, output_logits=True,
+            stop_strings=params.stop or None,
+        )
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+        torch.manual_seed(seed)  # model.generate samples from the global generator
+        out = self.model.generate(
+            input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device),
+            generation_config=config, tokenizer=self.tokenizer if params.stop else None,
+        )
+        new = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # [b, t, vocab], raw
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, :logits.shape[1], None]).squeeze(-1)
+        results = []
+        for r in range(len(ids)):
+            toks = new[r].tolist()
+            n, finish = len(toks), "length"
+            if self.eos_token_id is not None and self.eos_token_id in toks:
+                n, finish = toks.index(self.eos_token_id) + 1, "stop"
+            toks = toks[:n]
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                for s in params.stop:
+                    if s and s in text:
+                        text, finish = text[:text.index(s)], "stop"
+                if finish == "length" and params.stop and n < len(new[r]):
+                    finish = "stop"
+            results.append(GenerateOutput(
+                token_ids=toks, text=text,
+                logprobs=logp[r, :n].tolist() if params.logprobs else None, finish_reason=finish,
+            ))
+        return results
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
+        """Log-probabilities of the tokens after each prompt, under the current weights."""
+        out = []
+        for seq, n in zip(sequences, prompt_lengths):
+            ids = torch.tensor([list(seq)], device=self._device)
+            logits = self.model(ids).logits.float()[0, :-1]
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            out.append(logp[n - 1:].cpu().tolist())
+        return out
+
+    # -- weights and memory -------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """Copy named HF tensors into the model, bucket by bucket; then set ``weight_version``.
+
+        Raises:
+            ValueError: an unknown name or a shape mismatch (naming the tensor and both shapes).
+        """
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        seen = set()
+        for bucket in buckets:
+            for name, tensor in bucket:
+                param = self._params.get(name)
+                if param is None:
+                    if tied and name == "lm_head.weight":
+                        continue
+                    raise ValueError(f"update_weights: the engine's model has no parameter {name!r}")
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                                     f"engine's model {tuple(param.shape)}")
+                param.copy_(tensor.to(param.device, non_blocking=True))
+                seen.add(name)
+        missing = set(self._params) - seen
+        if missing:
+            logger.warning("weight update v%d left %d parameters unchanged, e.g. %s",
+                           version, len(missing), sorted(missing)[:3])
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        """Move the weights to CPU memory while training runs (no-op on CPU)."""
+        if self._device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Bring the weights back to the device before generating."""
+        if self._device.type != "cpu":
+            self.model.to(self._device)
+        self._released = False
+
+    def flush_cache(self) -> None:
+        """No prefix cache is kept between calls: nothing to flush."""
+
+    def shutdown(self) -> None:
+        """Drop the model."""
+        self.model = None
+        self._params = {}
+
+
+def _first(*values):
+    for v in values:
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is not None:
+            return v
+    return None

@@ -1,0 +1,158 @@
+"""Push the weights of a TP/PP-parallel Megatron policy into a rollout engine.
+
+Each data-parallel replica gathers its own model one parameter at a time: tensor-parallel
+shards are all-gathered within the stage (the fused ``linear_fc1`` per gate/up half), then each
+pipeline stage broadcasts its full parameters to the replica's first rank, which maps them to
+Hugging Face names with the converter's mapping (:mod:`cooper_mcore.convert.mapping`) and hands
+them to its engine in buckets of a configurable size. The engine's ``weight_version`` is bumped.
+
+Collective: every rank of the model's TP and PP groups calls :func:`sync_weights`; only the
+replica's first rank (TP rank 0, PP rank 0) passes an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cooper_mcore.convert.mapping import canonical_mcore_name, param_mappings, to_hf
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.rollout.base import RolloutEngine, bucketize
+
+logger = logging.getLogger(__name__)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this pipeline stage's first transformer layer."""
+    layers = _unwrap(model).decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def _gather_tp(name: str, param: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full tensor of a (possibly) tensor-parallel parameter."""
+    tp = dist.get_world_size(tp_group)
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return param.detach()
+    dim = param.partition_dim
+    shards = [torch.empty_like(param) for _ in range(tp)]
+    dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+    if name.endswith("mlp.linear_fc1.weight"):  # each shard is [gate_r; up_r]
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def gathered_params(model: torch.nn.Module, tp_group, pp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(mapping name, full tensor)`` of every parameter of the whole pipeline, on the
+    replica's first rank (other ranks take part in the collectives and yield nothing)."""
+    inner = _unwrap(model)
+    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    receiver = dist.get_rank(tp_group) == 0 and pp_rank == 0
+    local = [(canonical_mcore_name(n, layer_offset(inner)), p)
+             for n, p in inner.named_parameters()]
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    tp = dist.get_world_size(tp_group)
+    device = next(inner.parameters()).device
+    for stage in range(pp_size):
+        meta = [[(n, _full_shape(p, tp), p.dtype) for n, p in local]] if stage == pp_rank else [None]
+        if pp_size > 1:
+            dist.broadcast_object_list(meta, src=pp_ranks[stage], group=pp_group)
+        for i, (name, shape, dtype) in enumerate(meta[0]):
+            if stage == pp_rank:
+                full = _gather_tp(name, local[i][1], tp_group)
+                assert tuple(full.shape) == shape, (name, full.shape, shape)
+            else:
+                full = torch.empty(shape, dtype=dtype, device=device)
+            if pp_size > 1:
+                full = full.contiguous()
+                dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
+            if receiver:
+                yield name, full
+
+
+def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """Shape of a parameter once its tensor-parallel shards are gathered."""
+    shape = list(param.shape)
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return tuple(shape)
+
+
+def hf_named_tensors(
+    model: torch.nn.Module, arch: ArchSpec, tp_group, pp_group
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for the whole model on the replica's first rank."""
+    by_name = {m.mcore: m for m in param_mappings(arch)}
+    for name, full in gathered_params(model, tp_group, pp_group):
+        m = by_name.get(name)
+        if m is None:
+            if name == "output_layer.weight" and arch.tie_word_embeddings:
+                continue  # the last stage's copy of tied embeddings
+            raise ValueError(f"Megatron parameter {name!r} has no Hugging Face mapping")
+        yield from ((n, t.contiguous()) for n, t in zip(m.hf, to_hf(m, full, arch)))
+
+
+def sync_weights(
+    model: torch.nn.Module,
+    arch: ArchSpec,
+    engine: Optional[RolloutEngine],
+    version: int,
+    bucket_bytes: int = 512 * 2**20,
+    tp_group=None,
+    pp_group=None,
+) -> dict[str, float]:
+    """Push the model's weights into ``engine`` (given on the replica's first rank only).
+
+    Args:
+        model: this rank's stage of the policy (DDP/Float16 wrappers allowed).
+        arch: its architecture.
+        engine: the rollout engine on the replica's first rank; None elsewhere.
+        version: the new weight version.
+        bucket_bytes: size of the buckets handed to the engine.
+        tp_group / pp_group: the model's groups; default: megatron-core's global groups.
+
+    Returns:
+        ``{"seconds", "bytes", "buckets"}`` (bytes and buckets on the first rank).
+    """
+    from megatron.core import parallel_state
+
+    tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+    pp_group = pp_group or parallel_state.get_pipeline_model_parallel_group()
+    first = dist.get_rank(tp_group) == 0 and dist.get_rank(pp_group) == 0
+    if first and engine is None:
+        raise ValueError("sync_weights: the replica's first rank must pass its rollout engine")
+    t0 = time.perf_counter()
+    stats = {"bytes": 0.0, "buckets": 0.0}
+
+    def counted():
+        for name, t in hf_named_tensors(model, arch, tp_group, pp_group):
+            stats["bytes"] += t.numel() * t.element_size()
+            yield name, t
+
+    with torch.no_grad():
+        if first:
+            buckets = bucketize(counted(), bucket_bytes)
+
+            def tally():
+                for b in buckets:
+                    stats["buckets"] += 1
+                    yield b
+
+            engine.update_weights(tally(), version)
+        else:
+            for _ in counted():
+                pass
+    stats["seconds"] = time.perf_counter() - t0
+    logger.debug("weight sync v%d: %.0f MB in %.2fs", version, stats["bytes"] / 2**20, stats["seconds"])
+    return stats
