@@ -1,0 +1,200 @@
+"""A tiny tokenizer trained in-process with sentencepiece, saved for ``transformers.AutoTokenizer``.
+
+For the tiny CPU models (a 128-entry vocabulary) on small corpora such as the arithmetic task of
+:mod:`cooper_mcore.data.mathgen`. Training uses sentencepiece (BPE by default, or unigram) with
+the identity normalisation, no dummy prefix and no whitespace folding, so that decoding gives
+back the text exactly; digits are split one per token by default. The trained pieces are then
+written as a ``tokenizers`` model (``tokenizer.json``) with the same segmentation, so the result
+loads offline with ``AutoTokenizer.from_pretrained(out_dir)``; the sentencepiece model is kept
+next to it as ``spm.model``.
+
+Special tokens have fixed ids::
+
+    0 <|pad|>        padding
+    1 <|endoftext|>  BOS / document separator (never added automatically)
+    2 <unk>          unknown character
+    3 <|im_start|>   chat turn start
+    4 <|im_end|>     chat turn end, and the EOS token (generation stops there)
+
+The chat template is ChatML (``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``).
+
+No byte fallback: it needs about 256 byte pieces, more than a tiny vocabulary has. Characters
+seen neither in the training texts nor in ``required_chars`` become ``<unk>``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+PAD, BOS, UNK, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, BOS, UNK, IM_START, IM_END)  # in id order: ids 0..4
+EOS = IM_END
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# The characters the chat template itself writes (role names, newline), always in the vocabulary.
+CHAT_CHARS = "".join(sorted(set("system user assistant\n")))
+SPIECE_SPACE = "\u2581"
+MODEL_TYPES = ("bpe", "unigram")
+SPM_FILE = "spm.model"
+
+
+def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits: bool, required: str) -> bytes:
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_writer=model,
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,  # tiny corpora have fewer possible pieces than vocab_size
+            character_coverage=1.0,
+            required_chars=required,
+            normalization_rule_name="identity",
+            add_dummy_prefix=False,
+            remove_extra_whitespaces=False,
+            split_digits=split_digits,
+            byte_fallback=False,
+            pad_id=0,
+            pad_piece=PAD,
+            eos_id=1,
+            eos_piece=BOS,
+            unk_id=2,
+            unk_piece=UNK,
+            bos_id=-1,
+            control_symbols=[IM_START, IM_END],
+            num_threads=1,  # deterministic
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise ValueError(f"sentencepiece training failed (vocab_size={vocab_size}, {model_type}): {e}") from e
+    return model.getvalue()
+
+
+def _to_tokenizers(spm_proto: bytes, model_type: str) -> Any:
+    """A ``tokenizers.Tokenizer`` with the sentencepiece model's pieces, ids and segmentation."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    sp = spm.SentencePieceProcessor(model_proto=spm_proto)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    assert tuple(pieces[: len(SPECIAL_TOKENS)]) == SPECIAL_TOKENS, pieces[:8]
+    special = {i for i in range(len(pieces)) if sp.is_control(i) or sp.is_unknown(i)}
+    if model_type == "unigram":
+        vocab = [(p, 0.0 if i in special else sp.get_score(i)) for i, p in enumerate(pieces)]
+        model = models.Unigram(vocab, unk_id=pieces.index(UNK), byte_fallback=False)
+    else:
+        # sentencepiece BPE merges the adjacent pair whose union is the highest-scored piece, and
+        # piece ids follow the scores: rank every way of splitting a piece by the piece's id.
+        ids = {p: i for i, p in enumerate(pieces)}
+        merges = []
+        for i, piece in enumerate(pieces):
+            if i in special:
+                continue
+            splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+            usable = [(a, b) for a, b in splits if a in ids and b in ids and not {ids[a], ids[b]} & special]
+            merges.extend(sorted(usable, key=lambda s: (ids[s[0]], ids[s[1]])))
+        model = models.BPE(vocab=ids, merges=merges, unk_token=UNK, fuse_unk=True, byte_fallback=False)
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.Fuse()])
+    return tok
+
+
+def train_tiny_tokenizer(
+    texts: Iterable[str],
+    out_dir: str,
+    vocab_size: int = 128,
+    model_type: str = "bpe",
+    split_digits: bool = True,
+    required_chars: str = "",
+    model_max_length: Optional[int] = None,
+) -> Any:
+    """Train a sentencepiece tokenizer on ``texts`` and save it for ``AutoTokenizer``.
+
+    Args:
+        texts: the training corpus (e.g. :func:`cooper_mcore.data.mathgen.tokenizer_corpus`).
+        out_dir: folder to write ``tokenizer.json``, ``tokenizer_config.json``,
+            ``chat_template.jinja`` and ``spm.model`` to (created if missing).
+        vocab_size: upper bound of the vocabulary, special tokens included (the result is
+            smaller when the corpus has fewer pieces).
+        model_type: ``"bpe"`` or ``"unigram"``.
+        split_digits: one token per digit.
+        required_chars: characters to include even if ``texts`` lacks them (the chat template's
+            characters and the space are always included).
+        model_max_length: the tokenizer's ``model_max_length`` (None: transformers' default).
+
+    Returns:
+        The saved tokenizer as loaded back by ``transformers.AutoTokenizer.from_pretrained(out_dir)``
+        (pad, EOS/BOS, unknown and chat tokens set; see the module docstring).
+
+    Raises:
+        ValueError: no non-empty text, an unknown model type, or a ``vocab_size`` too small for the
+            special tokens and the characters.
+    """
+    import transformers
+
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unknown tokenizer model_type {model_type!r}; choose from {MODEL_TYPES}")
+    corpus = [t for t in texts if t]
+    if not corpus:
+        raise ValueError("train_tiny_tokenizer: no non-empty training text")
+    chars = set("".join(corpus)) | set(required_chars) | set(CHAT_CHARS)
+    if vocab_size < len(SPECIAL_TOKENS) + len(chars):
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: {len(SPECIAL_TOKENS)} special tokens + {len(chars)} "
+            "distinct characters"
+        )
+    # Observed with sentencepiece 0.2.3: required_chars are ignored when many of them also occur in the corpus, so
+    # pass only the missing ones (spaces are stored as U+2581), then check that all made it.
+    wanted = {SPIECE_SPACE if c == " " else c for c in chars}
+    seen = {SPIECE_SPACE if c == " " else c for c in set("".join(corpus))}
+    proto = _train_spm(corpus, vocab_size, model_type, split_digits, "".join(sorted(wanted - seen)))
+    backend = _to_tokenizers(proto, model_type)
+    lost = sorted(c for c in wanted if backend.token_to_id(c) is None)
+    if lost:
+        raise ValueError(f"vocab_size={vocab_size}: the trained vocabulary lacks the characters {lost}")
+    kwargs: dict[str, Any] = {} if model_max_length is None else {"model_max_length": model_max_length}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START, IM_END],
+        clean_up_tokenization_spaces=False,  # exact decoding (no " ," -> "," clean-up)
+        chat_template=CHAT_TEMPLATE,
+        **kwargs,
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, SPM_FILE), "wb") as f:
+        f.write(proto)
+    _set_tokenizer_class(out_dir)
+    loaded = transformers.AutoTokenizer.from_pretrained(out_dir)
+    assert loaded.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(len(SPECIAL_TOKENS)))
+    logger.info("trained a %s tokenizer with %d tokens into %s", model_type, len(loaded), out_dir)
+    return loaded
+
+
+def _set_tokenizer_class(out_dir: str) -> None:
+    """Name the generic ``PreTrainedTokenizerFast`` (known to transformers 4.x too), not v5's TokenizersBackend."""
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+        f.write("\n")

@@ -1,0 +1,410 @@
+"""Negatives for the reward model: the assistant LLM (through a real local chat server), the CPU
+alternatives, and preference-pair building with masking."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from cooper_mcore.reward.negatives import (
+    AnswerPerturbation,
+    LLMAssistant,
+    PolicyWrongNegatives,
+    RandomOtherResponse,
+    build_pairs,
+    clean_assistant_output,
+    final_answer_span,
+    make_negative_generator,
+    number_variants,
+    pair_stats,
+    rewrite_messages,
+)
+from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.types import Prompt, RolloutGroup, Sample
+from tests.chat_server import ChatServer
+
+pytestmark = pytest.mark.timeout(60)
+HAS_RULE_VERIFIER = importlib.util.find_spec("cooper_mcore.reward.verifier") is not None
+
+
+@dataclass
+class Verdict:
+    correct: Optional[bool]
+
+
+class FakeVerifier:
+    """Compares the last \\boxed{...}, else the token after '####', to the gold string; None if neither."""
+
+    def __init__(self):
+        self.calls: list[tuple[list[str], list[str]]] = []
+
+    @staticmethod
+    def extract(text: str) -> Optional[str]:
+        start = text.rfind("\\boxed{")
+        if start >= 0:
+            depth, i = 0, start + len("\\boxed")
+            for j in range(i, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    return text[i + 1:j].strip()
+        m = re.findall(r"####\s*(\S+)", text)
+        return m[-1] if m else None
+
+    def verify_batch(self, golds, preds):
+        assert len(golds) == len(preds)
+        self.calls.append((list(golds), list(preds)))
+        out = []
+        for g, p in zip(golds, preds):
+            ans = self.extract(p)
+            out.append(Verdict(None if ans is None else ans.replace(",", "") == g.replace(",", "")))
+        return out
+
+
+class ScriptedClient:
+    """A chat client whose answers come from a list per call."""
+
+    def __init__(self, *rounds: list[Optional[str]]):
+        self.rounds = list(rounds)
+        self.calls: list[tuple[list, float, list]] = []
+
+    def chat_batch(self, batch, temperature=0.7, max_tokens=512):
+        self.calls.append((list(batch), temperature, list(max_tokens)))
+        answers = self.rounds.pop(0)
+        assert len(answers) == len(batch)
+        return answers
+
+
+def prompt(pid: str, answer: str = "4", question: str = "") -> Prompt:
+    return Prompt(id=pid, question=question or f"Question {pid}: compute it.", answer=answer)
+
+
+def group(pid: str, *samples: tuple[str, Optional[bool]], answer: str = "4") -> RolloutGroup:
+    return RolloutGroup(prompt(pid, answer), [Sample(pid, [], text, rule_correct=c) for text, c in samples])
+
+
+POSITIVE = "We add two and two to get four, so the answer is \\boxed{4}."  # 13 words
+
+CANNED = {
+    "Q-wrong": "Adding gives 2 + 2 = 7 by the carry rule, so the answer is \\boxed{7}.",
+    "Q-correct": "Two plus two is four, so \\boxed{4}.",
+    "Q-unverifiable": "The answer is clear from symmetry.",
+    "Q-think": "<think>\nmake it wrong\n</think>\n\nSo 2 + 2 = 5 and \\boxed{5}.",
+}
+
+
+def canned_answer(body: dict) -> str:
+    user = body["messages"][-1]["content"]
+    return next(text for key, text in CANNED.items() if key in user)
+
+
+# ---------------------------------------------------------------------------------------------
+# LLMAssistant
+
+
+def test_assistant_through_server_keeps_only_verified_wrong():
+    items = [(prompt(k, question=f"{k}: what is 2+2?"), POSITIVE) for k in CANNED]
+    verifier = FakeVerifier()
+    with ChatServer(canned=canned_answer) as srv, \
+            OpenAIChatClient(srv.url, "assistant-model", api_key_env=None, backoff_s=0.01) as client:
+        gen = LLMAssistant(client, verifier)
+        out = gen.generate(items)
+    assert out == [CANNED["Q-wrong"], None, None, "So 2 + 2 = 5 and \\boxed{5}."]
+    assert gen.stats == {"requested": 4, "accepted": 2, "rejected_correct": 1, "rejected_unverifiable": 1,
+                         "failed_requests": 0, "empty": 0}
+    assert verifier.calls[0][0] == ["4"] * 4  # gold first
+    assert len(srv.requests) == 4
+    for req in srv.requests:
+        body = req.body
+        assert body["model"] == "assistant-model" and body["temperature"] == 0.7
+        assert body["max_tokens"] == len(POSITIVE.split()) + 500 == 513
+        user = body["messages"][-1]["content"]
+        assert POSITIVE in user and "what is 2+2?" in user and "wrong" in user
+
+
+def test_assistant_failed_requests_counted_and_max_tokens_per_item():
+    verifier = FakeVerifier()
+    client = ScriptedClient([None, "", "so \\boxed{3}"])
+    gen = LLMAssistant(client, verifier, temperature=0.5, extra_tokens=100)
+    items = [(prompt("a"), "one two three"), (prompt("b"), "x"), (prompt("c"), "1 2 3 4 5 6")]
+    assert gen.generate(items) == [None, None, "so \\boxed{3}"]
+    assert gen.stats["failed_requests"] == 1 and gen.stats["empty"] == 1 and gen.stats["accepted"] == 1
+    _, temperature, limits = client.calls[0]
+    assert temperature == 0.5 and limits == [103, 101, 106]
+
+
+def test_assistant_rounds_reask_rejected_items_only():
+    client = ScriptedClient(["\\boxed{4}", "\\boxed{9}"], ["\\boxed{8}"])
+    gen = LLMAssistant(client, FakeVerifier(), rounds=2)
+    items = [(prompt("a"), POSITIVE), (prompt("b"), POSITIVE)]
+    assert gen.generate(items) == ["\\boxed{8}", "\\boxed{9}"]
+    assert len(client.calls) == 2 and len(client.calls[1][0]) == 1
+    assert gen.stats["rejected_correct"] == 1 and gen.stats["accepted"] == 2
+
+
+def test_rewrite_messages_and_cleaning():
+    msgs = rewrite_messages("  What is 1+1?\n", "1+1=2, \\boxed{2}", "2")
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    assert "What is 1+1?" in msgs[1]["content"] and "1+1=2, \\boxed{2}" in msgs[1]["content"]
+    assert "\\boxed{...}" in msgs[1]["content"]  # braces of the template survive formatting
+    assert clean_assistant_output("<think>a\nb</think>\n Final \\boxed{3} ") == "Final \\boxed{3}"
+    assert clean_assistant_output("No think. <think>x</think>") == "No think. <think>x</think>"
+
+
+def test_assistant_argument_checks():
+    with pytest.raises(ValueError, match="extra_tokens"):
+        LLMAssistant(ScriptedClient(), FakeVerifier(), extra_tokens=0)
+    with pytest.raises(ValueError, match="rounds"):
+        LLMAssistant(ScriptedClient(), FakeVerifier(), rounds=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# AnswerPerturbation
+
+
+PERTURB_CASES = [  # the first line mentions the answer but is not part of the final statement
+    ("We need 18 in all.\nEach costs 3, so 6 * 3 = 18.\nThe total is \\boxed{18}.", "18", "."),
+    ("She needs 18 eggs.\nShe makes 9 * 2 = 18 dollars.\n#### 18", "18", None),
+    ("There are 1,234 apples.\nTotal: 1,234 apples.\n#### 1,234", "1234", None),
+    ("We get 3/4 here.\nThus\nSo $x = \\boxed{\\frac{3}{4}}$", "\\frac{3}{4}", "$"),
+]
+
+
+@pytest.mark.parametrize("text, gold, tail", PERTURB_CASES)
+def test_perturbation_is_verified_wrong_and_keeps_the_rest(text, gold, tail):
+    verifier = FakeVerifier()
+    gen = AnswerPerturbation(verifier, seed=1)
+    [neg] = gen.generate([(prompt("p", gold), text)])
+    assert neg is not None and neg != text
+    assert verifier.verify_batch([gold], [neg])[0].correct is False
+    assert FakeVerifier.extract(neg) != FakeVerifier.extract(text)
+    # only the final statement (its line and the one before) changes
+    assert neg.splitlines()[0] == text.splitlines()[0] and len(neg.splitlines()) == 3
+    if tail:
+        assert neg.endswith(tail)
+    assert gen.stats == {"requested": 1, "accepted": 1, "no_answer": 0, "rejected": 0}
+
+
+def test_perturbation_changes_the_stated_answer_consistently():
+    text = "She makes 9 * 2 = 18 dollars.\n#### 18"
+    for cand in AnswerPerturbation(FakeVerifier(), num_candidates=8).candidates(text):
+        m = re.fullmatch(r"She makes 9 \* 2 = (-?\d+) dollars\.\n#### (-?\d+)", cand)
+        assert m and m.group(1) == m.group(2) != "18"
+
+
+def test_perturbation_last_number_and_letters():
+    gen = AnswerPerturbation(FakeVerifier(), num_candidates=4)
+    cands = gen.candidates("The result is 12 and 41.5 is the answer")
+    assert len(cands) == 4
+    for c in cands:
+        m = re.fullmatch(r"The result is 12 and (-?[\d.]+) is the answer", c)
+        assert m and m.group(1) != "41.5"
+    letters = gen.candidates("The answer is \\boxed{(C)}")
+    assert len(letters) == 4 and all(re.fullmatch(r"The answer is \\boxed\{\([ABDE]\)\}", c) for c in letters)
+    assert gen.candidates("no final answer here") == []
+
+
+def test_perturbation_none_when_no_answer_or_every_variant_correct():
+    class AlwaysCorrect:
+        def verify_batch(self, golds, preds):
+            return [Verdict(True) for _ in preds]
+
+    gen = AnswerPerturbation(AlwaysCorrect())
+    assert gen.generate([(prompt("a"), "\\boxed{4}"), (prompt("b"), "words only")]) == [None, None]
+    assert gen.stats["rejected"] == 1 and gen.stats["no_answer"] == 1 and gen.stats["accepted"] == 0
+
+
+def test_perturbation_seeded():
+    text = "so \\boxed{250}"
+    a = AnswerPerturbation(FakeVerifier(), seed=5).candidates(text)
+    b = AnswerPerturbation(FakeVerifier(), seed=5).candidates(text)
+    assert a == b and len(a) == 3
+
+
+@pytest.mark.parametrize("token", ["0", "7", "18", "-3", "2.50", "1,050", "100"])
+def test_number_variants_differ_and_stay_close(token):
+    value = float(token.replace(",", ""))
+    variants = number_variants(token, random.Random(0))
+    assert len(variants) >= 5 and len(set(variants)) == len(variants)
+    for v in variants:
+        x = float(v.replace(",", ""))
+        assert x != value and (abs(x - value) <= 10 or x in (-value, 2 * value) or sorted(v) == sorted(token))
+        assert ("," in v) == ("," in token and abs(x) >= 1000)
+    same_sign = number_variants(token, random.Random(0), allow_sign_change=False)
+    assert all((float(v.replace(",", "")) < 0) == (value < 0) and float(v.replace(",", "")) != 0 for v in same_sign)
+
+
+def test_final_answer_span():
+    t = "a \\boxed{\\frac{1}{2}} b"
+    s, e = final_answer_span(t)
+    assert t[s:e] == "\\frac{1}{2}"
+    t = "x\n####  42 \n"
+    s, e = final_answer_span(t)
+    assert t[s:e] == "42"
+    t = "it is 3 or -5."
+    s, e = final_answer_span(t)
+    assert t[s:e] == "-5"
+    assert final_answer_span("none") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# PolicyWrongNegatives and RandomOtherResponse
+
+
+def test_policy_wrong_negatives():
+    groups = [group("a", ("right \\boxed{4}", True), ("unverified", None), ("wrong1", False), ("wrong2", False)),
+              group("b", ("right", True), ("unverified", None))]
+    gen = PolicyWrongNegatives(groups, seed=0)
+    items = [(groups[0].prompt, "right"), (groups[1].prompt, "right")]
+    picks = {gen.generate(items)[0] for _ in range(30)}
+    assert picks == {"wrong1", "wrong2"}
+    assert gen.generate(items)[1] is None and gen.stats["no_wrong_rollout"] == 31
+    with pytest.raises(ValueError, match="'zzz'"):
+        gen.generate([(prompt("zzz"), "x")])
+    gen1, gen2 = PolicyWrongNegatives(groups, seed=7), PolicyWrongNegatives(groups, seed=7)
+    assert [gen1.generate(items)[0] for _ in range(10)] == [gen2.generate(items)[0] for _ in range(10)]
+
+
+def test_random_other_response_from_items_and_groups():
+    items = [(prompt(p), f"answer of {p}") for p in "abcd"]
+    out = RandomOtherResponse(seed=3).generate(items)
+    assert all(o is not None and o != f"answer of {p}" and o.startswith("answer of ") for (pr, _), o, p in
+               zip(items, out, "abcd"))
+    assert out == RandomOtherResponse(seed=3).generate(items)
+    assert RandomOtherResponse().generate(items[:1]) == [None]
+    groups = [group("a", ("a1", True), ("a2", False)), group("b", ("b1", False), ("b2", None))]
+    gen = RandomOtherResponse(seed=0, groups=groups)
+    drawn = {gen.generate([(groups[0].prompt, "a1")])[0] for _ in range(40)}
+    assert drawn == {"b1", "b2"}
+
+
+def test_random_other_response_verifier_drops_accidentally_correct():
+    items = [(prompt("a", "4"), "\\boxed{4}"), (prompt("b", "4"), "\\boxed{4}"), (prompt("c", "9"), "\\boxed{9}")]
+    gen = RandomOtherResponse(seed=0, verifier=FakeVerifier())
+    for _ in range(10):
+        for (p, _), o in zip(items, gen.generate(items)):
+            assert o is None or FakeVerifier.extract(o) != p.answer
+    assert gen.stats["rejected_correct"] > 0 and gen.stats["accepted"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# build_pairs
+
+
+class RecordingGenerator:
+    source = "test"
+
+    def __init__(self, answers):
+        self.answers = answers
+        self.items = None
+
+    def generate(self, items):
+        self.items = items
+        return self.answers[: len(items)]
+
+
+def test_build_pairs_masking_and_order():
+    groups = [
+        group("a", ("unverified", None), ("bad", False), ("good-a", True), ("good-a2", True)),
+        group("b", ("bad", False), ("unverified", None)),
+        group("c", ("good-c", True)),
+    ]
+    gen = RecordingGenerator(["neg-a", None])
+    pairs = build_pairs(groups, gen)
+    assert [(p.prompt.id, p.chosen, p.rejected, p.source, p.valid) for p in pairs] == [
+        ("a", "good-a", "neg-a", "test", True),
+        ("b", None, None, "", False),
+        ("c", "good-c", None, "", False),
+    ]
+    assert [(p.id, t) for p, t in gen.items] == [("a", "good-a"), ("c", "good-c")]
+    assert pair_stats(pairs) == {"total": 3, "valid": 1, "no_positive": 1, "no_negative": 1}
+
+
+def test_build_pairs_rejects_wrong_length_and_handles_no_positive():
+    groups = [group("a", ("good", True))]
+    with pytest.raises(ValueError, match="RecordingGenerator"):
+        build_pairs(groups, RecordingGenerator([]))
+    gen = RecordingGenerator(["x"])
+    assert [p.valid for p in build_pairs([group("b", ("bad", False))], gen)] == [False]
+    assert gen.items is None  # not called without positives
+
+
+def test_build_pairs_hands_groups_to_policy_generator():
+    gen = PolicyWrongNegatives()
+    step1 = [group("a", ("good", True), ("bad-a", False))]
+    step2 = [group("b", ("good", True), ("bad-b", False))]
+    assert [p.rejected for p in build_pairs(step1, gen)] == ["bad-a"]
+    pairs = build_pairs(step2, gen)
+    assert [(p.rejected, p.source, p.valid) for p in pairs] == [("bad-b", "policy", True)]
+
+
+class MathVerifyVerifier:
+    """math-verify directly (what the rule verifier is built on), gold first."""
+
+    def verify_batch(self, golds, preds):
+        from math_verify import parse, verify
+
+        return [Verdict(bool(verify(parse(f"${g}$"), parse(p)))) for g, p in zip(golds, preds)]
+
+
+def test_perturbations_are_wrong_for_math_verify():
+    mv = MathVerifyVerifier()
+    cases = [(t, g) for t, g, _ in PERTURB_CASES] + [("The answer is \\boxed{0.5}", "1/2")]
+    golds = [g for _, g in cases]
+    assert [v.correct for v in mv.verify_batch(golds, [t for t, _ in cases])] == [True] * len(cases)
+    gen = AnswerPerturbation(mv, seed=0)
+    negs = gen.generate([(prompt(f"p{i}", g), t) for i, (t, g) in enumerate(cases)])
+    assert all(n is not None for n in negs), gen.stats
+    assert [v.correct for v in mv.verify_batch(golds, negs)] == [False] * len(cases)
+
+
+def test_make_negative_generator():
+    v = FakeVerifier()
+    kinds = {k: make_negative_generator(k, v, client=ScriptedClient()) for k in ("assistant", "policy", "perturb",
+                                                                                 "random")}
+    assert {k: type(g).__name__ for k, g in kinds.items()} == {
+        "assistant": "LLMAssistant", "policy": "PolicyWrongNegatives", "perturb": "AnswerPerturbation",
+        "random": "RandomOtherResponse"}
+    assert all(g.source == k for k, g in kinds.items())
+    with pytest.raises(ValueError, match="client"):
+        make_negative_generator("assistant", v)
+    with pytest.raises(ValueError, match="'judge'"):
+        make_negative_generator("judge", v)
+
+
+# ---------------------------------------------------------------------------------------------
+# With the real rule verifier
+
+
+@pytest.fixture(scope="module")
+def rule_verifier():
+    if not HAS_RULE_VERIFIER:
+        pytest.skip("cooper_mcore.reward.verifier (RuleVerifier) is not in the tree yet")
+    from cooper_mcore.reward.verifier import RuleVerifier
+
+    with RuleVerifier(timeout_s=5.0, num_workers=1) as v:
+        yield v
+
+
+@pytest.mark.timeout(120)
+def test_real_verifier_filters_assistant_and_perturbation(rule_verifier):
+    items = [(prompt(k, question=f"{k}: what is 2+2?"), POSITIVE) for k in ("Q-wrong", "Q-correct", "Q-think")]
+    with ChatServer(canned=canned_answer) as srv, \
+            OpenAIChatClient(srv.url, "m", api_key_env=None, backoff_s=0.01) as client:
+        gen = LLMAssistant(client, rule_verifier)
+        out = gen.generate(items)
+    assert out == [CANNED["Q-wrong"], None, "So 2 + 2 = 5 and \\boxed{5}."]
+    assert gen.stats["rejected_correct"] == 1
+
+    texts = [("\\boxed{4}", "4"), ("So she earns 9 * 2 = 18 dollars.\n#### 18", "18"),
+             ("Hence $x = \\boxed{\\frac{3}{4}}$.", "\\frac{3}{4}"), ("The answer is \\boxed{0.5}", "1/2")]
+    pert = AnswerPerturbation(rule_verifier, seed=0)
+    negs = pert.generate([(prompt(f"p{i}", gold), t) for i, (t, gold) in enumerate(texts)])
+    assert all(n is not None for n in negs), pert.stats
+    golds = [g for _, g in texts]
+    assert [o.correct for o in rule_verifier.verify_batch(golds, negs)] == [False] * 4
+    assert [o.correct for o in rule_verifier.verify_batch(golds, [t for t, _ in texts])] == [True] * 4
