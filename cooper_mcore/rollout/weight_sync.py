@@ -1,8 +1,8 @@
 """Push the weights of a TP/PP-parallel Megatron policy into a rollout engine.
 
 Each data-parallel replica gathers its own model one parameter at a time: tensor-parallel
-shards are all-gathered within the stage (the fused ``linear_fc1`` per gate/up half), then each
-pipeline stage broadcasts its full parameters to the replica's first rank, which maps them to
+shards are gathered to the stage's TP rank 0 (the fused ``linear_fc1`` per gate/up half), then
+each pipeline stage broadcasts its full parameters to the replica's first rank, which maps them to
 Hugging Face names with the converter's mapping (:mod:`cooper_mcore.convert.mapping`) and hands
 them to its engine in buckets of a configurable size. The engine's ``weight_version`` is bumped.
 
@@ -39,41 +39,55 @@ def layer_offset(model: torch.nn.Module) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def _gather_tp(name: str, param: torch.Tensor, tp_group) -> torch.Tensor:
-    """The full tensor of a (possibly) tensor-parallel parameter."""
+def _gather_tp(name: str, param: torch.Tensor, tp_group) -> Optional[torch.Tensor]:
+    """The full tensor of a (possibly) tensor-parallel parameter, on TP rank 0 (None elsewhere)."""
     tp = dist.get_world_size(tp_group)
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
-    dim = param.partition_dim
-    shards = [torch.empty_like(param) for _ in range(tp)]
-    dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+    root = dist.get_process_group_ranks(tp_group)[0]
+    is_root = dist.get_rank() == root
+    shards = [torch.empty_like(param) for _ in range(tp)] if is_root else None
+    dist.gather(param.detach().contiguous(), shards, dst=root, group=tp_group)
+    if not is_root:
+        return None
     if name.endswith("mlp.linear_fc1.weight"):  # each shard is [gate_r; up_r]
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=dim)
+    return torch.cat(shards, dim=param.partition_dim)
 
 
 def gathered_params(model: torch.nn.Module, tp_group, pp_group) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(mapping name, full tensor)`` of every parameter of the whole pipeline, on the
-    replica's first rank (other ranks take part in the collectives and yield nothing)."""
+    replica's first rank; other ranks take part in the collectives and yield nothing.
+
+    TP shards are gathered to TP rank 0 of each stage; the stages' TP-rank-0 processes then
+    broadcast along their pipeline group, which contains the replica's first rank.
+    """
     inner = _unwrap(model)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    receiver = dist.get_rank(tp_group) == 0 and pp_rank == 0
+    tp_root = dist.get_rank(tp_group) == 0
+    receiver = tp_root and pp_rank == 0
     local = [(canonical_mcore_name(n, layer_offset(inner)), p)
              for n, p in inner.named_parameters()]
     pp_ranks = dist.get_process_group_ranks(pp_group)
     tp = dist.get_world_size(tp_group)
     device = next(inner.parameters()).device
     for stage in range(pp_size):
-        meta = [[(n, _full_shape(p, tp), p.dtype) for n, p in local]] if stage == pp_rank else [None]
-        if pp_size > 1:
+        if stage == pp_rank:  # this stage's parameters: gather TP shards to TP rank 0
+            meta = [[(n, _full_shape(p, tp), p.dtype) for n, p in local]]
+        else:
+            meta = [None]
+        if pp_size > 1 and tp_root:
             dist.broadcast_object_list(meta, src=pp_ranks[stage], group=pp_group)
+        if stage != pp_rank and not tp_root:
+            continue  # only TP rank 0 of each stage joins the pipeline broadcasts
         for i, (name, shape, dtype) in enumerate(meta[0]):
-            if stage == pp_rank:
-                full = _gather_tp(name, local[i][1], tp_group)
-                assert tuple(full.shape) == shape, (name, full.shape, shape)
-            else:
+            full = _gather_tp(name, local[i][1], tp_group) if stage == pp_rank else None
+            if not tp_root:
+                continue
+            if full is None:
                 full = torch.empty(shape, dtype=dtype, device=device)
+            assert tuple(full.shape) == shape, (name, full.shape, shape)
             if pp_size > 1:
                 full = full.contiguous()
                 dist.broadcast(full, src=pp_ranks[stage], group=pp_group)

@@ -10,7 +10,7 @@ from tests.conftest import last_json, torchrun
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("nproc,tp,pp", [(2, 2, 1), (2, 1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("nproc,tp,pp", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["tp2", "pp2", "tp2pp2"])
 def test_engine_matches_megatron_after_sync(tiny_models, tmp_path, nproc, tp, pp):
     pairs = []
     for family in ("qwen2", "llama"):  # untied and tied embeddings
