@@ -106,13 +106,14 @@ class HFEngine:
             top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=None if greedy else 0,
             eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
             return_dict_in_generate=True, output_logits=True,
-            stop_strings=params.stop or None,
         )
+        criteria = transformers.StoppingCriteriaList(
+            [_StopStrings(self.tokenizer, width, params.stop)] if params.stop else [])
         seed = int(torch.randint(0, 2**62, (1,), generator=gen))
         torch.manual_seed(seed)  # model.generate samples from the global generator
         out = self.model.generate(
             input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device),
-            generation_config=config, tokenizer=self.tokenizer if params.stop else None,
+            generation_config=config, stopping_criteria=criteria,
         )
         new = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # [b, t, vocab], raw
@@ -127,11 +128,11 @@ class HFEngine:
             text = ""
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(toks, skip_special_tokens=True)
-                for s in params.stop:
-                    if s and s in text:
-                        text, finish = text[:text.index(s)], "stop"
-                if finish == "length" and params.stop and n < len(new[r]):
-                    finish = "stop"
+                hit = _first_stop(text, params.stop)
+                if hit is not None:  # keep the tokens up to the one completing the stop string
+                    n = next(k for k in range(1, n + 1) if _first_stop(
+                        self.tokenizer.decode(toks[:k], skip_special_tokens=True), params.stop) is not None)
+                    toks, text, finish = toks[:n], text[:hit], "stop"
             results.append(GenerateOutput(
                 token_ids=toks, text=text,
                 logprobs=logp[r, :n].tolist() if params.logprobs else None, finish_reason=finish,
@@ -197,6 +198,25 @@ class HFEngine:
         """Drop the model."""
         self.model = None
         self._params = {}
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> Optional[int]:
+    """Index in ``text`` where the earliest stop string starts, or None."""
+    hits = [text.index(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+class _StopStrings:
+    """A ``transformers`` stopping criterion: a row is done once its decoded completion
+    contains a stop string. Works with any tokenizer (decodes instead of matching tokens)."""
+
+    def __init__(self, tokenizer, prompt_width: int, stops: Sequence[str]) -> None:
+        self.tokenizer, self.width, self.stops = tokenizer, prompt_width, list(stops)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = [_first_stop(self.tokenizer.decode(row[self.width:], skip_special_tokens=True), self.stops)
+                is not None for row in input_ids.tolist()]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 def _first(*values):

@@ -81,3 +81,22 @@ def test_bucketize_bounds_and_order():
     assert all(sum(t.numel() * 4 for _, t in b) <= 80 or len(b) == 1 for b in buckets)
     with pytest.raises(ValueError):
         list(bucketize(ts, 0))
+
+
+def test_text_prompts_and_stop_strings(tmp_path):
+    from cooper_mcore.data.mathgen import tokenizer_corpus
+    from cooper_mcore.data.tokenizer import train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(tokenizer_corpus(300), str(tmp_path / "tok"), vocab_size=128)
+    torch.manual_seed(1)
+    cfg = tiny_hf_config("qwen2", vocab_size=128, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    engine = HFEngine(transformers.AutoModelForCausalLM.from_config(cfg).eval(), tok)
+    free = engine.generate(["12+3="], SamplingParams(max_new_tokens=12, temperature=0))[0]
+    assert free.text == tok.decode(free.token_ids, skip_special_tokens=True)
+    # a stop string taken from the free-running text: generation stops there, the text ends before it
+    assert len(free.text) >= 2
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 1]
+    cut = engine.generate(["12+3="], SamplingParams(max_new_tokens=12, temperature=0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert free.text.startswith(cut.text) and len(cut.token_ids) <= len(free.token_ids)
+    assert free.token_ids[:len(cut.token_ids)] == cut.token_ids
