@@ -1,0 +1,626 @@
+"""Rollout engine on SGLang 0.5.23 (``docs/sglang.md``): offline ``sglang.Engine`` in this process
+(:meth:`SGLangEngine.offline`, colocated) or an HTTP server (:meth:`SGLangEngine.launch` /
+:meth:`SGLangEngine.connect`).
+
+Weights travel in SGLang's ``flattened_bucket`` load format: a bucket becomes one ``uint8``
+buffer plus per-tensor metadata, pickled with torch's multiprocessing reductions (CUDA tensors go
+as CUDA-IPC handles, so the server must share the host and GPUs) and base64-encoded over HTTP,
+inside the ``begin_weight_update`` / ``end_weight_update`` session SGLang 0.5.23 requires.
+``sglang`` is imported lazily, only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Optional
+
+import requests
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions on ForkingPickler)
+
+from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"  # the release this module was written against (its PyPI wheel's source)
+
+# ServerArgs fields this module sets (names checked against SGLang 0.5.23's arg_groups/fields)
+SERVER_ARG_NAMES = frozenset({
+    "model_path", "tokenizer_path", "tp_size", "dtype", "mem_fraction_static", "enable_memory_saver",
+    "enable_weights_cpu_backup", "random_seed", "skip_tokenizer_init", "trust_remote_code",
+    "context_length", "max_running_requests", "base_gpu_id", "enable_deterministic_inference",
+    "host", "port", "log_level",
+})
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # ServerArgs.dtype choices
+# request sampling_params keys this module sends (SGLang's /generate rejects unknown keys)
+SAMPLING_PARAM_NAMES = frozenset({"max_new_tokens", "temperature", "top_p", "stop", "sampling_seed"})
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang.srt.constants.GPU_MEMORY_TYPE_*
+LOAD_FORMAT = "flattened_bucket"
+
+_RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+_BIG_SEED = 2**63
+
+
+# -- configuration ---------------------------------------------------------------------------
+@dataclass
+class SGLangConfig:
+    """How to start SGLang; :meth:`server_args` maps it to ``ServerArgs`` keyword arguments.
+
+    Attributes:
+        model_path / tp_size / dtype / mem_fraction_static / random_seed / ...: the ``ServerArgs``
+            fields of the same names (:data:`SERVER_ARG_NAMES`; ``dtype`` in :data:`DTYPE_CHOICES`).
+        enable_memory_saver: needed for :meth:`SGLangEngine.release_memory` to free anything.
+        enable_weights_cpu_backup: keep the weights in CPU memory while released (otherwise they
+            must be re-sent with ``update_weights`` after resuming them).
+        skip_tokenizer_init: token-id prompts only; outputs carry no text.
+        enable_deterministic_inference: SGLang honours per-request seeds only in this mode.
+        raw_logprobs: log-probabilities of the unscaled distribution (temperature 1, as the trainer
+            computes them) via ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; else after temperature scaling.
+        extra_server_args: further ``ServerArgs`` fields, checked against the installed SGLang.
+    """
+
+    model_path: str
+    tokenizer_path: Optional[str] = None
+    tp_size: int = 1
+    dtype: str = "bfloat16"
+    mem_fraction_static: float = 0.5
+    enable_memory_saver: bool = True
+    enable_weights_cpu_backup: bool = False
+    random_seed: int = 0
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    context_length: Optional[int] = None
+    max_running_requests: Optional[int] = None
+    base_gpu_id: int = 0
+    enable_deterministic_inference: bool = False
+    raw_logprobs: bool = True
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "error"
+    extra_server_args: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        for ok, problem in ((bool(self.model_path), "model_path is empty"),
+                            (self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}"),
+                            (self.dtype in DTYPE_CHOICES, f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}"),
+                            (0 < self.mem_fraction_static < 1,
+                             f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"),
+                            (0 < self.port < 65536, f"port must be in 1..65535, got {self.port}"),
+                            (self.base_gpu_id >= 0, f"base_gpu_id must be >= 0, got {self.base_gpu_id}")):
+            if not ok:
+                raise ValueError(f"SGLangConfig.{problem}")
+
+    def server_args(self) -> dict[str, Any]:
+        """``ServerArgs`` keyword arguments (``None`` values left to SGLang's defaults)."""
+        self.validate()
+        args: dict[str, Any] = {name: getattr(self, name) for name in sorted(SERVER_ARG_NAMES)}
+        args = {k: v for k, v in args.items() if v is not None}
+        clash = sorted(set(self.extra_server_args) & SERVER_ARG_NAMES)
+        if clash:
+            raise ValueError(f"SGLangConfig.extra_server_args sets {clash}: use the config fields of that name")
+        args.update(self.extra_server_args)
+        return args
+
+
+def installed_server_arg_names() -> frozenset[str]:
+    """Field names of the installed ``ServerArgs`` (a msgspec Struct in 0.5.23; imports sglang)."""
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    return frozenset(f.name for f in msgspec.structs.fields(ServerArgs))
+
+
+def check_server_arg_names(args: dict[str, Any], known: Iterable[str]) -> None:
+    """Raise ``ValueError`` if ``args`` has a key that is not a ``ServerArgs`` field in ``known``."""
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise ValueError(f"not SGLang ServerArgs fields: {unknown} (written against sglang {SGLANG_VERSION})")
+
+
+def server_cli_args(args: dict[str, Any]) -> list[str]:
+    """``ServerArgs`` keywords as ``sglang.launch_server`` flags (``--field-name value``); booleans are
+    store-true flags (the ones used here default to False), ``False`` and ``None`` are left out."""
+    argv: list[str] = []
+    for name, value in args.items():
+        if value is not None and value is not False:
+            argv += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+    return argv
+
+
+def server_command(config: SGLangConfig, python: str = sys.executable) -> list[str]:
+    """The command that launches an SGLang HTTP server for ``config``."""
+    return [python, "-m", "sglang.launch_server", *server_cli_args(config.server_args())]
+
+
+# -- sampling and outputs --------------------------------------------------------------------
+def to_sglang_sampling_params(params: SamplingParams, index: int = 0) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for the ``index``-th prompt of a batch; a seed becomes
+    ``sampling_seed = seed + index`` so that repeated prompts (a GRPO group) draw different samples."""
+    params.validate()
+    out: dict[str, Any] = {"max_new_tokens": int(params.max_new_tokens),
+                           "temperature": float(params.temperature), "top_p": float(params.top_p)}
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.seed is not None:
+        out["sampling_seed"] = (int(params.seed) + index) % _BIG_SEED
+    return out
+
+
+def parse_generate_output(out: dict[str, Any], logprobs: bool) -> GenerateOutput:
+    """One SGLang generate result (``{"text", "output_ids", "meta_info"}``) as a GenerateOutput.
+
+    ``meta_info["output_token_logprobs"]`` holds one ``[logprob, token_id, text]`` per output token;
+    ``meta_info["finish_reason"]`` is ``{"type": "stop" | "length" | "abort", ...}``. Token ids
+    include a stop token and the tokens of a matched stop string (as sampled), the text does not.
+
+    Raises:
+        RuntimeError: an aborted request, or logprobs that do not match the output tokens.
+    """
+    meta = out.get("meta_info") or {}
+    rid = meta.get("id", "?")
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort":
+        raise RuntimeError(f"SGLang aborted request {rid}: {reason.get('message')!r}")
+    if kind not in ("stop", "length"):
+        raise RuntimeError(f"SGLang request {rid} returned an unfinished or unknown finish_reason {reason!r}")
+    token_ids = [int(t) for t in out.get("output_ids") or []]
+    lps: Optional[list[float]] = None
+    if logprobs:
+        entries = meta.get("output_token_logprobs")
+        if entries is None:
+            raise RuntimeError(f"SGLang request {rid} returned no output_token_logprobs")
+        if len(entries) != len(token_ids) or any(int(e[1]) != t for e, t in zip(entries, token_ids)):
+            raise RuntimeError(f"SGLang request {rid}: output_token_logprobs ({len(entries)} entries) do not "
+                               f"match output_ids ({len(token_ids)} tokens)")
+        lps = [float(e[0]) for e in entries]
+    return GenerateOutput(token_ids=token_ids, text=out.get("text") or "", logprobs=lps, finish_reason=kind)
+
+
+# -- flattened weight buckets ----------------------------------------------------------------
+@dataclass(frozen=True)
+class BucketEntry:
+    """One tensor of a flattened bucket (SGLang's ``FlattenedTensorMetadata`` fields; the indices
+    and ``numel`` count bytes of the ``uint8`` buffer)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+@dataclass
+class FlatBucket:
+    """A bucket as one contiguous ``uint8`` buffer plus the entries to cut it back into tensors."""
+
+    flattened_tensor: torch.Tensor
+    metadata: list[BucketEntry]
+
+
+def flatten_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
+    """Concatenate the bytes of every tensor (any dtypes, one device) into one ``uint8`` buffer.
+
+    Each tensor starts at a multiple of its element size (zero padding before it if needed): the
+    receiver views ``buffer[start:end]`` as the dtype, which fails on a misaligned offset. Without
+    padding the layout equals SGLang's own ``FlattenedTensorBucket``.
+    """
+    if not named_tensors:
+        raise ValueError("flatten_bucket: empty bucket")
+    names = [n for n, _ in named_tensors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"flatten_bucket: duplicate names {sorted({n for n in names if names.count(n) > 1})}")
+    devices = {t.device for _, t in named_tensors}
+    if len(devices) > 1:
+        raise ValueError(f"flatten_bucket: tensors on several devices {sorted(map(str, devices))}")
+    parts, metadata, offset = [], [], 0
+    for name, t in named_tensors:
+        pad = -offset % t.element_size()
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
+            offset += pad
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        metadata.append(BucketEntry(name, t.shape, t.dtype, offset, offset + raw.numel(), raw.numel()))
+        offset += raw.numel()
+    return FlatBucket(torch.cat(parts), metadata)
+
+
+def unflatten_bucket(bucket: FlatBucket) -> list[tuple[str, torch.Tensor]]:
+    """The tensors back from a bucket (views of its buffer), as SGLang's receiver rebuilds them."""
+    flat = bucket.flattened_tensor
+    return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in bucket.metadata]
+
+
+def sglang_bucket_payload(bucket: FlatBucket) -> dict[str, Any]:
+    """What SGLang's ``flattened_bucket`` loader unpickles: ``{"flattened_tensor", "metadata"}``. It reads
+    the metadata items' attributes; ``types.SimpleNamespace`` passes its restricted unpickler."""
+    meta = [types.SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.start_idx,
+                                  end_idx=m.end_idx, numel=m.numel) for m in bucket.metadata]
+    return {"flattened_tensor": bucket.flattened_tensor, "metadata": meta}
+
+
+def serialize_for_sglang(obj: Any, as_base64: bool) -> Any:
+    """Pickle ``obj`` as SGLang's ``MultiprocessingSerializer`` does (``ForkingPickler``; tensors are
+    shared, not copied), as bytes or as a base64 string for JSON."""
+    _patch_torch_reductions()
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    data = buf.getvalue()
+    return base64.b64encode(data).decode("ascii") if as_base64 else data
+
+
+_patched: list[bool] = []
+
+
+def _patch_torch_reductions() -> None:
+    """Use SGLang's reductions when available (CUDA devices sent by UUID, so the server may see a
+    different ``CUDA_VISIBLE_DEVICES``); without sglang, device indices must agree."""
+    if _patched:
+        return
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+        _patched.append(True)
+    except ImportError:
+        _patched.append(False)
+        logger.info("sglang not importable here: CUDA tensors are sent with plain torch reductions")
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+def _is_connect_failure(exc: requests.exceptions.ConnectionError) -> bool:
+    """True when the request never reached the server (safe to retry any operation)."""
+    import urllib3
+
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return True
+    reason = getattr(exc.args[0], "reason", None) if exc.args else None
+    return isinstance(reason, (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError))
+
+
+class SGLangHTTPClient:
+    """JSON calls to an SGLang server with bounded retries and errors that name the server.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:30000``.
+        connect_timeout_s / request_timeout_s: per-request limits (a read timeout is not retried).
+        max_retries: extra attempts when the connection fails (exponential backoff from ``backoff_s``).
+    """
+
+    def __init__(self, base_url: str, connect_timeout_s: float = 5.0, request_timeout_s: float = 1800.0,
+                 max_retries: int = 3, backoff_s: float = 0.5) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"SGLang server URL must start with http:// or https://, got {base_url!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._session = requests.Session()
+
+    def request(self, method: str, path: str, op: str, payload: Optional[dict] = None,
+                idempotent: bool = False, timeout_s: Optional[float] = None) -> Any:
+        """One request; returns the decoded JSON (or the text, or None for an empty body). Raises:
+            ConnectionError: the server could not be reached after the retries.
+            TimeoutError: no answer within the request timeout.
+            RuntimeError: an HTTP error status, or ``{"success": false}``.
+        """
+        url = self.base_url + path
+        timeout = (self.connect_timeout_s, timeout_s or self.request_timeout_s)
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = self._session.request(method, url, json=payload, timeout=timeout)
+                break
+            except requests.exceptions.ConnectionError as e:
+                if not (_is_connect_failure(e) or idempotent) or attempt == self.max_retries:
+                    raise ConnectionError(f"SGLang server {self.base_url}: {op} ({method} {path}) failed after "
+                                          f"{attempt + 1} attempt(s): {e}") from e
+                delay = self.backoff_s * 2**attempt
+                logger.warning("SGLang %s at %s: %s; retrying in %.2fs", op, url, type(e).__name__, delay)
+                time.sleep(delay)
+            except requests.exceptions.Timeout as e:
+                raise TimeoutError(f"SGLang server {self.base_url}: {op} ({method} {path}) got no answer within "
+                                   f"{timeout[1]}s") from e
+        if resp.status_code >= 400:
+            raise RuntimeError(f"SGLang server {self.base_url}: {op} ({method} {path}) answered HTTP "
+                               f"{resp.status_code}: {resp.text[:500]!r}")
+        if not resp.content:
+            return None
+        try:
+            body = resp.json()
+        except ValueError:
+            return resp.text
+        if isinstance(body, dict) and body.get("success") is False:
+            raise RuntimeError(f"SGLang server {self.base_url}: {op} failed: {str(body.get('message'))[:500]!r}")
+        return body
+
+    def wait_until_ready(self, timeout_s: float, path: str = "/health_generate", poll_s: float = 1.0,
+                         process: Optional[subprocess.Popen] = None) -> None:
+        """Poll ``path`` until it answers 200 (``/health_generate`` runs a 1-token generation). Raises:
+            TimeoutError: not ready within ``timeout_s`` (with the last status or error).
+            RuntimeError: ``process`` (the launched server) exited.
+        """
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"SGLang server {self.base_url} exited with code {process.returncode} "
+                                   "before it was ready")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"SGLang server {self.base_url} not ready after {timeout_s}s "
+                                   f"(last {path}: {last})")
+            try:
+                resp = self._session.get(self.base_url + path, timeout=(min(self.connect_timeout_s, remaining),
+                                                                        max(min(remaining, 60.0), 0.1)))
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except requests.exceptions.RequestException as e:
+                last = type(e).__name__
+            time.sleep(max(min(poll_s, deadline - time.monotonic()), 0))
+
+    def close(self) -> None:
+        """Close the HTTP session."""
+        self._session.close()
+
+
+# -- the engine ------------------------------------------------------------------------------
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    it, prev, have = iter(items), None, False
+    for item in it:
+        if have:
+            yield prev, False
+        prev, have = item, True
+    if have:
+        yield prev, True
+
+
+def _check(op: str, result: Any) -> None:
+    """Raise if an offline-engine call reports failure (``(success, message)`` or ``.success``)."""
+    if isinstance(result, tuple) and len(result) >= 2 and isinstance(result[0], bool):
+        ok, msg = result[0], result[1]
+    elif hasattr(result, "success"):
+        ok, msg = bool(result.success), getattr(result, "message", "")
+    else:
+        return
+    if not ok:
+        raise RuntimeError(f"SGLang engine: {op} failed: {msg}")
+
+
+def _warn_version(found: Optional[str], where: str) -> None:
+    if found and found != SGLANG_VERSION:
+        logger.warning("%s runs sglang %s; this engine was written against %s", where, found, SGLANG_VERSION)
+
+
+class SGLangEngine:
+    """The :class:`~cooper_mcore.rollout.base.RolloutEngine` on SGLang; build it with :meth:`offline`,
+    :meth:`launch` or :meth:`connect`.
+
+    Args:
+        engine / client: an ``sglang.Engine`` (offline) or an :class:`SGLangHTTPClient`; exactly one.
+        tp_size: the engine's tensor-parallel size (one weight payload per TP rank).
+        process: the launched server process, terminated by :meth:`shutdown`.
+    """
+
+    def __init__(self, engine: Any = None, client: Optional[SGLangHTTPClient] = None, tp_size: int = 1,
+                 process: Optional[subprocess.Popen] = None) -> None:
+        if (engine is None) == (client is None):
+            raise ValueError("SGLangEngine needs exactly one of engine= (offline) or client= (HTTP)")
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self._engine = engine
+        self._client = client
+        self._process = process
+        self.tp_size = tp_size
+        self.weight_version = 0
+        self._released: list[str] = []
+        self._closed = False
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def offline(cls, config: SGLangConfig) -> SGLangEngine:
+        """Start ``sglang.Engine`` in this process (colocated with the trainer)."""
+        args = config.server_args()
+        if config.raw_logprobs:
+            os.environ[_RAW_LOGPROB_ENV] = "1"  # read by the scheduler subprocesses it spawns
+        import sglang
+
+        _warn_version(getattr(sglang, "__version__", None), "this process")
+        check_server_arg_names(args, installed_server_arg_names())
+        logger.info("starting sglang.Engine: %s", args)
+        return cls(engine=sglang.Engine(**args), tp_size=config.tp_size)
+
+    @classmethod
+    def launch(cls, config: SGLangConfig, ready_timeout_s: float = 900.0, python: str = sys.executable,
+               **client_kwargs: Any) -> SGLangEngine:
+        """Launch ``python -m sglang.launch_server`` for ``config`` and wait until it is healthy."""
+        cmd = server_command(config, python)
+        env = dict(os.environ)
+        if config.raw_logprobs:
+            env[_RAW_LOGPROB_ENV] = "1"
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+        client = SGLangHTTPClient(f"http://{host}:{config.port}", **client_kwargs)
+        logger.info("launching SGLang server: %s", " ".join(cmd))
+        process = subprocess.Popen(cmd, env=env, start_new_session=True)
+        engine = cls(client=client, tp_size=config.tp_size, process=process)
+        try:
+            engine.wait_until_ready(ready_timeout_s)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    @classmethod
+    def connect(cls, url: str, tp_size: Optional[int] = None, ready_timeout_s: float = 0.0,
+                **client_kwargs: Any) -> SGLangEngine:
+        """Attach to a running SGLang server (its TP size is read from ``/server_info`` if not given)."""
+        client = SGLangHTTPClient(url, **client_kwargs)
+        if ready_timeout_s > 0:
+            client.wait_until_ready(ready_timeout_s)
+        info = client.request("GET", "/server_info", "server_info", idempotent=True)
+        info = info if isinstance(info, dict) else {}
+        _warn_version(info.get("version"), f"the server at {client.base_url}")
+        if tp_size is None:
+            if not isinstance(info.get("tp_size"), int):
+                raise ValueError(f"/server_info of {client.base_url} has no tp_size; pass tp_size=")
+            tp_size = info["tp_size"]
+        return cls(client=client, tp_size=tp_size)
+
+    def _live(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"SGLangEngine.{op} called after shutdown()")
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Block until the server answers its health check (offline engines are ready once built)."""
+        self._live("wait_until_ready")
+        if self._client is not None:
+            self._client.wait_until_ready(timeout_s, process=self._process)
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompts: Prompts, params: SamplingParams) -> list[GenerateOutput]:
+        """Complete each prompt (all texts or all token-id lists) once; outputs in input order."""
+        self._live("generate")
+        params.validate()
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if all(isinstance(p, str) for p in prompts):
+            key, value = "text", prompts
+        elif all(not isinstance(p, str) and isinstance(p, Sequence) for p in prompts):
+            value = [[int(t) for t in p] for p in prompts]
+            if any(not p for p in value):
+                raise ValueError("SGLangEngine.generate: empty token-id prompt")
+            key = "input_ids"
+        else:
+            raise ValueError("SGLangEngine.generate: prompts must be all strings or all token-id lists")
+        if self._released:
+            raise RuntimeError(f"SGLangEngine.generate called with memory released ({self._released}); "
+                               "call resume_memory() first")
+        sampling = [to_sglang_sampling_params(params, i) for i in range(len(value))]
+        if self._engine is not None:
+            kwargs = {"prompt" if key == "text" else "input_ids": value}
+            outs = self._engine.generate(sampling_params=sampling, return_logprob=params.logprobs, **kwargs)
+        else:
+            outs = self._client.request("POST", "/generate", "generate",
+                                        {key: value, "sampling_params": sampling, "return_logprob": params.logprobs})
+        if not isinstance(outs, list) or len(outs) != len(value):
+            raise RuntimeError(f"SGLang generate returned {type(outs).__name__} "
+                               f"{len(outs) if isinstance(outs, list) else ''} for {len(value)} prompts")
+        return [parse_generate_output(o, params.logprobs) for o in outs]
+
+    # -- weights -----------------------------------------------------------------------------
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """One ``update_weights_from_tensor`` call per bucket inside one weight-update session, the
+        cache flushed with the last; then ``weight_version = version``. Tensors must stay valid until
+        this returns (the server reads them through CUDA IPC)."""
+        self._live("update_weights")
+        self._call("begin_weight_update", {"selector": "all"})
+        count = 0
+        try:
+            for bucket, last in _with_last(buckets):
+                payload = sglang_bucket_payload(flatten_bucket(bucket))
+                blobs = [serialize_for_sglang(payload, self._client is not None) for _ in range(self.tp_size)]
+                self._update_bucket(blobs, last, version)
+                count += 1
+                del payload, blobs
+            if count == 0:
+                raise ValueError("SGLangEngine.update_weights: no buckets")
+        except BaseException:
+            try:
+                self._call("end_weight_update", {})
+            except Exception as close_error:  # keep the original error
+                logger.error("SGLang end_weight_update after a failed update also failed: %s", close_error)
+            raise
+        self._call("end_weight_update", {})
+        self.weight_version = version
+        logger.info("SGLang weights updated to version %d (%d buckets)", version, count)
+
+    def _update_bucket(self, blobs: list[Any], last: bool, version: int) -> None:
+        if self._engine is not None:
+            _check("update_weights_from_tensor", self._engine.update_weights_from_tensor(
+                named_tensors=blobs, load_format=LOAD_FORMAT, flush_cache=last))
+            return
+        body: dict[str, Any] = {"serialized_named_tensors": blobs, "load_format": LOAD_FORMAT, "flush_cache": last}
+        if last:
+            body["weight_version"] = str(version)
+        self._client.request("POST", "/update_weights_from_tensor", "update_weights_from_tensor", body)
+
+    def _call(self, op: str, payload: dict[str, Any]) -> Any:
+        """A control call by SGLang's name, offline (method) or over HTTP (``POST /<op>``)."""
+        if self._engine is not None:
+            result = getattr(self._engine, op)(**payload)
+            _check(op, result)
+            return result
+        return self._client.request("POST", "/" + op, op, payload)
+
+    # -- memory and cache --------------------------------------------------------------------
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Free GPU memory (default: weights, KV cache, CUDA graphs; needs ``enable_memory_saver``).
+        Without ``enable_weights_cpu_backup`` released weights must be re-sent after resuming."""
+        self._live("release_memory")
+        todo = [t for t in self._tags(tags) if t not in self._released]
+        if todo:
+            self._call("release_memory_occupation", {"tags": todo})
+            self._released += todo
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Take back released memory (default: everything released). For a weight update with
+        little free memory: ``resume_memory(["weights"])``, ``update_weights``, then ``resume_memory()``."""
+        self._live("resume_memory")
+        todo = [t for t in self._tags(tags) if t in self._released]
+        if todo:
+            self._call("resume_memory_occupation", {"tags": todo})
+            self._released = [t for t in self._released if t not in todo]
+
+    @staticmethod
+    def _tags(tags: Optional[Sequence[str]]) -> list[str]:
+        if tags is None:
+            return list(MEMORY_TAGS)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"unknown SGLang memory tags {bad}; expected some of {MEMORY_TAGS}")
+        return list(dict.fromkeys(tags))
+
+    def flush_cache(self) -> None:
+        """Drop the radix (prefix) cache; SGLang refuses while requests are running."""
+        self._live("flush_cache")
+        if self._engine is not None:
+            _check("flush_cache", self._engine.flush_cache())
+        else:
+            self._client.request("POST", "/flush_cache", "flush_cache", idempotent=True)
+
+    def shutdown(self) -> None:
+        """Stop the engine (offline) or the launched server; a connected server is left running."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._engine is not None:
+            self._engine.shutdown()
+        if self._client is not None:
+            self._client.close()
+        proc = self._process
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the launched server's own session (start_new_session)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                logger.warning("SGLang server (pid %d) ignored SIGTERM; killing it", proc.pid)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
