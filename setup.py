@@ -21,7 +21,7 @@ setup(
         "transformers>=4.51",
         "safetensors>=0.4",
         "sentencepiece>=0.2",
-        "math-verify>=0.7",
+        "math-verify>=0.9,<0.10",
         "wandb>=0.19",
         "numpy",
         "packaging",
@@ -32,7 +32,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23"],
+        "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23; python_version>='3.11'"],
         "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["cooper=cooper_mcore.cli:main"]},

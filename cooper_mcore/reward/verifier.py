@@ -1,0 +1,510 @@
+"""Rule-based answer verifier over math-verify, with a hard per-item timeout.
+
+``RuleVerifier`` checks a prediction against a gold answer with ``math_verify.parse``/``verify`` (gold
+first: ``verify`` is not symmetric). Both strings may be full texts or bare answers:
+
+* ``pred`` is the full completion of the policy. If it contains ``\\boxed{...}``, math-verify extracts
+  the boxed answer itself (several boxes form a set, as math-verify does). Otherwise, or if that yields
+  nothing, :func:`extract_answer` finds the final answer (GSM8K ``#### 72``, ``The answer is 42.``, the
+  last math environment, the last number, or the whole text when it is a bare answer like ``1/2``),
+  which is wrapped in ``$...$`` for math-verify. No answer at all is a wrong answer.
+* ``gold`` is handled the same way, so a bare ``\\frac{1}{2}``, a GSM8K solution ending in ``#### 72``
+  and a MATH solution with ``\\boxed{}`` all work. A gold without a parseable answer makes the item
+  unverifiable.
+
+math-verify's own timeouts (``signal.alarm``) are disabled: they do not stop sympy inside C code and
+fail outside the main thread. Instead every item runs in a pool of long-lived worker processes (one
+item at a time per worker); the parent holds a deadline per in-flight item and on expiry SIGKILLs the
+worker and starts a fresh one. A timeout or crash marks that item unverifiable (``correct=None``) and is
+counted in :attr:`RuleVerifier.stats`; it never raises to the caller or hangs. Workers come from the
+"forkserver" context by default (a clean server process that preloads math-verify, safe in a
+multi-threaded trainer); as with "spawn", a script that uses the verifier needs an
+``if __name__ == "__main__":`` guard. Each worker also caps its address space (``memory_limit_mb``
+above its start size) so that a runaway sympy computation fails instead of swapping the machine.
+
+``verify_jsonl`` is the body of ``cooper verify --in F.jsonl --out G.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+from cooper_mcore.reward.extract import extract_answer
+
+__all__ = ["RuleVerifier", "VerifyOutcome", "extract_answer", "verify_jsonl"]
+
+logger = logging.getLogger(__name__)
+
+_BOXED = "\\boxed"
+_MAX_START_FAILURES = 3
+_ERROR_CHARS = 300
+
+
+@dataclass
+class VerifyOutcome:
+    """The verdict on one (gold, pred) pair.
+
+    Attributes:
+        correct: True/False, or None when unverifiable (timeout, worker crash, gold without answer).
+        seconds: Wall time from dispatch to a worker until the verdict (the timeout for timeouts).
+        status: "ok" (a verdict), "timeout" (worker killed at the deadline) or "error".
+        error: What went wrong when status is not "ok".
+    """
+
+    correct: Optional[bool]
+    seconds: float
+    status: str
+    error: Optional[str] = None
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _parse_answer(text: str) -> list:
+    """math-verify's parse of the final answer of ``text`` ([] if none); runs inside a worker."""
+    from math_verify import LatexExtractionConfig, parse
+
+    if _BOXED in text:
+        parsed = parse(text, [LatexExtractionConfig(boxed_match_priority=0)], parsing_timeout=None)
+        if parsed:
+            return parsed
+    ans = extract_answer(text)
+    if ans is None:
+        return []
+    return parse(f"${ans}$", parsing_timeout=None)
+
+
+def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str]]:
+    """Verify one pair in this process, without any timeout (the worker's job; also handy in tests).
+
+    Args:
+        gold: Reference answer or solution.
+        pred: Completion or bare answer.
+
+    Returns:
+        (correct, status, error): (None, "error", why) if the gold has no parseable answer, else
+        (verdict, "ok", None). A pred without a parseable answer is wrong.
+    """
+    from math_verify import verify
+
+    gold_parsed = _parse_answer(gold)
+    if not gold_parsed:
+        return None, "error", "gold has no parseable answer"
+    pred_parsed = _parse_answer(pred)
+    if not pred_parsed:
+        return False, "ok", None
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None)), "ok", None
+
+
+def _limit_memory(extra_mb: Optional[int]) -> None:
+    """Cap this process's address space at its current size plus ``extra_mb`` (Linux; best effort)."""
+    if not extra_mb:
+        return
+    try:
+        import resource
+
+        with open("/proc/self/status", encoding="ascii") as f:
+            vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        soft = vm_kb * 1024 + extra_mb * 2**20
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            soft = min(soft, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    except (OSError, ValueError, StopIteration, ImportError):
+        pass
+
+
+def _worker_main(conn: Connection, memory_limit_mb: Optional[int]) -> None:
+    """Worker loop: announce readiness, then answer (idx, gold, pred) requests until None or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings
+    _limit_memory(memory_limit_mb)
+    check_pair("\\frac{1}{2}", "The answer is \\boxed{0.5}.")  # warm sympy/antlr before the first deadline
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        idx, gold, pred = msg
+        try:
+            correct, status, error = check_pair(gold, pred)
+        except Exception as e:  # noqa: BLE001 - any failure is an unverifiable item, never a dead worker
+            correct, status, error = None, "error", f"{type(e).__name__}: {str(e)[:_ERROR_CHARS]}"
+        conn.send((idx, correct, status, error))
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+@dataclass
+class _Worker:
+    proc: Any  # a multiprocessing Process of the chosen context
+    conn: Connection
+    state: str  # "starting" | "idle" | "busy"
+    deadline: float  # start deadline while starting, item deadline while busy
+    item: int = -1
+    dispatched: float = 0.0
+
+
+def _reaped(proc: Any) -> bool:
+    """Reap ``proc`` without blocking; True once it has exited."""
+    proc.join(timeout=0)
+    return proc.exitcode is not None
+
+
+def _shutdown(workers: list[_Worker], killed: list[Any]) -> None:
+    """Stop all workers: ask idle and starting ones to exit, SIGKILL busy ones and whatever is still alive
+    after a second; reap killed ones."""
+    for w in workers:
+        if w.state == "busy":
+            w.proc.kill()
+            continue
+        try:
+            w.conn.send(None)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 1.0
+    for w in workers:
+        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(timeout=5.0)
+        w.conn.close()
+    workers.clear()
+    for proc in killed:
+        proc.join(timeout=5.0)
+    killed.clear()
+
+
+class RuleVerifier:
+    """Parallel math-verify checker with a hard per-item timeout in killable worker processes.
+
+    Not for concurrent use from several threads (calls are serialized by a lock). Use as a context
+    manager or call :meth:`close`; workers are also killed when the object is garbage collected.
+
+    Args:
+        timeout_s: Hard limit per item, from dispatch to verdict, in seconds.
+        num_workers: Number of worker processes.
+        start_method: multiprocessing start method: "forkserver" (default; sets the process-wide
+            forkserver preload list to math-verify and this module), "spawn" or "fork" (unsafe in a
+            multi-threaded parent).
+        memory_limit_mb: Address-space headroom per worker above its start size; None for no cap.
+        start_timeout_s: Limit for a worker to import math-verify and warm up.
+
+    Raises:
+        ValueError: If an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        num_workers: int = 2,
+        *,
+        start_method: str = "forkserver",
+        memory_limit_mb: Optional[int] = 4096,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"RuleVerifier: timeout_s must be > 0, got {timeout_s}")
+        if num_workers < 1:
+            raise ValueError(f"RuleVerifier: num_workers must be >= 1, got {num_workers}")
+        if start_method not in mp.get_all_start_methods():
+            raise ValueError(f"RuleVerifier: start_method {start_method!r} not in {mp.get_all_start_methods()}")
+        self.timeout_s = float(timeout_s)
+        self.num_workers = int(num_workers)
+        self._memory_limit_mb = memory_limit_mb
+        self._start_timeout_s = float(start_timeout_s)
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self._ctx.set_forkserver_preload(["math_verify", __name__])
+        self._lock = threading.Lock()
+        self._stats = {"total": 0, "correct": 0, "wrong": 0, "timeout": 0, "error": 0}
+        self._start_failures = 0
+        self._workers: list[_Worker] = []
+        self._killed: list[Any] = []  # killed worker processes not reaped yet
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._killed)
+        self._workers.extend(self._spawn() for _ in range(self.num_workers))
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Cumulative counts over all calls: total, correct, wrong, timeout, error."""
+        return dict(self._stats)
+
+    def verify(self, gold: str, pred: str) -> VerifyOutcome:
+        """Verify one completion against its gold answer.
+
+        Args:
+            gold: Reference answer (bare answer or solution text).
+            pred: Full completion text (or a bare answer).
+
+        Returns:
+            The outcome; never raises for a timeout or a worker crash.
+        """
+        return self.verify_batch([gold], [pred])[0]
+
+    def verify_batch(self, golds: Sequence[str], preds: Sequence[str]) -> list[VerifyOutcome]:
+        """Verify many pairs in parallel across the workers.
+
+        Args:
+            golds: Reference answers.
+            preds: Completions, aligned with ``golds``.
+
+        Returns:
+            One outcome per pair, in input order.
+
+        Raises:
+            ValueError: If the lengths differ, an element is not a string, or the verifier is closed.
+        """
+        if len(golds) != len(preds):
+            raise ValueError(f"verify_batch: {len(golds)} golds but {len(preds)} preds")
+        for name, seq in (("golds", golds), ("preds", preds)):
+            for i, s in enumerate(seq):
+                if not isinstance(s, str):
+                    raise ValueError(f"verify_batch: {name}[{i}] is {type(s).__name__}, expected str")
+        with self._lock:
+            if not self._finalizer.alive:
+                raise ValueError("RuleVerifier is closed")
+            try:
+                results = self._run(golds, preds)
+            except BaseException:
+                # Interrupted (e.g. KeyboardInterrupt): busy workers would answer stale items later.
+                for i, w in enumerate(self._workers):
+                    if w.state == "busy":
+                        self._replace(i)
+                raise
+        bad = [o.status for o in results if o.status != "ok"]
+        if bad:
+            logger.warning("verifier: %d of %d items unverifiable (%d timeouts, %d errors)", len(bad),
+                           len(results), bad.count("timeout"), bad.count("error"))
+        return results
+
+    def close(self) -> None:
+        """Stop the workers. Idempotent."""
+        with self._lock:
+            self._finalizer()
+
+    def __enter__(self) -> RuleVerifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ pool management
+
+    def _spawn(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=_worker_main, args=(child_conn, self._memory_limit_mb),
+                                 name="cooper-verifier", daemon=True)
+        proc.start()
+        child_conn.close()  # so that the parent sees EOF when the worker dies
+        return _Worker(proc, parent_conn, "starting", time.monotonic() + self._start_timeout_s)
+
+    def _replace(self, i: int) -> None:
+        """SIGKILL worker ``i`` (if alive) and put a fresh one in its slot; the old one is reaped later."""
+        w = self._workers[i]
+        if w.proc.is_alive():
+            w.proc.kill()
+        w.conn.close()
+        self._killed.append(w.proc)
+        self._killed[:] = [p for p in self._killed if not _reaped(p)]
+        self._workers[i] = self._spawn()
+
+    def _start_failed(self, i: int, why: str) -> None:
+        self._start_failures += 1
+        if self._start_failures >= _MAX_START_FAILURES:
+            raise RuntimeError(f"verifier workers fail to start ({why}); is math-verify importable?")
+        logger.warning("verifier: worker failed to start (%s); retrying", why)
+        self._replace(i)
+
+    def _record(self, out: VerifyOutcome) -> VerifyOutcome:
+        self._stats["total"] += 1
+        if out.status == "ok" and out.correct is not None:
+            self._stats["correct" if out.correct else "wrong"] += 1
+        else:
+            self._stats["timeout" if out.status == "timeout" else "error"] += 1
+        return out
+
+    def _run(self, golds: Sequence[str], preds: Sequence[str]) -> list[VerifyOutcome]:
+        """The dispatch loop: feed idle workers, collect verdicts, kill workers past their deadline."""
+        results: list[Optional[VerifyOutcome]] = [None] * len(golds)
+        pending = deque(range(len(golds)))
+        workers = self._workers
+        while True:
+            for i, w in enumerate(workers):  # dispatch
+                while w.state == "idle" and pending:
+                    item = pending.popleft()
+                    now = time.monotonic()
+                    try:
+                        w.conn.send((item, golds[item], preds[item]))
+                    except OSError as e:  # died while idle
+                        results[item] = self._record(VerifyOutcome(None, time.monotonic() - now, "error",
+                                                                   f"worker died: {e}"))
+                        self._replace(i)
+                        w = workers[i]
+                        break
+                    w.state, w.item, w.dispatched, w.deadline = "busy", item, now, now + self.timeout_s
+            active = [w for w in workers if w.state != "idle"]
+            if not pending and not any(w.state == "busy" for w in workers):
+                break
+            assert active, "pending items but no busy or starting worker"
+            wait_s = max(0.0, min(w.deadline for w in active) - time.monotonic())
+            ready = set(wait([w.conn for w in active], timeout=wait_s))
+            now = time.monotonic()
+            for i, w in enumerate(workers):
+                if w.state == "idle":
+                    continue
+                if w.conn in ready:
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        w.proc.join(timeout=1.0)
+                        why = f"worker died (exit code {w.proc.exitcode})"
+                        if w.state == "starting":
+                            self._start_failed(i, why)
+                        else:
+                            results[w.item] = self._record(VerifyOutcome(None, now - w.dispatched, "error", why))
+                            logger.debug("verifier: item %d: %s", w.item, why)
+                            self._replace(i)
+                        continue
+                    if w.state == "starting":
+                        assert msg[0] == "ready", f"unexpected first message from a worker: {msg!r}"
+                        self._start_failures = 0
+                        w.state = "idle"
+                        continue
+                    idx, correct, status, error = msg
+                    assert idx == w.item, f"worker answered item {idx}, expected {w.item}"
+                    results[idx] = self._record(VerifyOutcome(correct, now - w.dispatched, status, error))
+                    w.state, w.item = "idle", -1
+                elif now >= w.deadline:
+                    if w.state == "starting":
+                        self._start_failed(i, f"not ready after {self._start_timeout_s:.0f} s")
+                        continue
+                    results[w.item] = self._record(
+                        VerifyOutcome(None, now - w.dispatched, "timeout", f"no verdict in {self.timeout_s:g} s"))
+                    logger.debug("verifier: item %d timed out; restarting its worker", w.item)
+                    self._replace(i)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def _read_jsonl(path: str, gold_key: str, pred_key: str) -> list[dict]:
+    """Records of a JSONL file, each an object with string ``gold_key`` and ``pred_key``."""
+    records = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 ({e.reason})") from None
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            for key in (gold_key, pred_key):
+                if key not in rec:
+                    raise ValueError(f"{where}: missing field {key!r}")
+                if not isinstance(rec[key], str):
+                    raise ValueError(f"{where}: field {key!r} must be a string, got {type(rec[key]).__name__}")
+            records.append(rec)
+    return records
+
+
+def verify_jsonl(
+    in_path: str,
+    out_path: str,
+    timeout_s: float = 5.0,
+    num_workers: int = 2,
+    gold_key: str = "gold",
+    pred_key: str = "pred",
+    chunk_size: int = 4096,
+) -> dict:
+    """Verify every line of a JSONL file and write the results (body of ``cooper verify``).
+
+    Each input line is an object with string fields ``gold_key`` and ``pred_key`` (pred: a full
+    completion or a bare answer). Each output line is that object plus ``correct`` (true, false, or
+    null when unverifiable) and ``seconds``; existing fields of those names are overwritten. Blank
+    lines are skipped. All lines are validated before any verification; the output is written to a
+    temporary file in the output folder and renamed into place at the end.
+
+    Args:
+        in_path: Input JSONL file.
+        out_path: Output JSONL file (replaced atomically if it exists).
+        timeout_s: Hard per-item limit in seconds.
+        num_workers: Worker processes.
+        gold_key: Name of the gold field.
+        pred_key: Name of the prediction field.
+        chunk_size: Items per ``verify_batch`` call (progress is logged per chunk).
+
+    Returns:
+        Summary: total, correct, wrong, timeout, error, unverifiable, accuracy (correct / total),
+        max_seconds, mean_seconds, wall_seconds, items_per_s, out.
+
+    Raises:
+        ValueError: On a malformed line (bad UTF-8 or JSON, not an object, missing or non-string
+            field), naming the file and line number.
+        FileNotFoundError: If ``in_path`` does not exist.
+    """
+    t0 = time.monotonic()
+    records = _read_jsonl(in_path, gold_key, pred_key)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.", suffix=".tmp", dir=out_dir)
+    max_s = sum_s = 0.0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f, RuleVerifier(timeout_s, num_workers) as verifier:
+            for start in range(0, len(records), chunk_size):
+                chunk = records[start : start + chunk_size]
+                outcomes = verifier.verify_batch([r[gold_key] for r in chunk], [r[pred_key] for r in chunk])
+                for rec, out in zip(chunk, outcomes):
+                    rec["correct"] = out.correct
+                    rec["seconds"] = round(out.seconds, 6)
+                    max_s, sum_s = max(max_s, out.seconds), sum_s + out.seconds
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                logger.info("verify: %d/%d items", start + len(chunk), len(records))
+            stats = verifier.stats
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    wall = time.monotonic() - t0
+    total = stats["total"]
+    return {
+        **stats,
+        "unverifiable": stats["timeout"] + stats["error"],
+        "accuracy": stats["correct"] / total if total else 0.0,
+        "max_seconds": round(max_s, 6),
+        "mean_seconds": round(sum_s / total, 6) if total else 0.0,
+        "wall_seconds": round(wall, 3),
+        "items_per_s": round(total / wall, 1) if wall > 0 else 0.0,
+        "out": out_path,
+    }

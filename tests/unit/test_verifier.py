@@ -1,0 +1,364 @@
+"""Rule verifier (cooper_mcore.reward.verifier): answer extraction, verdicts on hand-known pairs and
+against math-verify itself, hard timeouts on adversarial inputs, worker crashes, batches and JSONL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from math_verify import parse, verify
+
+from cooper_mcore.reward.verifier import RuleVerifier, VerifyOutcome, check_pair, extract_answer, verify_jsonl
+
+pytestmark = pytest.mark.timeout(120)
+
+ADV_TIMEOUT_S = 1.0  # per-item limit of the adversarial verifier
+GSM8K_SOLUTION = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
+LONG_BOXED = (
+    "Let's solve step by step. First, $\\sin 60^\\circ = \\frac{\\sqrt{3}}{2}$ and $x = 4$ in between.\n" * 40
+    + "Therefore the value is \\boxed{\\frac{\\sqrt3}{2}}. Let me double check with $x=5$."
+)
+
+
+def _nested_frac(depth: int) -> str:
+    s = "1"
+    for _ in range(depth):
+        s = "\\frac{" + s + "}{2}"
+    return s
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    with RuleVerifier(timeout_s=10.0, num_workers=2) as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def adv_verifier():
+    with RuleVerifier(timeout_s=ADV_TIMEOUT_S, num_workers=2) as v:
+        assert v.verify("1", "1").correct is True  # warm: workers started
+        yield v
+
+
+# --------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1/2", "1/2"),
+        ("\\frac{1}{2}", "\\frac{1}{2}"),
+        ("$\\frac{1}{2}$", "\\frac{1}{2}"),
+        ("(0,1]", "(0,1]"),
+        ("x = 3", "x = 3"),
+        ("Monday", "Monday"),
+        ("The answer is 42.", "42"),
+        ("The answer is 42 apples.", "42"),
+        ("So the final answer is $\\frac{1}{2}$. I hope it is correct.", "\\frac{1}{2}"),
+        ("**Answer:** 17", "17"),
+        ("Answer: $x^2+1$", "x^2+1"),
+        ("Thus, the answer is 5, since 2+3=5.", "5"),
+        ("Let's check if the answer is correct. It is 7.", "7"),
+        (GSM8K_SOLUTION, "72"),
+        ("blah \\boxed{\\{1,2\\}}.", "\\{1,2\\}"),
+        ("\\boxed{3} then \\boxed{5}", "5"),
+        ("\\boxed 5", "5"),
+        ("\\fbox{0.5}", "0.5"),
+        (LONG_BOXED, "\\frac{\\sqrt3}{2}"),
+        ("She makes $18 every day. So she earns $20.", "20"),
+        ("Therefore $x = \\frac{1}{2}$ is what we get.", "x = \\frac{1}{2}"),
+        ("The answer is: \\(\\pi/2\\)", "\\pi/2"),
+        ("We get 1,234,567 in total", "1,234,567"),
+        ("I don't know", None),
+        ("\\boxed{unbalanced", None),
+        ("", None),
+        ("   \n ", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+# --------------------------------------------------------------------------- verdicts
+
+KNOWN_PAIRS = [
+    # equivalent fractions and decimals
+    ("\\frac{1}{2}", "0.5", True),
+    ("\\frac{1}{2}", "2/4", True),
+    ("0.5", "\\frac{1}{2}", True),
+    ("\\frac12", "\\dfrac{1}{2}", True),
+    ("\\frac{1}{2}", "0.6", False),
+    ("3.14", "3.140", True),
+    ("1.5", "\\frac{3}{2}", True),
+    ("\\frac{1}{3}", "0.333333", True),
+    ("3.14", "3.15", False),
+    ("2\\sqrt{3}", "\\sqrt{12}", True),
+    ("1000", "1,000", True),
+    # sets and intervals
+    ("\\{1,2\\}", "\\{2,1\\}", True),
+    ("\\{1,2\\}", "\\{1,3\\}", False),
+    ("(0,1]", "(0,1)", False),
+    ("(0,1]", "(0, 1]", True),
+    ("[0,1)", "(0,1)", False),
+    # GSM8K: pred completion with ####, gold as full solution
+    ("72", GSM8K_SOLUTION, True),
+    (GSM8K_SOLUTION, "#### 72", True),
+    ("72", "#### 27", False),
+    # \boxed{} in a long completion with other math after it
+    ("\\frac{\\sqrt{3}}{2}", LONG_BOXED, True),
+    ("\\frac{1}{2}", LONG_BOXED, False),
+    ("The answer is \\boxed{5}.", "5", True),
+    # plain final answers
+    ("42", "The answer is 42.", True),
+    ("42", "So she has 40 + 2 = 42 apples", True),
+    ("42", "The answer is 24.", False),
+    ("18", "Janet makes $18 every day.", True),
+    ("3", "x = 3", True),
+    ("Monday", "The answer is Monday.", True),
+    ("42", "I don't know", False),
+]
+
+
+@pytest.mark.parametrize("gold, pred, expected", KNOWN_PAIRS)
+def test_known_pairs(verifier, gold, pred, expected):
+    out = verifier.verify(gold, pred)
+    assert isinstance(out, VerifyOutcome)
+    assert (out.correct, out.status, out.error) == (expected, "ok", None), out
+    assert 0 < out.seconds < 10
+
+
+def test_gold_first_asymmetry(verifier):
+    # math-verify follows the gold's format: an equation gold is not matched by its right-hand side,
+    # and an interval gold is not matched by an inequality (set/relation comparison only if pred is a set).
+    assert verifier.verify("2x+z=1", "1").correct is False
+    assert verifier.verify("1", "2x+z=1").correct is True
+    assert verifier.verify("1<x<2", "(1,2)").correct is True
+    assert verifier.verify("(1,2)", "1<x<2").correct is False
+    # the same asymmetry in math-verify itself, so the verifier passes gold first
+    g, p = parse("$2x+z=1$", parsing_timeout=None), parse("$1$", parsing_timeout=None)
+    assert verify(g, p, timeout_seconds=None) is False and verify(p, g, timeout_seconds=None) is True
+
+
+@pytest.mark.parametrize("gold", ["", "I don't know", "\\boxed{unbalanced"])
+def test_gold_without_answer_is_unverifiable(verifier, gold):
+    before = verifier.stats
+    out = verifier.verify(gold, "42")
+    assert (out.correct, out.status) == (None, "error")
+    assert "gold" in out.error
+    after = verifier.stats
+    assert after["error"] == before["error"] + 1 and after["total"] == before["total"] + 1
+
+
+BARE_PAIRS = [
+    ("\\frac{1}{2}", "0.5"), ("\\frac{1}{2}", "0.6"), ("\\{1,2\\}", "\\{2,1\\}"), ("(0,1]", "(0,1)"),
+    ("x^2+2x+1", "(x+1)^2"), ("x^2+2x+1", "(x-1)^2"), ("\\sqrt{2}/2", "\\frac{1}{\\sqrt{2}}"), ("2x+z=1", "1"),
+    ("1", "2x+z=1"), ("[1,2]", "[1, 2]"), ("\\infty", "\\infty"), ("-\\infty", "\\infty"), ("10\\%", "0.1"),
+]
+
+
+def test_agrees_with_math_verify(verifier):
+    """Bare answers are math-verify's verdict on ``$gold$`` vs ``$pred$``; boxed texts its verdict on the texts."""
+    golds = [g for g, _ in BARE_PAIRS] + ["\\frac{\\sqrt{3}}{2}", "5"]
+    preds = [p for _, p in BARE_PAIRS] + [LONG_BOXED, "So \\boxed{4}, or rather \\boxed{5}"]
+    expected = [verify(parse(f"${g}$", parsing_timeout=None), parse(f"${p}$", parsing_timeout=None),
+                       timeout_seconds=None) for g, p in BARE_PAIRS]
+    expected += [verify(parse(f"${g}$", parsing_timeout=None), parse(p, parsing_timeout=None), timeout_seconds=None)
+                 for g, p in zip(golds[-2:], preds[-2:])]
+    assert True in expected and False in expected
+    got = verifier.verify_batch(golds, preds)
+    assert [o.correct for o in got] == expected
+    assert [check_pair(g, p)[0] for g, p in zip(golds, preds)] == expected
+
+
+def test_works_from_a_thread(verifier):
+    # math-verify's signal.alarm timeouts would raise outside the main thread; ours do not use signals
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(verifier.verify("\\frac{1}{2}", "0.5")))
+    t.start()
+    t.join(30)
+    assert box and box[0].correct is True
+
+
+# --------------------------------------------------------------------------- adversarial inputs
+
+ADVERSARIAL = [
+    ("1", "$9^{9^{9^{9}}}$"),
+    ("1", "$10^{10^{10^{10}}}$"),
+    ("1", "The answer is $" + _nested_frac(300) + "$"),
+    (_nested_frac(300), "1"),
+    ("1", "$" + "1+" * 50_000 + "1$"),
+    ("1", "x " * 500_000),
+    ("1", "\\boxed{" + "9" * 200_000 + "}"),
+    ("1", "\\boxed{" * 20_000),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gold, pred", ADVERSARIAL, ids=[f"adv{i}" for i in range(len(ADVERSARIAL))])
+def test_adversarial_returns_in_time(adv_verifier, gold, pred):
+    t0 = time.monotonic()
+    out = adv_verifier.verify(gold, pred)
+    wall = time.monotonic() - t0
+    assert wall <= ADV_TIMEOUT_S + 1.0, (wall, out)
+    assert out.seconds <= ADV_TIMEOUT_S + 1.0
+    assert out.status in ("ok", "timeout", "error")
+    if out.status != "ok":
+        assert out.correct is None and out.error
+    else:
+        assert out.correct is False  # none of these equals 1
+    # the verifier keeps working, also on a freshly started worker after a kill
+    for _ in range(3):
+        assert adv_verifier.verify("\\frac{1}{2}", "The answer is 0.5").correct is True
+
+
+@pytest.mark.timeout(60)
+def test_huge_powers_time_out_and_are_counted(adv_verifier):
+    before = adv_verifier.stats
+    outs = [adv_verifier.verify("1", p) for p in ("$9^{9^{9^{9}}}$", "$10^{10^{10^{10}}}$")]
+    assert [(o.correct, o.status) for o in outs] == [(None, "timeout")] * 2
+    assert all(ADV_TIMEOUT_S <= o.seconds <= ADV_TIMEOUT_S + 1.0 for o in outs)
+    after = adv_verifier.stats
+    assert after["timeout"] == before["timeout"] + 2 and after["total"] == before["total"] + 2
+
+
+@pytest.mark.timeout(60)
+def test_worker_crash_is_an_error_not_a_hang():
+    with RuleVerifier(timeout_s=30.0, num_workers=1) as v:
+        assert v.verify("1", "1").correct is True
+        pid = v._workers[0].proc.pid
+        killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        out = v.verify("1", "$9^{9^{9^{9}}}$")  # busy for far longer than 0.5 s
+        killer.join()
+        assert time.monotonic() - t0 < 10
+        assert (out.correct, out.status) == (None, "error") and "died" in out.error
+        assert v._workers[0].proc.pid != pid
+        assert v.verify("\\frac{1}{2}", "2/4").correct is True
+        assert v.stats == {"total": 3, "correct": 2, "wrong": 0, "timeout": 0, "error": 1}
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@pytest.mark.timeout(120)
+def test_batch_of_1000_matches_per_item(adv_verifier):
+    golds, preds, expected = [], [], []
+    for i in range(1000):
+        k = i % 3 if i % 20 < 18 else i % 20 - 15  # sets and intervals (k = 3, 4) are ~30 ms each in sympy
+        if k == 0:
+            g, p, e = f"\\frac{{{i}}}{{4}}", f"The answer is {i / 4}.", True
+        elif k == 1:
+            g, p, e = str(i), f"Step 1: {i - 1} + 1 = {i}.\n#### {i}", True
+        elif k == 2:
+            g, p, e = str(i), f"so we get \\boxed{{{i + 1}}}", False
+        elif k == 3:
+            g, p, e = f"\\{{{i},{i + 1}\\}}", f"${{{i + 1},{i}}}$", True
+        else:
+            g, p, e = f"({i},{i + 1}]", f"({i},{i + 1})", False
+        golds.append(g)
+        preds.append(p)
+        expected.append(e)
+    golds[500], preds[500], expected[500] = "1", "$9^{9^{9^{9}}}$", None  # a timeout inside the batch
+    t0 = time.monotonic()
+    outs = adv_verifier.verify_batch(golds, preds)
+    wall = time.monotonic() - t0
+    assert len(outs) == 1000
+    assert [o.correct for o in outs] == expected
+    assert outs[500].status == "timeout"
+    assert wall < 90, f"1000 items took {wall:.1f} s"
+    for i in range(0, 1000, 97):  # per-item calls agree with the batch
+        assert adv_verifier.verify(golds[i], preds[i]).correct == outs[i].correct
+
+
+def test_batch_input_errors(verifier):
+    assert verifier.verify_batch([], []) == []
+    with pytest.raises(ValueError, match="2 golds but 1 preds"):
+        verifier.verify_batch(["1", "2"], ["1"])
+    with pytest.raises(ValueError, match=r"preds\[1\] is int"):
+        verifier.verify_batch(["1", "2"], ["1", 2])
+    with pytest.raises(ValueError, match="timeout_s"):
+        RuleVerifier(timeout_s=0)
+    with pytest.raises(ValueError, match="num_workers"):
+        RuleVerifier(num_workers=0)
+
+
+def test_close_is_idempotent_and_final():
+    v = RuleVerifier(timeout_s=5.0, num_workers=1)
+    procs = [w.proc for w in v._workers]
+    v.close()
+    v.close()
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(ValueError, match="closed"):
+        v.verify("1", "1")
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def _write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+@pytest.mark.timeout(60)
+def test_verify_jsonl(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out" / "res.jsonl"
+    rows = [
+        {"id": 0, "gold": "\\frac{1}{2}", "pred": "The answer is 0.5."},
+        {"id": 1, "gold": "72", "pred": "#### 27", "extra": [1, 2]},
+        {"id": 2, "gold": "1", "pred": "$9^{9^{9^{9}}}$"},
+        {"id": 3, "gold": "I don't know", "pred": "42"},
+    ]
+    _write_lines(inp, [json.dumps(r) for r in rows[:2]] + [""] + [json.dumps(r) for r in rows[2:]])
+    summary = verify_jsonl(str(inp), str(out), timeout_s=1.0, num_workers=2)
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["correct"] for r in got] == [True, False, None, None]
+    for r, src in zip(got, rows):
+        assert {k: r[k] for k in src} == src
+        assert set(r) == set(src) | {"correct", "seconds"}
+        assert isinstance(r["seconds"], float) and r["seconds"] >= 0
+    assert got[2]["seconds"] >= 1.0
+    assert {k: summary[k] for k in ("total", "correct", "wrong", "timeout", "error", "unverifiable")} == {
+        "total": 4, "correct": 1, "wrong": 1, "timeout": 1, "error": 1, "unverifiable": 2}
+    assert summary["accuracy"] == 0.25
+    assert 1.0 <= summary["max_seconds"] <= 2.0
+    assert summary["out"] == str(out)
+    assert os.listdir(out.parent) == ["res.jsonl"]  # no temp file left
+
+
+def test_verify_jsonl_custom_keys(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_lines(inp, [json.dumps({"answer": "0.5", "completion": "\\boxed{\\frac{1}{2}}"})])
+    summary = verify_jsonl(str(inp), str(out), gold_key="answer", pred_key="completion", num_workers=1)
+    assert summary["correct"] == 1
+    assert json.loads(out.read_text())["correct"] is True
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"gold": "1", "pred": ', r"in\.jsonl:2: invalid JSON"),
+        ('["1", "1"]', r"in\.jsonl:2: expected a JSON object"),
+        ('{"gold": "1"}', r"in\.jsonl:2: missing field 'pred'"),
+        ('{"gold": 1, "pred": "1"}', r"in\.jsonl:2: field 'gold' must be a string, got int"),
+        ('{"gold": "1", "pred": null}', r"in\.jsonl:2: field 'pred' must be a string, got NoneType"),
+    ],
+)
+def test_verify_jsonl_malformed_line(tmp_path, bad_line, message):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_lines(inp, ['{"gold": "1", "pred": "1"}', bad_line, '{"gold": "2", "pred": "2"}'])
+    with pytest.raises(ValueError, match=message):
+        verify_jsonl(str(inp), str(out))
+    assert not out.exists() and os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_verify_jsonl_missing_input(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        verify_jsonl(str(tmp_path / "nope.jsonl"), str(tmp_path / "out.jsonl"))
