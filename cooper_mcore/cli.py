@@ -4,12 +4,14 @@ Subcommands are thin: they parse arguments and call one library function.
 
     cooper convert hf-to-mcore --hf-dir D --out D [--model-type causal_lm|reward]
     cooper convert mcore-to-hf --ckpt D --out D
+    cooper verify --in F.jsonl --out G.jsonl [--timeout S] [--workers N]
     cooper demo [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -24,6 +26,14 @@ def _convert(args: argparse.Namespace) -> None:
     else:
         mcore_to_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30))
     logger.info("done: %s", args.out)
+
+
+def _verify(args: argparse.Namespace) -> None:
+    from cooper_mcore.reward.verifier import verify_jsonl
+
+    summary = verify_jsonl(args.inp, args.out, timeout_s=args.timeout, num_workers=args.workers,
+                           gold_key=args.gold_key, pred_key=args.pred_key)
+    print(json.dumps(summary), flush=True)  # the summary line
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -50,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--max-shard-gib", type=float, default=5.0, help="safetensors shard size")
     conv.set_defaults(func=_convert)
 
+    ver = sub.add_parser("verify", help="check predictions against gold answers with math-verify")
+    ver.add_argument("--in", dest="inp", required=True, help="JSONL with 'gold' and 'pred' on each line")
+    ver.add_argument("--out", required=True, help="JSONL: each input line plus 'correct' (true/false/null) "
+                     "and 'seconds'")
+    ver.add_argument("--timeout", type=float, default=5.0, help="hard per-item timeout (s)")
+    ver.add_argument("--workers", type=int, default=2, help="verifier processes")
+    ver.add_argument("--gold-key", default="gold")
+    ver.add_argument("--pred-key", default="pred")
+    ver.set_defaults(func=_verify)
+
     demo = sub.add_parser("demo", help="the embedded default job (tiny, CPU)")
     demo.add_argument("--out", default="runs/demo", help="output folder")
     demo.set_defaults(func=_demo)
@@ -66,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
         logger.error("%s", e.args[0] if e.args else e)
         return 2
     return 0
