@@ -28,6 +28,7 @@ setup(
         "psutil",  # megatron-core's async checkpoint writer hangs without it
         "pyarrow",  # Parquet datasets
         "requests",  # OpenAI-compatible clients (assistant LLM, judge) and SGLang servers
+        "omegaconf>=2.3",  # typed configs: dataclasses + YAML presets + dotted overrides
         "pyyaml",
         "tqdm",
     ],

@@ -1,0 +1,342 @@
+"""Per-token losses of a Cooper step: the PPO clipped policy surrogate, the KL penalty to the frozen
+reference policy, masked aggregation, entropy, and the reward-model losses (Cooper's pairwise loss and
+the VerifyRM binary cross-entropy).
+
+Conventions: token tensors are ``[b, t]`` (sequences x positions) with a response mask of the same
+shape (bool or 0/1 numbers; nonzero = response token). Per-token losses are 0 wherever the mask is 0,
+even when the inputs there are inf or NaN. Stats are detached scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "entropy_from_logits",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "policy_loss",
+    "reward_from_logits",
+    "rm_bce_loss",
+    "rm_pairwise_loss",
+]
+
+#: log-ratios are clamped to this range before ``exp`` (as verl does), so that a stale or padded
+#: position cannot overflow to inf.
+LOG_RATIO_CLAMP = 20.0
+#: the low-variance (k3) KL estimate is clamped to ``[-KL_CLAMP, KL_CLAMP]``.
+KL_CLAMP = 10.0
+KL_ESTIMATORS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _check_same_shape(**tensors: Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"shapes must match, got {shapes}")
+
+
+def _masked_extreme(x: Tensor, mask: Tensor, largest: bool) -> Tensor:
+    """Max (or min) of ``x`` where ``mask`` is True; 0 when nothing is masked in."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    fill = x.new_full((), float("-inf") if largest else float("inf"))
+    picked = torch.where(mask, x, fill)
+    value = picked.max() if largest else picked.min()
+    return torch.where(mask.any(), value, x.new_zeros(()))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of ``x`` over the positions where ``mask`` is nonzero (masked-out NaN/inf are ignored).
+
+    Args:
+        x: ``[...]`` values.
+        mask: same shape as ``x``; bool or 0/1 numbers.
+        dim: sum over this dimension only; all of them when None.
+
+    Returns:
+        A scalar, or ``x`` reduced over ``dim``.
+
+    Raises:
+        ValueError: ``x`` and ``mask`` differ in shape.
+    """
+    _check_same_shape(x=x, mask=mask)
+    kept = torch.where(mask.bool(), x, x.new_zeros(()))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is nonzero; 0 where there are none.
+
+    Args:
+        x: ``[...]`` values.
+        mask: same shape as ``x``; bool or 0/1 numbers.
+        dim: average over this dimension only; all of them when None.
+
+    Returns:
+        A scalar, or ``x`` reduced over ``dim``.
+
+    Raises:
+        ValueError: ``x`` and ``mask`` differ in shape.
+    """
+    total = masked_sum(x, mask, dim)
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+def aggregate(loss: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    Modes:
+        ``token-mean``: sum over response tokens / number of response tokens (0 if there are none).
+        ``token-sum``: sum over response tokens (the trainer divides by a global token count itself).
+        ``seq-mean-token-mean``: each sequence's token mean, averaged over the sequences that have at
+        least one response token.
+        ``seq-mean-token-sum``: each sequence's token sum, averaged over those sequences.
+
+    Args:
+        loss: ``[b, t]`` per-token loss.
+        mask: ``[b, t]`` response mask.
+        mode: one of ``AGGREGATION_MODES``.
+
+    Returns:
+        A scalar.
+
+    Raises:
+        ValueError: unknown ``mode``, shapes differ, or a ``seq-*`` mode gets a tensor that is not 2-D.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}")
+    _check_same_shape(loss=loss, mask=mask)
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    if mode == "token-sum":
+        return masked_sum(loss, mask)
+    if loss.dim() != 2:
+        raise ValueError(f"{mode} needs [b, t] tensors, got shape {tuple(loss.shape)}")
+    per_seq = masked_mean(loss, mask, dim=-1) if mode == "seq-mean-token-mean" else masked_sum(loss, mask, dim=-1)
+    has_tokens = mask.bool().any(dim=-1)
+    return masked_mean(per_seq, has_tokens)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate per token, with optional clip-higher (DAPO) and dual-clip.
+
+    ``ratio = exp(logp - old_logp)``; ``loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``.
+    With ``clip_ratio_c`` (> 1) the loss of tokens with ``A < 0`` is further capped at ``-A * clip_ratio_c``
+    (dual-clip). The log-ratio is clamped to ``[-20, 20]`` before ``exp``.
+
+    Args:
+        logp: ``[b, t]`` log-probs of the sampled tokens under the current policy (with grad).
+        old_logp: ``[b, t]`` log-probs under the policy that sampled them.
+        advantages: ``[b, t]`` per-token advantages, or ``[b]`` per-sequence (broadcast over tokens).
+        mask: ``[b, t]`` response mask.
+        clip_low: ``eps_low``; the ratio's lower bound is ``1 - clip_low``.
+        clip_high: ``eps_high``; the upper bound is ``1 + clip_high`` (``> clip_low`` for clip-higher).
+        clip_ratio_c: dual-clip constant (verl uses 3.0); None turns dual-clip off.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` is ``[b, t]``, 0 where ``mask`` is 0. ``stats`` (masked over response
+        tokens, detached scalars): ``clip_frac`` (tokens where the clipped term is strictly larger, i.e.
+        the clip is active), ``clip_frac_low`` / ``clip_frac_high`` (those with ratio below / above the
+        range), ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``, ``ratio_min`` (max/min are 0 with no
+        response tokens), ``approx_kl`` (mean of ``old_logp - logp``).
+
+    Raises:
+        ValueError: shapes do not fit, or clip values out of range.
+    """
+    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    if advantages.dim() == 1 and logp.dim() == 2 and advantages.shape[0] == logp.shape[0]:
+        advantages = advantages[:, None].expand_as(logp)
+    _check_same_shape(logp=logp, advantages=advantages)
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
+
+    m = mask.bool()
+    zero = logp.new_zeros(())
+    # Padding is zeroed before any arithmetic, so that NaN/inf there cannot reach the loss or the gradient.
+    adv = torch.where(m, advantages.to(logp.dtype), zero)
+    log_ratio = torch.where(m, logp - old_logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+
+    dual_active = torch.zeros_like(m)
+    if clip_ratio_c is not None:
+        cap = -adv * clip_ratio_c
+        dual_active = (adv < 0) & (loss > cap)
+        loss = torch.where(dual_active, cap, loss)
+
+    loss = torch.where(m, loss, zero)
+
+    with torch.no_grad():
+        r = ratio.detach().float()
+        fm = m.float()
+        stats = {
+            "clip_frac": masked_mean(clip_active.float(), fm),
+            "clip_frac_low": masked_mean((clip_active & (r < 1.0 - clip_low)).float(), fm),
+            "clip_frac_high": masked_mean((clip_active & (r > 1.0 + clip_high)).float(), fm),
+            "dual_clip_frac": masked_mean(dual_active.float(), fm),
+            "ratio_mean": masked_mean(r, fm),
+            "ratio_max": _masked_extreme(r, m, largest=True),
+            "ratio_min": _masked_extreme(r, m, largest=False),
+            "approx_kl": masked_mean(-log_ratio.detach().float(), fm),
+        }
+    return loss, stats
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs.
+
+    With ``d = logp - ref_logp``:
+        ``k1`` (alias ``kl``): ``d``.
+        ``k2`` (alias ``mse``): ``0.5 * d**2``.
+        ``k3`` (alias ``low_var_kl``): ``exp(-d) + d - 1``, with ``-d`` clamped to ``[-20, 20]`` and the
+        result clamped to ``[-10, 10]``; non-negative.
+        ``abs``: ``|d|``.
+
+    Args:
+        logp: ``[...]`` log-probs under the policy (with grad).
+        ref_logp: same shape, under the frozen reference model.
+        kind: one of ``KL_ESTIMATORS``.
+
+    Returns:
+        Per-token KL, same shape as ``logp``.
+
+    Raises:
+        ValueError: unknown ``kind`` or mismatched shapes.
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_ESTIMATORS}")
+    _check_same_shape(logp=logp, ref_logp=ref_logp)
+    d = logp - ref_logp
+    if kind in ("k1", "kl"):
+        return d
+    if kind in ("k2", "mse"):
+        return 0.5 * d.square()
+    if kind == "abs":
+        return d.abs()
+    log_r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(log_r) - log_r - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` over the last (vocabulary) dimension, computed stably in float32.
+
+    ``H = -sum(p * log p)`` with ``log p = z - logsumexp(z)`` (no cancellation between two large numbers, so
+    large logits keep full precision); ``-inf`` logits (masked vocabulary entries) contribute 0.
+    Half-precision inputs are upcast to float32 (a float32 copy of the logits is made).
+
+    Args:
+        logits: ``[..., V]`` unnormalized logits.
+
+    Returns:
+        ``[...]`` float32 (float64 for float64 input) entropies in nats.
+
+    Raises:
+        ValueError: ``logits`` is 0-dimensional or has an empty last dimension.
+    """
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V > 0, got shape {tuple(logits.shape)}")
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    log_p = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(log_p)
+    return -(p * log_p.masked_fill(torch.isneginf(z), 0.0)).sum(dim=-1)
+
+
+def rm_pairwise_loss(s_pos: Tensor, s_neg: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Cooper's reward-model loss: Bradley-Terry ``-logsigmoid(s_pos - s_neg)`` averaged over valid pairs.
+
+    ``loss = sum_valid(-logsigmoid(s_pos - s_neg)) / (num_valid + 1e-6)``. With no valid pair the loss is
+    exactly 0 with zero gradient (invalid pairs never contribute, even if their scores are NaN).
+
+    Args:
+        s_pos: ``[n]`` raw RM logits of the positive (chosen) responses.
+        s_neg: ``[n]`` raw RM logits of the negative (rejected) responses.
+        valid: ``[n]`` bool (or 0/1) pair mask.
+
+    Returns:
+        ``(loss, stats)``: scalar loss; ``stats``: ``pair_acc`` (fraction of valid pairs with
+        ``s_pos > s_neg``, 0 with none), ``num_valid``, ``margin_mean`` (mean ``s_pos - s_neg`` over valid
+        pairs).
+
+    Raises:
+        ValueError: the three are not 1-D of one length.
+    """
+    _check_same_shape(s_pos=s_pos, s_neg=s_neg, valid=valid)
+    if s_pos.dim() != 1:
+        raise ValueError(f"s_pos, s_neg and valid must be 1-D [n], got shape {tuple(s_pos.shape)}")
+    v = valid.bool()
+    # Invalid pairs are zeroed before logsigmoid, so NaN scores there cannot reach the gradient.
+    margin = torch.where(v, s_pos - s_neg, s_pos.new_zeros(()))
+    num_valid = v.sum()
+    loss = masked_sum(-F.logsigmoid(margin), v) / (num_valid.to(margin.dtype) + 1e-6)
+    with torch.no_grad():
+        stats = {
+            "pair_acc": masked_mean((margin > 0).float(), v),
+            "num_valid": num_valid.float(),
+            "margin_mean": masked_mean(margin.detach().float(), v),
+        }
+    return loss, stats
+
+
+def rm_bce_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """VerifyRM loss: mean binary cross-entropy with logits against 0/1 correctness labels.
+
+    Args:
+        logits: ``[n]`` (any shape) raw RM logits.
+        labels: same shape, 0/1 labels (bool, int or float; soft labels are accepted by the loss).
+
+    Returns:
+        ``(loss, stats)``: scalar mean BCE (0 with grad for an empty batch); ``stats``: ``acc`` (fraction
+        with ``(sigmoid(logit) > 0.5) == (label >= 0.5)``, i.e. logit > 0 predicts 1), ``pos_frac``
+        (fraction of labels that are 1).
+
+    Raises:
+        ValueError: ``logits`` and ``labels`` differ in shape.
+    """
+    _check_same_shape(logits=logits, labels=labels)
+    if logits.numel() == 0:
+        zero = logits.sum() * 0.0
+        return zero, {"acc": zero.detach().float(), "pos_frac": zero.detach().float()}
+    target = labels.to(logits.dtype)
+    loss = F.binary_cross_entropy_with_logits(logits, target)
+    with torch.no_grad():
+        pos = labels.float() >= 0.5
+        stats = {
+            "acc": ((logits.detach() > 0) == pos).float().mean(),
+            "pos_frac": pos.float().mean(),
+        }
+    return loss, stats
+
+
+def reward_from_logits(logits: Tensor) -> Tensor:
+    """Policy reward from the reward model: ``sigmoid(logit)`` in float32 (float64 kept), in ``(0, 1)``.
+
+    Args:
+        logits: ``[...]`` raw RM logits.
+
+    Returns:
+        ``[...]`` rewards.
+    """
+    return torch.sigmoid(logits if logits.dtype == torch.float64 else logits.float())
