@@ -1,0 +1,600 @@
+"""Training observability: a JSONL + wandb metrics logger, phase timers, a progress bar,
+cross-rank metric reduction and (re-exported from :mod:`cooper_mcore.hacking`) the
+reward-hacking detector.
+
+Metric key conventions used by the trainer (one flat ``dict[str, float]`` per step):
+
+==================  ==========================================================================
+``step``            training step; the first key of every ``metrics.jsonl`` line (not a metric)
+``reward/mean``     mean reward the (co-trained) reward model gave this step's rollouts
+``rule/acc``        fraction of this step's rollouts the rule verifier judged correct
+``reward_rule_gap`` ``reward/mean - rule/acc`` (:func:`reward_rule_gap`); growth means hacking
+``kl``              KL divergence of the policy from the reference policy
+``ratio/mean``      mean importance ratio pi_new / pi_old over response tokens
+``clip_frac``       fraction of response tokens whose ratio was clipped
+``entropy``         mean token entropy of the policy on the responses
+``response/length`` mean response length in tokens
+``rm/pair_acc``     reward model accuracy on its (positive, negative) training pairs
+``pairs/valid``     number (or fraction) of valid preference pairs built this step
+``eval/acc``        held-out accuracy, on the steps that run an evaluation
+``time/<phase>``    wall seconds of a phase this step (:class:`PhaseTimer`): ``rollout``,
+                    ``rm_score``, ``logprobs``, ``policy_update``, ``rm_update``,
+                    ``weight_sync``, ``offload``; ``time/step`` is their total
+==================  ==========================================================================
+
+Typical loop::
+
+    timer, detector = PhaseTimer(), RewardHackingDetector(action="stop")
+    with MetricsLogger(out_dir, config=cfg, is_main=rank == 0) as log:
+        bar = ProgressBar(total_steps, start_step=start)
+        for step in range(start + 1, total_steps + 1):
+            with timer.phase("rollout"):
+                ...
+            m = {**step_metrics, **timer.pop()}
+            m = reduce_metrics(m, max_keys=[k for k in m if k.startswith("time/")])
+            m["reward_rule_gap"] = reward_rule_gap(m["reward/mean"], m["rule/acc"])
+            detector.update(step, m["reward/mean"], m["rule/acc"])
+            log.log(step, m)
+            bar.update(step, m)
+        bar.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import netrc
+import operator
+import os
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Optional, TextIO
+from urllib.parse import urlsplit
+
+from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
+
+__all__ = [
+    "DEFAULT_PROGRESS_KEYS", "METRICS_FILE", "REDACTED", "MetricsLogger", "PhaseTimer", "ProgressBar",
+    "RewardHackingDetector", "read_metrics", "redact", "reduce_metrics", "resolve_wandb_mode", "reward_rule_gap",
+]
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "run_config.json"
+REDACTED = "***REDACTED***"
+SECRET_KEY_PARTS = ("secret", "password", "passwd", "credential")
+SECRET_KEY_ENDINGS = ("key", "token", "apikey")
+DEFAULT_PROGRESS_KEYS = ("reward/mean", "rule/acc", "eval/acc")
+
+
+# ----------------------------------------------------------------------------- redaction
+
+
+def _is_secret_name(name: str) -> bool:
+    low = name.lower()
+    return any(p in low for p in SECRET_KEY_PARTS) or low.endswith(SECRET_KEY_ENDINGS)
+
+
+def redact(obj: Any) -> Any:
+    """Return a copy of ``obj`` with secret-looking values replaced by ``"***REDACTED***"``.
+
+    A mapping entry is redacted when its key's name (case-insensitive) contains "secret",
+    "password", "passwd" or "credential", or ends with "key" or "token" (``api_key``,
+    ``HF_TOKEN``, ``wandb_key``), whatever its value. Settings that merely mention tokens or
+    name an environment variable (``max_new_tokens``, ``tokenizer``, ``api_key_env``) are kept.
+    Nested mappings, lists and tuples are walked. The input is not modified.
+
+    Args:
+        obj: a config (usually a dict; a dataclass should be passed through
+            ``dataclasses.asdict`` first).
+
+    Returns:
+        The redacted copy (mappings become plain dicts; other leaves are returned as-is).
+    """
+    if isinstance(obj, Mapping):
+        return {k: REDACTED if _is_secret_name(str(k)) else redact(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [redact(v) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+# ----------------------------------------------------------------------------- wandb mode
+
+
+def _has_wandb_credentials() -> bool:
+    """Whether wandb could authenticate: an API key / identity token in the environment, or a
+    netrc entry for the wandb host (what ``wandb login`` writes). Reads no network."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        auth = netrc.netrc(path).authenticators(host) if host and os.path.isfile(path) else None
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def resolve_wandb_mode(use_wandb: bool = True) -> str:
+    """The wandb mode :class:`MetricsLogger` uses.
+
+    Args:
+        use_wandb: False gives ``"disabled"``.
+
+    Returns:
+        ``"disabled"`` if ``use_wandb`` is False; else ``$WANDB_MODE`` when the user set it;
+        else ``"online"`` with credentials (``WANDB_API_KEY`` or a ``wandb login``) and
+        ``"offline"`` without (so a run never stops at a login prompt).
+    """
+    if not use_wandb:
+        return "disabled"
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if _has_wandb_credentials() else "offline"
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def _to_float(name: str, value: Any) -> float:
+    """A metric value as a float: Python numbers, numpy scalars and one-element tensors; None -> NaN."""
+    if value is None:
+        return math.nan
+    if hasattr(value, "numel") and value.numel() != 1:
+        raise ValueError(f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"metric {name!r} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"metric {name!r} must be a number, got {type(value).__name__}") from e
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool):
+        raise ValueError(f"step must be an int, got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError as e:
+        raise ValueError(f"step must be an int, got {type(step).__name__}") from e
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+# ----------------------------------------------------------------------------- logger
+
+
+class MetricsLogger:
+    """Writes one JSON line per step to ``<out_dir>/metrics.jsonl`` and mirrors it to wandb.
+
+    Each line is ``{"step": N, <metric keys sorted>...}`` with float values, NaN/inf written
+    as ``null``. Every line is flushed and fsync'd, so a killed run loses at most the line being
+    written; a torn last line left by a crash is cut off when the file is reopened, so a resumed
+    run appends cleanly. The (redacted, see :func:`redact`) config goes to
+    ``<out_dir>/run_config.json`` and to the wandb run.
+
+    wandb runs in the mode :func:`resolve_wandb_mode` picks, with console capture off. A failure
+    to start wandb, or to log to it, logs a warning and the run continues without wandb. On ranks
+    with ``is_main=False`` every method is a no-op and nothing is created.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, out_dir: str, run_name: Optional[str] = None, config: Optional[dict] = None,
+                 use_wandb: bool = True, wandb_project: str = "cooper_mcore", is_main: bool = True,
+                 wandb_init_kwargs: Optional[dict] = None) -> None:
+        """Open the metrics file and start wandb (on the main rank only).
+
+        Args:
+            out_dir: run folder (created); ``metrics.jsonl`` is appended to if it exists.
+            run_name: wandb run name (None: wandb picks one).
+            config: run configuration; redacted before it is written or sent anywhere.
+            use_wandb: False disables wandb (JSONL only).
+            wandb_project: wandb project name.
+            is_main: whether this process writes (rank 0); False makes the logger a no-op.
+            wandb_init_kwargs: extra ``wandb.init`` arguments (e.g. ``entity``, ``tags``, ``group``).
+
+        Raises:
+            ValueError: if ``config`` is not a mapping.
+        """
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
+        self.is_main = bool(is_main)
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, METRICS_FILE)
+        self.config = redact(dict(config or {}))
+        self.wandb_mode = resolve_wandb_mode(use_wandb)
+        self._file: Optional[TextIO] = None
+        self._run: Any = None
+        self._closed = False
+        if not self.is_main:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        _drop_torn_tail(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
+        if config is not None:
+            _write_json_atomic(os.path.join(out_dir, CONFIG_FILE), self.config)
+        if self.wandb_mode != "disabled":
+            self._run = self._init_wandb(run_name, wandb_project, dict(wandb_init_kwargs or {}))
+
+    def _init_wandb(self, run_name: Optional[str], project: str, extra: dict) -> Any:
+        try:
+            import wandb
+
+            kwargs: dict[str, Any] = {"project": project, "name": run_name, "config": self.config,
+                                      "mode": self.wandb_mode, "settings": wandb.Settings(console="off")}
+            if not os.environ.get("WANDB_DIR"):
+                kwargs["dir"] = self.out_dir
+            kwargs.update(extra)
+            run = wandb.init(**kwargs)
+        except Exception as e:  # wandb must never kill the run
+            logger.warning("wandb init failed (%s: %s); continuing without wandb, metrics still go to %s",
+                           type(e).__name__, e, self.path)
+            return None
+        logger.info("wandb run %s (mode %s)", getattr(run, "name", None), self.wandb_mode)
+        return run
+
+    @property
+    def wandb_run(self) -> Any:
+        """The live wandb run, or None (disabled, failed, not main, or closed)."""
+        return self._run
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Append one step's metrics to ``metrics.jsonl`` and log them to wandb.
+
+        Args:
+            step: training step (int >= 0).
+            metrics: metric name -> number (floats, ints, numpy scalars, one-element tensors;
+                None and non-finite values are written as null). A ``"step"`` key is allowed
+                only if it equals ``step``.
+
+        Raises:
+            ValueError: on a bad step, a non-string key or a non-numeric value.
+            RuntimeError: if the logger is closed.
+        """
+        if not self.is_main:
+            return
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log called after close()")
+        step = _check_step(step)
+        values: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str):
+                raise ValueError(f"metric names must be strings, got {name!r}")
+            if name == "step":
+                if _to_float(name, value) != step:
+                    raise ValueError(f"metrics['step']={value!r} disagrees with step={step}")
+                continue
+            values[name] = _to_float(name, value)
+        record: dict[str, Any] = {"step": step}
+        record.update((k, v if math.isfinite(v) else None) for k, v in sorted(values.items()))
+        line = json.dumps(record, allow_nan=False) + "\n"
+        assert self._file is not None
+        self._file.write(line)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._run is not None:
+            try:
+                self._run.log(values, step=step)
+            except Exception as e:  # wandb must never kill the run
+                logger.warning("wandb log failed at step %d (%s: %s); continuing without wandb",
+                               step, type(e).__name__, e)
+                self._finish_wandb()
+
+    def _finish_wandb(self) -> None:
+        run, self._run = self._run, None
+        if run is None:
+            return
+        try:
+            run.finish()
+        except Exception as e:  # wandb must never kill the run
+            logger.warning("wandb finish failed (%s: %s)", type(e).__name__, e)
+
+    def close(self) -> None:
+        """Close the metrics file and finish the wandb run. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finish_wandb()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drop_torn_tail(path: str) -> None:
+    """Cut a partial last line (no trailing newline) left by a killed run, so appends stay valid."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        keep = data.rfind(b"\n") + 1
+        logger.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", path, len(data) - keep)
+        f.truncate(keep)
+
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """Read a ``metrics.jsonl`` file (or a run folder containing one).
+
+    A torn last line (a run killed mid-write) is skipped; a corrupt line anywhere else is an
+    error. ``null`` values are returned as None.
+
+    Args:
+        path: the JSONL file, or the ``out_dir`` that holds ``metrics.jsonl``.
+
+    Returns:
+        The complete lines as dicts, in file order.
+
+    Raises:
+        ValueError: if a line other than the last is not a JSON object.
+        FileNotFoundError: if the file does not exist.
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    out: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # no newline after it: the write was cut short
+                logger.warning("%s: ignoring a truncated last line", path)
+                break
+            raise ValueError(f"{path}:{i + 1}: not valid JSON ({e})") from e
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(record).__name__}")
+        out.append(record)
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class PhaseTimer:
+    """Wall-clock seconds per training phase, accumulated over one step.
+
+    ``with timer.phase("rollout"): ...`` adds the block's duration to ``time/rollout`` (a phase
+    entered several times in a step accumulates). :meth:`pop` returns the step's times and
+    resets.
+
+    Nesting: phases may nest; each phase's time is inclusive (an inner phase's time is counted
+    in its own key *and* in the enclosing phase). ``time/step`` is the sum of the *outermost*
+    phases only, so nested time is not counted twice; time outside any phase is not counted.
+    A phase cannot be nested inside itself.
+
+    GPU work is asynchronous, so pass ``sync=torch.cuda.synchronize`` to time it: ``sync`` is
+    called at every phase entry and exit, before the clock is read.
+    """
+
+    def __init__(self, sync: Optional[Callable[[], Any]] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """Create a timer.
+
+        Args:
+            sync: called at every phase boundary before reading the clock (e.g.
+                ``torch.cuda.synchronize``); None for no synchronisation.
+            clock: monotonic clock in seconds (injectable for tests).
+        """
+        self._sync = sync
+        self._clock = clock
+        self._times: dict[str, float] = {}
+        self._active: list[str] = []
+        self._step_total = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the ``with`` block as phase ``name``.
+
+        Args:
+            name: phase name (reported as ``time/<name>``); not ``"step"``.
+
+        Raises:
+            ValueError: on an empty name, ``"step"``, or a phase nested in itself.
+        """
+        if not isinstance(name, str) or not name or name == "step":
+            raise ValueError(f"phase name must be a non-empty string other than 'step', got {name!r}")
+        if name in self._active:
+            raise ValueError(f"phase {name!r} is already running (phases: {self._active})")
+        if self._sync is not None:
+            self._sync()
+        start = self._clock()
+        self._active.append(name)
+        try:
+            yield
+        finally:
+            try:
+                if self._sync is not None:
+                    self._sync()
+            finally:
+                elapsed = self._clock() - start
+                self._active.pop()
+                self._times[name] = self._times.get(name, 0.0) + elapsed
+                if not self._active:
+                    self._step_total += elapsed
+
+    @property
+    def active(self) -> list[str]:
+        """The phases currently running, outermost first."""
+        return list(self._active)
+
+    def pop(self) -> dict[str, float]:
+        """Return this step's ``{"time/<phase>": seconds, ..., "time/step": total}`` and reset.
+
+        Raises:
+            RuntimeError: if called while a phase is running.
+        """
+        if self._active:
+            raise RuntimeError(f"PhaseTimer.pop() called inside phase(s) {self._active}")
+        out = {f"time/{k}": v for k, v in self._times.items()}
+        out["time/step"] = self._step_total
+        self._times, self._step_total = {}, 0.0
+        return out
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def _is_main_process() -> bool:
+    """Rank 0 of torch.distributed when initialised, else ``$RANK`` (default 0) == 0."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return os.environ.get("RANK", "0") == "0"
+
+
+class ProgressBar:
+    """A tqdm progress bar over training steps with an ETA and a few metrics in its postfix.
+
+    Writes to stderr. Disabled (every call a no-op) when ``enabled`` is False and on non-main
+    ranks. Metrics that are not logged every step (``eval/acc``) keep their last value.
+    """
+
+    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 keys: Sequence[str] = DEFAULT_PROGRESS_KEYS, is_main: Optional[bool] = None,
+                 file: Optional[TextIO] = None) -> None:
+        """Create the bar.
+
+        Args:
+            total_steps: number of steps in the run.
+            start_step: steps already done (when resuming); the ETA counts only new steps.
+            enabled: False disables the bar.
+            keys: metric keys shown in the postfix, in order.
+            is_main: whether this is the main rank; None detects it (torch.distributed rank or
+                ``$RANK``).
+            file: stream to write to (default: ``sys.stderr`` at construction).
+
+        Raises:
+            ValueError: if ``total_steps`` < 0 or ``start_step`` is outside [0, total_steps].
+        """
+        total_steps, start_step = _check_step(total_steps), _check_step(start_step)
+        if start_step > total_steps:
+            raise ValueError(f"start_step {start_step} > total_steps {total_steps}")
+        self.total_steps = total_steps
+        self.keys = tuple(keys)
+        self.enabled = bool(enabled) and (_is_main_process() if is_main is None else bool(is_main))
+        self._postfix: dict[str, float] = {}
+        self._bar: Any = None
+        if self.enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=file if file is not None else sys.stderr, desc="train")
+
+    def update(self, step: int, metrics: Optional[Mapping[str, Any]] = None) -> None:
+        """Move the bar to ``step`` completed steps and refresh the postfix.
+
+        Args:
+            step: steps completed so far, i.e. the 1-based number of the step just finished
+                (pass ``step + 1`` with a 0-based counter); clamped to ``total_steps``.
+            metrics: this step's metrics; the chosen keys that are present and numeric are shown.
+        """
+        if self._bar is None:
+            return
+        step = min(_check_step(step), self.total_steps)
+        for k in self.keys:
+            if metrics and k in metrics:
+                with contextlib.suppress(ValueError):
+                    self._postfix[k] = _to_float(k, metrics[k])
+        if self._postfix:
+            self._bar.set_postfix_str(", ".join(f"{k}={v:.4g}" for k, v in self._postfix.items()), refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        """Close the bar (idempotent)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# ----------------------------------------------------------------------------- reduction
+
+_OPS = ("mean", "sum", "max")
+
+
+def reduce_metrics(metrics: Mapping[str, Any], group: Any = None, op: str = "mean",
+                   sum_keys: Iterable[str] = (), max_keys: Iterable[str] = ()) -> dict[str, float]:
+    """Reduce a metrics dict across the ranks of ``group`` so every rank gets the same numbers.
+
+    Keys are sorted, so ranks agree on the layout; values go into one flat float64 tensor and
+    one ``all_reduce`` (plus one more if any key is max-reduced). A CRC of the key names rides
+    along: ranks with different keys of the same count raise ValueError on every rank instead of
+    mixing metrics up (different counts are the backend's problem: gloo errors, NCCL may hang).
+    CPU tensors for gloo, the current CUDA device for NCCL. Without an initialised process
+    group this is the identity (values converted to float).
+
+    Args:
+        metrics: name -> number or one-element tensor; every rank must pass the same keys.
+        group: process group (None: the default group).
+        op: reduction for keys not listed below: ``"mean"``, ``"sum"`` or ``"max"``.
+        sum_keys: keys to sum (e.g. counts such as ``pairs/valid``).
+        max_keys: keys to take the max of (e.g. ``time/*``: the slowest rank sets the pace).
+
+    Returns:
+        name -> reduced float.
+
+    Raises:
+        ValueError: on an unknown op, a key in both ``sum_keys`` and ``max_keys``, a non-numeric
+            value, or keys that differ between ranks.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+    sum_set, max_set = set(sum_keys), set(max_keys)
+    if sum_set & max_set:
+        raise ValueError(f"keys both summed and maxed: {sorted(sum_set & max_set)}")
+    values = {k: _to_float(k, metrics[k]) for k in sorted(metrics)}
+
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    keys = list(values)
+    ops = {k: "sum" if k in sum_set else "max" if k in max_set else op for k in keys}
+    add_keys = [k for k in keys if ops[k] != "max"]
+    max_keys_l = [k for k in keys if ops[k] == "max"]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    checksum = float(zlib.crc32("\0".join(keys).encode()))  # < 2**32: exact in float64 even summed
+    world = dist.get_world_size(group)
+
+    add = torch.tensor([checksum] + [values[k] for k in add_keys], dtype=torch.float64, device=device)
+    dist.all_reduce(add, op=dist.ReduceOp.SUM, group=group)
+    add = add.cpu().tolist()
+    if add[0] != checksum * world:
+        raise ValueError(f"reduce_metrics: metric keys differ between ranks (this rank has {keys})")
+    out = {k: v / world if ops[k] == "mean" else v for k, v in zip(add_keys, add[1:])}
+    if max_keys_l:
+        mx = torch.tensor([values[k] for k in max_keys_l], dtype=torch.float64, device=device)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+        out.update(zip(max_keys_l, mx.cpu().tolist()))
+    return {k: out[k] for k in keys}
