@@ -5,6 +5,8 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper convert hf-to-mcore --hf-dir D --out D [--model-type causal_lm|reward]
     cooper convert mcore-to-hf --ckpt D --out D
     cooper verify --in F.jsonl --out G.jsonl [--timeout S] [--workers N]
+    cooper tiny-assets --out DIR
+    cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
     cooper demo [--out DIR]
 """
 
@@ -34,6 +36,25 @@ def _verify(args: argparse.Namespace) -> None:
     summary = verify_jsonl(args.inp, args.out, timeout_s=args.timeout, num_workers=args.workers,
                            gold_key=args.gold_key, pred_key=args.pred_key)
     print(json.dumps(summary), flush=True)  # the summary line
+
+
+def _train(args: argparse.Namespace) -> None:
+    from cooper_mcore.config import load_config
+    from cooper_mcore.train.cooper import train
+
+    cfg = load_config(args.config, args.overrides)
+    if args.out:
+        cfg.out = args.out
+    if args.resume:
+        cfg.checkpoint.resume = args.resume
+    train(cfg)
+
+
+def _tiny_assets(args: argparse.Namespace) -> None:
+    from cooper_mcore.demo.assets import build_tiny_assets
+
+    for name, path in build_tiny_assets(args.out).items():
+        print(f"{name}: {path}")
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -69,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--gold-key", default="gold")
     ver.add_argument("--pred-key", default="pred")
     ver.set_defaults(func=_verify)
+
+    tr = sub.add_parser("train", help="Cooper RL (reward modes: rule, static_rm, cooper); run under torchrun")
+    tr.add_argument("--config", default=None, help="YAML preset (examples/*.yaml)")
+    tr.add_argument("--out", default=None, help="run folder (config.yaml, metrics.jsonl, checkpoints/)")
+    tr.add_argument("--resume", default=None, help="'auto', 'none' or a checkpoint folder")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule")
+    tr.set_defaults(func=_train)
+
+    ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
+    ta.add_argument("--out", default="runs/tiny_assets")
+    ta.set_defaults(func=_tiny_assets)
 
     demo = sub.add_parser("demo", help="the embedded default job (tiny, CPU)")
     demo.add_argument("--out", default="runs/demo", help="output folder")

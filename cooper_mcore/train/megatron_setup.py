@@ -37,10 +37,17 @@ class OptimConfig:
 
 
 def wrap_for_training(
-    model: torch.nn.Module, optim: OptimConfig
+    model: torch.nn.Module, optim: OptimConfig, per_token_loss: bool = False
 ) -> tuple[DistributedDataParallel, MegatronOptimizer]:
-    """Wrap ``model`` in megatron DDP and build its optimizer (fp32 main params for bf16)."""
+    """Wrap ``model`` in megatron DDP and build its optimizer (fp32 main params for bf16).
+
+    Args:
+        per_token_loss: megatron-core's per-token loss mode: loss functions return
+            ``(loss_sum, count, metrics)`` and gradients are divided by the total count over
+            micro-batches and data-parallel ranks (a global token / pair mean).
+    """
     config = model.config
+    config.calculate_per_token_loss = per_token_loss
     bf16 = config.params_dtype == torch.bfloat16
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -61,10 +68,41 @@ def wrap_for_training(
         use_distributed_optimizer=optim.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
+    _init_adam_states(optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
+
+
+def _init_adam_states(optimizer: MegatronOptimizer) -> None:
+    """Create Adam's state (zero moments, step 0: the same as a fresh Adam) before any step.
+
+    torch creates it lazily at the first step, and megatron-core's optimizer ``state_dict``
+    requires a ``step``: without this, a model whose first update has not happened yet (a
+    reward model that has seen no valid pair) could not be checkpointed.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def build_scheduler(optimizer: MegatronOptimizer, lr: float, warmup_steps: int, total_steps: int,
+                    weight_decay: float):
+    """Linear warm-up to ``lr`` over ``warmup_steps`` optimizer steps, then constant (as the paper)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=max(total_steps, warmup_steps + 1),
+        lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
 
 
 def train_step(
