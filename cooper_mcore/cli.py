@@ -6,6 +6,10 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper convert mcore-to-hf --ckpt D --out D
     cooper verify --in F.jsonl --out G.jsonl [--timeout S] [--workers N]
     cooper tiny-assets --out DIR
+    cooper eval --model CKPT_OR_HF --data F.jsonl [--k 8]
+    cooper train-rm --ckpt RM --train F.jsonl --out DIR [--eval VB.jsonl]
+    cooper eval-rm --ckpt RM --data VB.jsonl
+    cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
     cooper demo [--out DIR]
 """
@@ -48,6 +52,49 @@ def _train(args: argparse.Namespace) -> None:
     if args.resume:
         cfg.checkpoint.resume = args.resume
     train(cfg)
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from cooper_mcore.train.evaluate import evaluate_policy
+
+    result = evaluate_policy(args.model, args.data, k=args.k, temperature=args.temperature, top_p=args.top_p,
+                             max_new_tokens=args.max_new_tokens, template=args.template,
+                             use_chat_template=args.chat_template, limit=args.limit, seed=args.seed)
+    print(json.dumps(result), flush=True)
+
+
+def _train_rm(args: argparse.Namespace) -> None:
+    from cooper_mcore.parallel import ParallelConfig
+    from cooper_mcore.train.rm_jobs import train_rm
+
+    summary = train_rm(args.ckpt, args.train, args.out, eval_path=args.eval, epochs=args.epochs, lr=args.lr,
+                       weight_decay=args.weight_decay, micro_batch_size=args.micro_batch_size,
+                       global_batch_size=args.global_batch_size, eval_every=args.eval_every,
+                       save_every=args.save_every, seed=args.seed, parallel=ParallelConfig(tp=args.tp, pp=args.pp),
+                       max_length=args.max_length, skip_malformed=args.skip_malformed)
+    print(json.dumps(summary, default=str), flush=True)
+
+
+def _eval_rm(args: argparse.Namespace) -> None:
+    from cooper_mcore.parallel import ParallelConfig
+    from cooper_mcore.train.rm_jobs import eval_rm
+
+    result = eval_rm(args.ckpt, args.data, parallel=ParallelConfig(tp=args.tp, pp=args.pp),
+                     micro_batch_size=args.micro_batch_size, threshold=args.threshold, data_format=args.format,
+                     predictions_path=args.predictions)
+    print(json.dumps(result, default=str), flush=True)
+
+
+def _annotate(args: argparse.Namespace) -> None:
+    from cooper_mcore.reward.annotate import annotate
+    from cooper_mcore.reward.openai_client import OpenAIChatClient
+    from cooper_mcore.reward.verifier import RuleVerifier
+
+    client = OpenAIChatClient(args.judge_url, args.judge_model, api_key_env=args.api_key_env)
+    with RuleVerifier(timeout_s=args.verifier_timeout, num_workers=args.workers) as verifier:
+        stats = annotate(args.inp, args.out, client, verifier, skip_malformed=args.skip_malformed,
+                         judgements_path=args.judgements)
+    print(json.dumps(stats, default=str), flush=True)
 
 
 def _tiny_assets(args: argparse.Namespace) -> None:
@@ -97,6 +144,63 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", default=None, help="'auto', 'none' or a checkpoint folder")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule")
     tr.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="held-out avg@k accuracy of a policy (HF folder or Megatron checkpoint)")
+    ev.add_argument("--model", required=True,
+                    help="HF folder, converted checkpoint, or <run>/checkpoints/step_N/policy")
+    ev.add_argument("--data", required=True, help="JSONL/Parquet with question and answer")
+    ev.add_argument("--k", type=int, default=8)
+    ev.add_argument("--temperature", type=float, default=0.7)
+    ev.add_argument("--top-p", type=float, default=0.95)
+    ev.add_argument("--max-new-tokens", type=int, default=512)
+    ev.add_argument("--template", default="{question}")
+    ev.add_argument("--chat-template", action="store_true", help="use the tokenizer's chat template")
+    ev.add_argument("--limit", type=int, default=0)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.set_defaults(func=_eval)
+
+    trm = sub.add_parser("train-rm", help="train VerifyRM with BCE on labeled (question, reference, completion)")
+    trm.add_argument("--ckpt", required=True,
+                     help="reward-model checkpoint to start from (hf-to-mcore --model-type reward)")
+    trm.add_argument("--train", required=True, help="JSONL/Parquet: question, reference, completion, label")
+    trm.add_argument("--out", required=True)
+    trm.add_argument("--eval", default=None, help="VerifyBench-format or labeled eval data")
+    trm.add_argument("--epochs", type=int, default=3)
+    trm.add_argument("--lr", type=float, default=2e-5)
+    trm.add_argument("--weight-decay", type=float, default=0.01)
+    trm.add_argument("--micro-batch-size", type=int, default=4)
+    trm.add_argument("--global-batch-size", type=int, default=32)
+    trm.add_argument("--eval-every", type=int, default=0)
+    trm.add_argument("--save-every", type=int, default=0)
+    trm.add_argument("--max-length", type=int, default=None)
+    trm.add_argument("--seed", type=int, default=1234)
+    trm.add_argument("--tp", type=int, default=1)
+    trm.add_argument("--pp", type=int, default=1)
+    trm.add_argument("--skip-malformed", action="store_true")
+    trm.set_defaults(func=_train_rm)
+
+    erm = sub.add_parser("eval-rm", help="VerifyRM accuracy (threshold 0.5), per answer type")
+    erm.add_argument("--ckpt", required=True)
+    erm.add_argument("--data", required=True, help="VerifyBench-format or labeled JSONL")
+    erm.add_argument("--format", default="auto", choices=["auto", "labeled", "verifybench"])
+    erm.add_argument("--micro-batch-size", type=int, default=8)
+    erm.add_argument("--threshold", type=float, default=0.5)
+    erm.add_argument("--predictions", default=None, help="write per-item scores here")
+    erm.add_argument("--tp", type=int, default=1)
+    erm.add_argument("--pp", type=int, default=1)
+    erm.set_defaults(func=_eval_rm)
+
+    an = sub.add_parser("annotate", help="hybrid labels: rule verifier and LLM judge, keep agreements")
+    an.add_argument("--in", dest="inp", required=True, help="JSONL/Parquet: question, reference, completion")
+    an.add_argument("--out", required=True)
+    an.add_argument("--judge-url", required=True, help="OpenAI-compatible endpoint of the judge")
+    an.add_argument("--judge-model", required=True)
+    an.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    an.add_argument("--judgements", default=None, help="also write every raw judgement here")
+    an.add_argument("--verifier-timeout", type=float, default=5.0)
+    an.add_argument("--workers", type=int, default=2)
+    an.add_argument("--skip-malformed", action="store_true")
+    an.set_defaults(func=_annotate)
 
     ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
     ta.add_argument("--out", default="runs/tiny_assets")

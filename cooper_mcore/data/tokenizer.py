@@ -198,3 +198,22 @@ def _set_tokenizer_class(out_dir: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+def load_tokenizer(path: str) -> Any:
+    """Load a tokenizer folder the way it was saved.
+
+    transformers 5's ``AutoTokenizer`` picks the tokenizer class from a ``config.json`` in the
+    same folder when there is one (a qwen2 model folder gets ``Qwen2Tokenizer``), which
+    tokenizes differently from a generic fast tokenizer saved there. When
+    ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` (as :func:`train_tiny_tokenizer`
+    writes), that class is used directly; anything else goes through ``AutoTokenizer``.
+    """
+    import transformers
+
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            if json.load(f).get("tokenizer_class") == "PreTrainedTokenizerFast":
+                return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)

@@ -34,7 +34,7 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         write_prompts(generate_prompts(n_eval, split="test", seed=seed), paths["eval"])
     tok = train_tiny_tokenizer(tokenizer_corpus(2000, seed=seed), paths["tokenizer"], vocab_size=128)
     size = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                vocab_size=-(-len(tok) // 8) * 8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 max_position_embeddings=512)
     for kind, hf_key, ckpt_key in (("causal_lm", "policy_hf", "policy_ckpt"), ("reward", "rm_hf", "rm_ckpt")):
         if os.path.exists(paths[ckpt_key]):

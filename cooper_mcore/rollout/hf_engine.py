@@ -57,7 +57,9 @@ class HFEngine:
         tok = None
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
                                                                  "tokenizer_config.json")):
-            tok = transformers.AutoTokenizer.from_pretrained(path)
+            from cooper_mcore.data.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(path)
         return cls(model, tok, **kwargs)
 
     # -- generation ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cooper_mcore.convert.checkpoint import _write_meta
+from cooper_mcore.convert.checkpoint import EXTRA_DIR, _write_meta
 from cooper_mcore.models.arch import ArchSpec
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ def _model_state(ddp, optimizer, scheduler) -> dict:
 def save_training_checkpoint(
     out_dir: str, step: int, models: dict[str, tuple], trainer_state: dict[str, Any],
     archs: dict[str, tuple[ArchSpec, dict, torch.dtype]], keep: int = 2,
+    extra_dirs: Optional[dict[str, str]] = None,
 ) -> str:
     """Save a complete training checkpoint (collective).
 
@@ -112,6 +113,7 @@ def save_training_checkpoint(
         trainer_state: JSON-able loop state (data position, ...).
         archs: ``{name: (arch, hf_config, dtype)}`` for each model's ``cooper_model.json``.
         keep: newest complete checkpoints to keep (older ones are deleted).
+        extra_dirs: ``{name: folder}`` of tokenizer files to copy into each model's ``hf_extra/``.
 
     Returns:
         The checkpoint folder.
@@ -133,6 +135,9 @@ def save_training_checkpoint(
     if rank == 0:
         for name, (arch, cfg, dtype) in archs.items():
             _write_meta(os.path.join(tmp, name), arch, cfg, dtype)
+            src = (extra_dirs or {}).get(name)
+            if src and os.path.isdir(src):  # tokenizer files: the folder exports as a full HF model
+                shutil.copytree(src, os.path.join(tmp, name, EXTRA_DIR))
         adam = {name: adam_step(opt) for name, (_, opt, _) in models.items() if opt is not None}
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
             json.dump({"step": step, "world_size": dist.get_world_size(), "adam_steps": adam, **trainer_state}, f)

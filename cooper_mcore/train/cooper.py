@@ -220,7 +220,7 @@ def train(cfg: CooperConfig) -> dict[str, float]:
                 _engine_memory(run, resume=True)
                 acc = stages.evaluate(run.engine, run.verifier, run.eval_prompts, cfg.eval.k, eval_params(cfg))
                 _engine_memory(run, resume=False)
-            metrics["eval/acc"] = acc if acc is not None else float("nan")
+            metrics["eval/acc"] = stages.broadcast_in_model_parallel_group(acc)
         metrics.update(timer.pop())
         metrics = reduce_metrics(metrics)
         logger_.log(run.step, metrics)
@@ -231,7 +231,9 @@ def train(cfg: CooperConfig) -> dict[str, float]:
                 break
         if cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or run.step == cfg.train.steps):
             save_training_checkpoint(ckpt_dir, run.step, models, {"data": run.data.state_dict()},
-                                     run.extra["archs"], keep=cfg.checkpoint.keep)
+                                     run.extra["archs"], keep=cfg.checkpoint.keep,
+                                     extra_dirs={"policy": os.path.join(cfg.model.policy_ckpt, "hf_extra"),
+                                                 "rm": os.path.join(cfg.model.rm_ckpt, "hf_extra")})
     bar.close()
     logger_.close()
     if run.verifier is not None:

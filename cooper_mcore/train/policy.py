@@ -190,9 +190,16 @@ def policy_update(ddp, optimizer, batch: TokenBatch, micro_batch_size: int, clip
         seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     assert ok, "optimizer step failed"
-    metrics = {"grad_norm": float(grad_norm or 0.0)}
-    if results:
+    keys = ("loss", "kl", "ratio/mean", "clip_frac", "entropy")
+    values = torch.zeros(len(keys), dtype=torch.float64)
+    if results:  # the last pipeline stage
         tokens = float(sum(r["tokens"] for r in results))
-        for key in ("loss", "kl", "ratio/mean", "clip_frac", "entropy"):
-            metrics[key] = float(sum(r[key] for r in results)) / max(tokens, 1.0)
+        values = torch.tensor([float(sum(r[k] for r in results)) / max(tokens, 1.0) for k in keys],
+                              dtype=torch.float64)
+    pp = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp) > 1:  # every stage reports the same metrics
+        values = values.to(device())
+        dist.broadcast(values, src=dist.get_process_group_ranks(pp)[-1], group=pp)
+    metrics = {"grad_norm": float(grad_norm or 0.0)}
+    metrics.update({k: float(v) for k, v in zip(keys, values.tolist())})
     return metrics

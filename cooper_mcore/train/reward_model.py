@@ -93,13 +93,13 @@ def load_rm_tokenizer(path: str) -> Any:
     Raises:
         ValueError: no tokenizer files in the folder.
     """
-    import transformers
+    from cooper_mcore.data.tokenizer import load_tokenizer
 
     folder = os.path.join(path, EXTRA_DIR) if os.path.isdir(os.path.join(path, EXTRA_DIR)) else path
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, n)) for n in names):
         raise ValueError(f"no tokenizer files in {folder!r} (expected one of {names})")
-    return transformers.AutoTokenizer.from_pretrained(folder)
+    return load_tokenizer(folder)
 
 
 def pad_id_of(tokenizer: Any) -> int:

@@ -26,9 +26,9 @@ def eval_params(cfg: CooperConfig) -> SamplingParams:
 
 
 def _tokenizer(path: str):
-    import transformers
+    from cooper_mcore.data.tokenizer import load_tokenizer
 
-    return transformers.AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def build_run(cfg: CooperConfig) -> Run:
@@ -44,6 +44,7 @@ def build_run(cfg: CooperConfig) -> Run:
     from cooper_mcore.train import stages
     from cooper_mcore.train.megatron_setup import OptimConfig, build_scheduler, wrap_for_training
     from cooper_mcore.train.offload import ModelOffloader, ReferenceSwap
+    from cooper_mcore.train.reward_model import load_rm_tokenizer, wrap_reward_model
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world)
@@ -67,11 +68,10 @@ def build_run(cfg: CooperConfig) -> Run:
     if cfg.reward.mode != "rule":
         rm, rm_arch = load_checkpoint_model(cfg.model.rm_ckpt, cfg.parallel)
         extra = os.path.join(cfg.model.rm_ckpt, EXTRA_DIR)
-        rm_tok = _tokenizer(extra) if os.path.isfile(os.path.join(extra, "tokenizer_config.json")) else tokenizer
+        rm_tok = load_rm_tokenizer(cfg.model.rm_ckpt) if os.path.isdir(extra) else tokenizer
         if cfg.reward.mode == "cooper":
             r = cfg.rm.optim
-            rm, rm_opt = wrap_for_training(
-                rm, OptimConfig(lr=r.lr, weight_decay=r.weight_decay, clip_grad=r.clip_grad), per_token_loss=True)
+            rm, rm_opt = wrap_reward_model(rm, OptimConfig(lr=r.lr, weight_decay=r.weight_decay, clip_grad=r.clip_grad))
             rm_sched = build_scheduler(rm_opt, r.lr, r.warmup_steps, cfg.train.steps, r.weight_decay)
             archs["rm"] = read_meta(cfg.model.rm_ckpt)
 

@@ -70,10 +70,12 @@ def generate_groups(engine, verifier, prompts: Sequence[Prompt], group_size: int
 
 def rm_token_batch(tokenizer, triples: Sequence[tuple[str, str, str]], pad_id: int, max_len: int,
                    pad_to_multiple: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded VerifyRM inputs ``[n, s]`` and their lengths (inputs longer than ``max_len``
-    keep their last ``max_len`` tokens, where the completion's final answer is)."""
-    ids = [tokenizer(rm_input(q, ref, c), add_special_tokens=False)["input_ids"][-max_len:] or [pad_id]
-           for q, ref, c in triples]
+    """Right-padded VerifyRM inputs ``[n, s]`` and their lengths, tokenized exactly as
+    ``cooper train-rm`` does (:func:`cooper_mcore.train.reward_model.tokenize_texts`)."""
+    from cooper_mcore.train.reward_model import tokenize_texts
+
+    ids = tokenize_texts(tokenizer, [rm_input(q, ref, c) for q, ref, c in triples], max_length=max_len)
+    ids = [x or [pad_id] for x in ids]
     width = -(-max(len(x) for x in ids) // pad_to_multiple) * pad_to_multiple
     out = torch.full((len(ids), width), pad_id, dtype=torch.long)
     for i, x in enumerate(ids):

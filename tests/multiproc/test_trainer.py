@@ -101,6 +101,14 @@ def test_resume_is_bitwise_identical(assets, tmp_path):
         assert any(not torch.equal(a[k], init[k]) for k in a), f"{part} did not change"
     for key in ("reward/mean", "rule/acc", "loss", "kl"):
         assert full[3][key] == resumed[-1][key], key
+    # a trainer checkpoint exports to HF (with its tokenizer) and evaluates with `cooper eval`
+    r = subprocess.run([sys.executable, "-m", "cooper_mcore", "eval", "--model",
+                        str(tmp_path / "full" / "checkpoints" / "step_4" / "policy"), "--data", assets["train"],
+                        "--k", "2", "--max-new-tokens", "4", "--limit", "8"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["samples"] == 16 and 0.0 < result["acc"] <= 1.0
 
 
 def test_first_step_invariants_and_run_files(assets, tmp_path):
@@ -121,3 +129,16 @@ def test_bad_config_fails_before_work(assets, tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 2 and "not divisible by micro_batch_size" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+def test_tp_pp_runs_match_one_process(assets, tmp_path, layout):
+    common = ("train.steps=2", "checkpoint.every=2", "eval.every=2", "eval.k=1", "data.eval_limit=4")
+    one = _train(assets, tmp_path / "one", *common)
+    two = _train(assets, tmp_path / "two", *common, layout, nproc=2)
+    assert (tmp_path / "two" / "checkpoints" / "step_2" / "trainer.json").exists()
+    for a, b in zip(one, two):
+        assert a["rule/acc"] == b["rule/acc"] and a["response/length"] == b["response/length"]  # same rollouts
+        for key in ("reward/mean", "loss", "kl", "entropy", "rm/loss"):
+            assert a[key] == pytest.approx(b[key], abs=2e-5), (layout, key)
+    assert "eval/acc" in two[1] and one[1]["eval/acc"] == two[1]["eval/acc"]
