@@ -28,11 +28,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from cooper_mcore.types import Prompt
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -206,31 +208,52 @@ def read_prompts(
         ValueError: a malformed row (with ``skip_malformed=False``), naming file and line/row;
             or a file without any valid prompt.
     """
-    prompts: list[Prompt] = []
+    def build(rec: dict[str, Any], raw: RawRow) -> Prompt:
+        return Prompt(id=optional_text(rec, id_key, raw.where, allow_int=True) or raw.default_id,
+                      question=require_text(rec, question_key, raw.where),
+                      answer=require_text(rec, answer_key, raw.where, allow_numbers=True),
+                      source=optional_text(rec, source_key, raw.where))
+
+    return read_records(path, build, skip_malformed, what="prompts")
+
+
+def read_records(
+    path: str,
+    build: Callable[[dict[str, Any], RawRow], T],
+    skip_malformed: bool = False,
+    what: str = "rows",
+    unique_ids: bool = True,
+) -> tuple[list[T], int]:
+    """The row loop shared by every reader: ``build(record, raw)`` makes one item (raising
+    :class:`MalformedRow` for a bad row); malformed rows raise a ValueError naming file and
+    line/row, or are counted and skipped with ``skip_malformed``; duplicate ``id`` attributes
+    are malformed; a file without any valid row is an error.
+
+    Returns:
+        ``(items, skipped)`` in file order.
+    """
+    items: list[T] = []
     seen: dict[str, str] = {}
     skipped = 0
     for raw in iter_raw_rows(path):
         try:
             if raw.record is None:
                 raise MalformedRow(f"{raw.where}: {raw.error}")
-            rec = raw.record
-            question = require_text(rec, question_key, raw.where)
-            answer = require_text(rec, answer_key, raw.where, allow_numbers=True)
-            row_id = optional_text(rec, id_key, raw.where, allow_int=True) or raw.default_id
-            source = optional_text(rec, source_key, raw.where)
-            check_unique_id(seen, row_id, raw.where)
+            item = build(raw.record, raw)
+            if unique_ids and getattr(item, "id", None) is not None:
+                check_unique_id(seen, item.id, raw.where)
         except MalformedRow as e:
             if not skip_malformed:
                 raise
             skipped += 1
             logger.warning("skipping malformed row: %s", e)
             continue
-        prompts.append(Prompt(id=row_id, question=question, answer=answer, source=source))
-    if not prompts:
-        raise ValueError(f"{path}: no valid prompts ({skipped} malformed rows skipped)")
+        items.append(item)
+    if not items:
+        raise ValueError(f"{path}: no valid {what} ({skipped} malformed rows skipped)")
     if skipped:
-        logger.warning("%s: read %d prompts, skipped %d malformed rows", path, len(prompts), skipped)
-    return prompts, skipped
+        logger.warning("%s: read %d %s, skipped %d malformed rows", path, len(items), what, skipped)
+    return items, skipped
 
 
 def write_prompts(prompts: Iterable[Prompt], path: str) -> int:

@@ -28,9 +28,8 @@ from typing import Any, Optional
 
 from cooper_mcore.data.datasets import (
     MalformedRow,
-    check_unique_id,
-    iter_raw_rows,
     optional_text,
+    read_records,
     require_text,
 )
 from cooper_mcore.data.templates import rm_input
@@ -100,36 +99,18 @@ def read_verifybench(
         FileNotFoundError: ``path`` does not exist.
         ValueError: a malformed row (unless skipped), naming the file and line/row; no valid item.
     """
-    items: list[VerifyBenchItem] = []
-    seen: dict[str, str] = {}
-    skipped = 0
-    for raw in iter_raw_rows(path):
-        try:
-            if raw.record is None:
-                raise MalformedRow(f"{raw.where}: {raw.error}")
-            rec = raw.record
-            item = VerifyBenchItem(
-                id=optional_text(rec, id_key, raw.where, allow_int=True) or raw.default_id,
-                question=require_text(rec, question_key, raw.where),
-                answer=require_text(rec, answer_key, raw.where, allow_numbers=True),
-                completion=require_text(rec, completion_key, raw.where),
-                gold_correct=_require_bool(rec, label_key, raw.where),
-                answer_type=optional_text(rec, answer_type_key, raw.where),
-                answer_subtype=optional_text(rec, answer_subtype_key, raw.where),
-            )
-            check_unique_id(seen, item.id, raw.where)
-        except MalformedRow as e:
-            if not skip_malformed:
-                raise
-            skipped += 1
-            logger.warning("skipping malformed row: %s", e)
-            continue
-        items.append(item)
-    if not items:
-        raise ValueError(f"{path}: no valid items ({skipped} malformed rows skipped)")
-    if skipped:
-        logger.warning("%s: read %d items, skipped %d malformed rows", path, len(items), skipped)
-    return items, skipped
+    def build(rec: dict, raw) -> VerifyBenchItem:
+        return VerifyBenchItem(
+            id=optional_text(rec, id_key, raw.where, allow_int=True) or raw.default_id,
+            question=require_text(rec, question_key, raw.where),
+            answer=require_text(rec, answer_key, raw.where, allow_numbers=True),
+            completion=require_text(rec, completion_key, raw.where),
+            gold_correct=_require_bool(rec, label_key, raw.where),
+            answer_type=optional_text(rec, answer_type_key, raw.where),
+            answer_subtype=optional_text(rec, answer_subtype_key, raw.where),
+        )
+
+    return read_records(path, build, skip_malformed, what="items")
 
 
 def summarize(items: list[VerifyBenchItem]) -> dict[str, dict[str, int]]:

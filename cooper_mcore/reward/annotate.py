@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Protocol
 
-from cooper_mcore.data.datasets import MalformedRow, file_format, iter_raw_rows, require_text
+from cooper_mcore.data.datasets import file_format, read_records, require_text
 from cooper_mcore.data.templates import truncate_completion
 
 logger = logging.getLogger(__name__)
@@ -128,23 +128,13 @@ def _key(v: Optional[bool]) -> str:
 
 
 def _read_rows(path: str, keys: tuple[str, str, str], skip_malformed: bool) -> tuple[list[dict], list[tuple], int]:
-    rows, triples, skipped = [], [], 0
-    for raw in iter_raw_rows(path):
-        try:
-            if raw.record is None:
-                raise MalformedRow(f"{raw.where}: {raw.error}")
-            q = require_text(raw.record, keys[0], raw.where)
-            ref = require_text(raw.record, keys[1], raw.where, allow_numbers=True)
-            c = require_text(raw.record, keys[2], raw.where)
-        except MalformedRow as e:
-            if not skip_malformed:
-                raise
-            skipped += 1
-            logger.warning("skipping malformed row: %s", e)
-            continue
-        rows.append(raw.record)
-        triples.append((q, ref, c))
-    return rows, triples, skipped
+    def build(rec: dict, raw) -> tuple[dict, tuple[str, str, str]]:
+        return rec, (require_text(rec, keys[0], raw.where),
+                     require_text(rec, keys[1], raw.where, allow_numbers=True),
+                     require_text(rec, keys[2], raw.where))
+
+    items, skipped = read_records(path, build, skip_malformed, what="rows", unique_ids=False)
+    return [rec for rec, _ in items], [t for _, t in items], skipped
 
 
 def _write_rows(rows: list[dict], path: str) -> None:

@@ -52,9 +52,9 @@ import torch.distributed as dist
 
 from cooper_mcore.data.datasets import (
     MalformedRow,
-    check_unique_id,
     iter_raw_rows,
     optional_text,
+    read_records,
     require_text,
 )
 from cooper_mcore.data.templates import rm_input
@@ -137,35 +137,17 @@ def read_rm_examples(
         FileNotFoundError: ``path`` does not exist.
         ValueError: a malformed row (unless skipped), naming the file and line/row; no valid row.
     """
-    out: list[RMExample] = []
-    seen: dict[str, str] = {}
-    skipped = 0
-    for raw in iter_raw_rows(path):
-        try:
-            if raw.record is None:
-                raise MalformedRow(f"{raw.where}: {raw.error}")
-            rec = raw.record
-            ex = RMExample(
-                id=optional_text(rec, id_key, raw.where, allow_int=True) or raw.default_id,
-                question=require_text(rec, question_key, raw.where),
-                reference=require_text(rec, reference_key, raw.where, allow_numbers=True),
-                completion=require_text(rec, completion_key, raw.where),
-                label=_label(rec, label_key, raw.where),
-                answer_type=optional_text(rec, answer_type_key, raw.where),
-            )
-            check_unique_id(seen, ex.id, raw.where)
-        except MalformedRow as e:
-            if not skip_malformed:
-                raise
-            skipped += 1
-            logger.warning("skipping malformed row: %s", e)
-            continue
-        out.append(ex)
-    if not out:
-        raise ValueError(f"{path}: no valid rows ({skipped} malformed rows skipped)")
-    if skipped:
-        logger.warning("%s: read %d rows, skipped %d malformed rows", path, len(out), skipped)
-    return out, skipped
+    def build(rec: dict, raw) -> RMExample:
+        return RMExample(
+            id=optional_text(rec, id_key, raw.where, allow_int=True) or raw.default_id,
+            question=require_text(rec, question_key, raw.where),
+            reference=require_text(rec, reference_key, raw.where, allow_numbers=True),
+            completion=require_text(rec, completion_key, raw.where),
+            label=_label(rec, label_key, raw.where),
+            answer_type=optional_text(rec, answer_type_key, raw.where),
+        )
+
+    return read_records(path, build, skip_malformed, what="rows")
 
 
 def detect_format(path: str) -> str:
