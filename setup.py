@@ -28,7 +28,8 @@ setup(
         "psutil",  # megatron-core's async checkpoint writer hangs without it
         "pyarrow",  # Parquet datasets
         "requests",  # OpenAI-compatible clients (assistant LLM, judge) and SGLang servers
-        "omegaconf>=2.3",  # typed configs: dataclasses + YAML presets + dotted overrides
+        "omegaconf>=2.3",
+        "matplotlib",  # the demo report's plots  # typed configs: dataclasses + YAML presets + dotted overrides
         "pyyaml",
         "tqdm",
     ],
