@@ -53,18 +53,18 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
-def score_rewards(run: Run, groups: list[RolloutGroup]) -> tuple[torch.Tensor, dict[str, float]]:
+def score_rewards(run: Run, groups: list[RolloutGroup]) -> torch.Tensor:
     """Rewards ``[num_prompts, G]``: rule 0/1, or sigmoid(RM logit) in the RM modes."""
     cfg = run.cfg
     rule = torch.tensor([[1.0 if s.rule_correct else 0.0 for s in g.samples] for g in groups])
     if cfg.reward.mode == "rule":
-        return rule, {}
+        return rule
     triples = [(g.prompt.question, g.prompt.answer, s.text) for g in groups for s in g.samples]
     ids, lengths = stages.rm_token_batch(run.rm_tokenizer, triples, _pad_id(run.rm_tokenizer),
                                          run.rm_arch.max_position_embeddings)
     rm_module = run.rm.module if hasattr(run.rm, "module") else run.rm
     logits = stages.rm_scores(rm_module, ids, lengths, cfg.train.micro_batch_size)
-    return reward_from_logits(logits).view_as(rule), {}
+    return reward_from_logits(logits).view_as(rule)
 
 
 def update_reward_model(run: Run, groups: list[RolloutGroup]) -> dict[str, float]:
@@ -109,7 +109,7 @@ def cooper_step(run: Run, prompts: list[Prompt], timer) -> dict[str, float]:
     with timer.phase("offload"):
         _move_training_state(run, offload=False)
     with timer.phase("rm_score"):
-        rewards, _ = score_rewards(run, groups)
+        rewards = score_rewards(run, groups)
     advantages = group_advantages(rewards, eps=cfg.algo.adv_eps)
     samples = [s for g in groups for s in g.samples]
     batch = build_token_batch([g.prompt.token_ids for g in groups for _ in g.samples],
