@@ -3,7 +3,6 @@ alternatives, and preference-pair building with masking."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import re
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from cooper_mcore.types import Prompt, RolloutGroup, Sample
 from tests.chat_server import ChatServer
 
 pytestmark = pytest.mark.timeout(60)
-HAS_RULE_VERIFIER = importlib.util.find_spec("cooper_mcore.reward.verifier") is not None
 
 
 @dataclass
@@ -382,8 +380,6 @@ def test_make_negative_generator():
 
 @pytest.fixture(scope="module")
 def rule_verifier():
-    if not HAS_RULE_VERIFIER:
-        pytest.skip("cooper_mcore.reward.verifier (RuleVerifier) is not in the tree yet")
     from cooper_mcore.reward.verifier import RuleVerifier
 
     with RuleVerifier(timeout_s=5.0, num_workers=1) as v:
