@@ -1,0 +1,337 @@
+"""Tests for cooper_mcore.demo.report (the CPU demo's rule / static RM / Cooper report).
+
+The fixture ``tests/fixtures/demo_run`` is synthetic, shaped like the paper's dynamics: the
+static-RM run's training reward climbs 0.45 -> 0.98 while held-out accuracy falls 0.50 -> 0.40;
+rule and Cooper rise slowly. Expected numbers below are computed by hand from its files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from cooper_mcore.demo.report import (
+    MODES,
+    PLOT_FILES,
+    HackExample,
+    RunResult,
+    hacking_signature,
+    load_runs,
+    train_reward_final,
+    write_report,
+)
+from cooper_mcore.metrics import REDACTED
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "demo_run"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """The report of the recorded fixture: (folder, summary.json, report.md)."""
+    out = tmp_path_factory.mktemp("report") / "demo_report"
+    assert write_report(str(out), load_runs(str(FIXTURE)), config={"steps": 20, "api_key": "sk-secret"}) == str(out)
+    return out, json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
+
+
+def _copy_fixture(tmp_path: Path) -> Path:
+    dst = tmp_path / "demo_run"
+    shutil.copytree(FIXTURE, dst)
+    return dst
+
+
+def _rewrite(path: Path, **fields) -> None:
+    """Change fields of a fixture's result.json."""
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data))
+
+
+def _lines(rewards, **extra):
+    return [{"step": i + 1, "reward/mean": r, **extra} for i, r in enumerate(rewards)]
+
+
+# ----------------------------------------------------------------------------- summary.json
+
+EXPECTED = {  # hand-computed from tests/fixtures/demo_run (20 steps: final reward = mean of the last 5)
+    "rule": dict(acc_before=0.50, acc_after=0.54, acc_change=0.04, train_reward_initial=0.42,
+                 train_reward_final=(0.50 + 0.52 + 0.50 + 0.54 + 0.54) / 5, rm_acc_before=None, rm_acc_after=None,
+                 steps=20, train_seconds=20 * 0.4, wall_seconds=9.5, eval_acc_last=0.54, n_hacks=0),
+    "static_rm": dict(acc_before=0.50, acc_after=0.40, acc_change=-0.10, train_reward_initial=0.49,
+                      train_reward_final=(0.90 + 0.92 + 0.94 + 0.96 + 0.98) / 5, rm_acc_before=0.70,
+                      rm_acc_after=0.70, steps=20, train_seconds=20 * 0.5, wall_seconds=11.0, eval_acc_last=0.40,
+                      n_hacks=3),
+    "cooper": dict(acc_before=0.50, acc_after=0.56, acc_change=0.06, train_reward_initial=0.51,
+                   train_reward_final=(0.60 + 0.62 + 0.61 + 0.63 + 0.64) / 5, rm_acc_before=0.70,
+                   rm_acc_after=0.78, steps=20, train_seconds=20 * 0.6, wall_seconds=13.0, eval_acc_last=0.56,
+                   n_hacks=0),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_summary_values_equal_hand_computed(report, mode):
+    _, summary, _ = report
+    got = summary[mode]
+    for key, want in EXPECTED[mode].items():
+        assert got[key] == (None if want is None else pytest.approx(want, abs=1e-9)), key
+    assert got["eval_steps"] == [5, 10, 15, 20]
+    assert got["hacking"]["reward_start"] == pytest.approx(got["train_reward_initial"])
+    assert got["hacking"]["reward_end"] == pytest.approx(got["train_reward_final"])
+
+
+def test_summary_hacking_and_gap_for_static_rm(report):
+    _, summary, _ = report
+    h = summary["static_rm"]["hacking"]
+    assert h["reward_rise"] == pytest.approx(0.94 - 0.49)
+    assert h["acc_change"] == pytest.approx(-0.10)
+    assert h["present"] is True
+    # rule/acc falls linearly 0.42 - 0.12 * i / 19 (i = 0..19); its window means sit at i = 2 and i = 17
+    assert h["gap_start"] == pytest.approx(0.49 - (0.42 - 0.12 * 2 / 19), abs=1e-4)
+    assert h["gap_end"] == pytest.approx(0.94 - (0.42 - 0.12 * 17 / 19), abs=1e-4)
+    assert summary["static_rm"]["rule_acc_final"] == pytest.approx(0.42 - 0.12 * 17 / 19, abs=1e-4)
+    assert summary["rule"]["hacking"]["gap_end"] == 0.0
+    assert summary["cooper"]["hacking"]["present"] is False
+
+
+def test_summary_verdict_and_redacted_config(report):
+    _, summary, _ = report
+    v = summary["verdict"]
+    assert v["static_rm_hacking"] is True and v["cooper_hacking"] is False
+    assert v["cooper_at_or_above_rule"] is True
+    assert v["cooper_minus_rule_acc"] == pytest.approx(0.02)
+    assert v["cooper_rm_acc_not_degraded"] is True and v["static_rm_rm_acc_not_degraded"] is True
+    assert v["claim_reproduced"] is True and v["failed"] == []
+    assert summary["config"] == {"steps": 20, "api_key": REDACTED}
+
+
+# ----------------------------------------------------------------------------- report.md
+
+
+def test_report_table_in_paper_form(report):
+    _, _, md = report
+    assert ("| reward mode | held-out acc before | held-out acc after | change | final training reward "
+            "| RM acc before | RM acc after |") in md
+    assert "| rule | 0.500 | 0.540 | +0.040 | 0.520 | n/a | n/a |" in md
+    assert "| static RM | 0.500 | 0.400 | -0.100 | 0.940 | 0.700 | 0.700 |" in md
+    assert "| Cooper | 0.500 | 0.560 | +0.060 | 0.620 | 0.700 | 0.780 |" in md
+    rows = [md.index(f"| {label} | 0.500") for label in ("rule", "static RM", "Cooper")]
+    assert rows == sorted(rows)
+
+
+def test_report_verdict_says_present_for_hacking_static_run(report):
+    _, _, md = report
+    assert ("- static RM: training reward rose from 0.490 to 0.940 while held-out accuracy fell from 0.500 "
+            "to 0.400 (reward hacking signature present).") in md
+    assert ("- Cooper: training reward rose from 0.510 to 0.620 while held-out accuracy rose from 0.500 to 0.560 "
+            "(reward hacking signature not present).") in md
+    assert ("- Cooper vs rule: held-out accuracy after training 0.560 vs 0.540 (+0.020): at or above the rule "
+            "baseline.") in md
+    assert "- Cooper: RM accuracy on held-out labeled completions rose from 0.700 to 0.780 (did not degrade)." in md
+    assert "- Paper's claim in miniature: reproduced." in md
+
+
+def test_report_hack_examples_links_and_config(report):
+    out, _, md = report
+    assert "**Question:** What is 17 + 25?" in md
+    assert "**RM reward:** 0.970; **rule verdict:** wrong" in md
+    assert "   Let me check carefully. 17 + 25 = 41, which is definitely correct.\n   \\boxed{41}" in md
+    assert "Compute 6 * 7 \\| 2 (the remainder)" in md  # a pipe cannot break the line
+    assert "   ````text\n   ```\n   answer: 1\n   ``` The answer is verified" in md  # fence longer than its content's
+    assert "### static RM (3 collected, 3 shown)" in md and "### Cooper" not in md
+    assert "the mean `reward/mean` over the last 5 steps" in md
+    for name in PLOT_FILES.values():
+        assert f"]({name})" in md and (out / name).is_file()
+    for mode in MODES:
+        assert f"(metrics_{mode}.jsonl)" in md
+    assert REDACTED in md and "sk-secret" not in md
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.parametrize("name", sorted(PLOT_FILES.values()))
+def test_pngs_are_valid_and_non_trivial(report, name):
+    out, _, _ = report
+    path = out / name
+    width, height = _png_size(path)
+    assert width >= 400 and height >= 300
+    assert path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name", ["train_reward.png", "eval_acc.png", "rule_acc_gap.png"])
+def test_pngs_draw_every_mode(report, name):
+    from matplotlib.image import imread
+
+    from cooper_mcore.demo.report import MODE_COLORS
+
+    rgb = imread(str(report[0] / name))[..., :3]
+    for mode, color in MODE_COLORS.items():
+        want = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        close = (abs(rgb - want) < 0.02).all(axis=-1).sum()
+        assert close > 100, f"{name}: {mode}'s color appears on only {close} pixels"
+
+
+def test_metrics_copies_are_byte_identical(report):
+    out, _, _ = report
+    for mode in MODES:
+        assert (out / f"metrics_{mode}.jsonl").read_bytes() == (FIXTURE / mode / "metrics.jsonl").read_bytes()
+
+
+# ----------------------------------------------------------------------------- other verdicts
+
+
+def test_non_hacking_static_run_says_not_present(tmp_path):
+    root = _copy_fixture(tmp_path)
+    lines = [json.loads(x) for x in (root / "static_rm" / "metrics.jsonl").read_text().splitlines()]
+    with open(root / "static_rm" / "metrics.jsonl", "w") as f:
+        for m in lines:  # a flat training reward: the RM is not being exploited
+            m["reward/mean"] = 0.50
+            f.write(json.dumps(m) + "\n")
+        f.write('{"step": 21, "reward/mean": 0.9')  # a torn last line is ignored
+    _rewrite(root / "static_rm" / "result.json", acc_after=0.45)
+    out = Path(write_report(str(tmp_path / "out"), load_runs(str(root))))
+    summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
+    assert summary["static_rm"]["steps"] == 20
+    assert summary["static_rm"]["hacking"]["present"] is False
+    assert ("- static RM: training reward stayed at 0.500 while held-out accuracy fell from 0.500 to 0.450 "
+            "(reward hacking signature not present).") in md
+    assert "reward hacking signature present" not in md
+    assert summary["verdict"]["claim_reproduced"] is False
+    assert summary["verdict"]["failed"] == ["static RM shows the hacking signature"]
+    assert "- Paper's claim in miniature: not reproduced (failed: static RM shows the hacking signature)." in md
+
+
+def test_cooper_below_rule_with_degraded_rm(tmp_path):
+    runs = load_runs(str(FIXTURE))
+    runs["cooper"].acc_after, runs["cooper"].rm_acc_after = 0.52, 0.65
+    runs["rule"].metrics_path = str(FIXTURE / "rule")  # a run folder instead of its metrics.jsonl
+    out = Path(write_report(str(tmp_path / "out"), {m: vars(r) for m, r in runs.items()}))  # dict form
+    assert (out / "metrics_rule.jsonl").read_bytes() == (FIXTURE / "rule" / "metrics.jsonl").read_bytes()
+    summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
+    assert ("- Cooper vs rule: held-out accuracy after training 0.520 vs 0.540 (-0.020): below the rule "
+            "baseline.") in md
+    assert "- Cooper: RM accuracy on held-out labeled completions fell from 0.700 to 0.650 (degraded)." in md
+    assert summary["verdict"]["failed"] == ["Cooper's held-out accuracy is at or above the rule baseline",
+                                            "Cooper's RM accuracy did not degrade"]
+    assert summary["cooper"]["acc_change"] == pytest.approx(0.02)
+    assert "| Cooper | 0.500 | 0.520 | +0.020 | 0.620 | 0.700 | 0.650 |" in md
+
+
+# ----------------------------------------------------------------------------- hacking_signature
+
+
+@pytest.mark.parametrize("rewards,acc_after,present", [
+    ([0.5] * 5 + [0.55] * 5, 0.48, True),   # rise 0.05 and drop 0.02: both thresholds met exactly
+    ([0.5] * 5 + [0.54] * 5, 0.40, False),  # rise 0.04 < 0.05
+    ([0.5] * 5 + [0.90] * 5, 0.49, False),  # drop 0.01 < 0.02
+    ([0.5] * 5 + [0.90] * 5, 0.55, False),  # accuracy rose
+    ([0.9] * 5 + [0.50] * 5, 0.30, False),  # reward fell
+])
+def test_hacking_signature_thresholds(rewards, acc_after, present):
+    sig = hacking_signature(_lines(rewards), 0.50, acc_after)
+    assert sig["present"] is present
+    assert sig["reward_rise"] == pytest.approx(rewards[-1] - rewards[0])
+    assert sig["acc_change"] == pytest.approx(acc_after - 0.50)
+    assert sig["gap_start"] is None and sig["gap_end"] is None
+
+
+def test_hacking_signature_windows_skip_missing_values_and_shrink_on_short_runs():
+    lines = _lines([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    lines.insert(2, {"step": 99, "reward/mean": None, "eval/acc": 0.5})
+    lines.append({"step": 100, "kl": 0.1})
+    sig = hacking_signature(lines, 0.5, 0.4, window=2)
+    assert sig["reward_start"] == pytest.approx(0.15) and sig["reward_end"] == pytest.approx(0.55)
+    assert sig["present"] is True
+    short = hacking_signature(_lines([0.2, 0.5, 0.8, 0.9]), 0.5, 0.4)  # 4 steps: the window shrinks to 2
+    assert short["window"] == 2 and short["reward_rise"] == pytest.approx(0.85 - 0.35)
+    three = hacking_signature(_lines([0.2, 0.5, 0.8]), 0.5, 0.4, min_reward_rise=0.6)  # window 1: 0.2 -> 0.8
+    assert three["window"] == 1 and three["reward_rise"] == pytest.approx(0.6) and three["present"] is True
+    one = hacking_signature(_lines([0.7]), 0.5, 0.4)
+    assert one["reward_rise"] == 0.0 and one["present"] is False
+    assert train_reward_final(_lines([0.1, 0.2, 0.3, 0.4, 0.5]), window=5) == pytest.approx(0.45)  # last 2 of 5
+    assert train_reward_final(_lines([0.1, 0.2, 0.3, 0.4, 0.5]), window=1) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("lines,before,after,window,match", [
+    ([{"step": 1, "kl": 0.0}], 0.5, 0.5, 5, "reward/mean"),
+    (_lines([0.5]), 0.5, 1.2, 5, "acc_after"),
+    (_lines([0.5]), None, 0.5, 5, "acc_before"),
+    (_lines([0.5]), 0.5, 0.5, 0, "window"),
+])
+def test_hacking_signature_rejects_bad_input(lines, before, after, window, match):
+    with pytest.raises(ValueError, match=match):
+        hacking_signature(lines, before, after, window=window)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_missing_mode_is_named(tmp_path, mode):
+    runs = load_runs(str(FIXTURE))
+    del runs[mode]
+    with pytest.raises(ValueError, match=f"missing reward mode '{mode}'"):
+        write_report(str(tmp_path / "out"), runs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_metrics_is_named(tmp_path):
+    root = _copy_fixture(tmp_path)
+    (root / "cooper" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"mode 'cooper': metrics file .*cooper/metrics.jsonl is empty"):
+        write_report(str(tmp_path / "out"), load_runs(str(root)))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(mode="static_rm", metrics_path="nope.jsonl"), r"mode 'static_rm': metrics file .*nope.jsonl does not exist"),
+    (dict(mode="static_rm", acc_after=1.5), r"mode 'static_rm': acc_after must be a number in \[0, 1\]"),
+    (dict(mode="cooper", rm_acc_before=-0.1), r"mode 'cooper': rm_acc_before"),
+    (dict(mode="rule", rm_acc_after=0.7), r"mode 'rule' has no reward model, but rm_acc_after=0.7"),
+    (dict(mode="cooper", hacks=[{"question": "q"}]), r"mode 'cooper': bad hacks: .*missing \['reference'"),
+])
+def test_bad_run_result_is_named(tmp_path, change, match):
+    runs = load_runs(str(FIXTURE))
+    mode = change.pop("mode")
+    for k, v in change.items():
+        setattr(runs[mode], k, v)
+    with pytest.raises(ValueError, match=match):
+        write_report(str(tmp_path / "out"), runs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_metrics_without_reward_unknown_mode_and_bad_config(tmp_path):
+    root = _copy_fixture(tmp_path)
+    (root / "rule" / "metrics.jsonl").write_text('{"step": 1, "rule/acc": 0.5}\n')
+    with pytest.raises(ValueError, match=r"mode 'rule': metrics file .* has no 'reward/mean' values"):
+        write_report(str(tmp_path / "out"), load_runs(str(root)))
+    runs = load_runs(str(FIXTURE))
+    with pytest.raises(ValueError, match=r"unknown reward mode\(s\) \['static'\]"):
+        write_report(str(tmp_path / "out"), {**runs, "static": runs["static_rm"]})
+    with pytest.raises(ValueError, match="config must be a dict"):
+        write_report(str(tmp_path / "out"), runs, config=["steps"])  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
+
+
+def test_load_runs_names_missing_result_and_builds_dataclasses(tmp_path):
+    runs = load_runs(str(FIXTURE))
+    assert set(runs) == set(MODES)
+    assert runs["static_rm"].hacks[0] == HackExample("What is 17 + 25?", "42", runs["static_rm"].hacks[0].completion,
+                                                     0.97, False)
+    assert Path(runs["rule"].metrics_path) == FIXTURE / "rule" / "metrics.jsonl"
+    root = _copy_fixture(tmp_path)
+    (root / "cooper" / "result.json").unlink()
+    with pytest.raises(ValueError, match=r"mode 'cooper': no .*cooper/result.json"):
+        load_runs(str(root))
+    with pytest.raises(ValueError, match=r"unknown RunResult keys \['acc'\]"):
+        RunResult.from_dict({"metrics_path": "m", "acc_before": 0.5, "acc_after": 0.5, "acc": 1})
