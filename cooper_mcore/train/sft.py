@@ -1,0 +1,372 @@
+"""Supervised fine-tuning (SFT) of a policy checkpoint with Megatron, and SFT data for the arithmetic task.
+
+:func:`sft` trains a cooper_mcore model checkpoint on ``(prompt ids, response ids)`` pairs with
+the masked token-mean cross-entropy of the response tokens (the prompt is context only). It
+uses megatron-core's per-token loss mode: each micro-batch returns the *sum* of its token losses
+and its token count, and the gradients are divided by the token count of the whole global batch
+(all micro-batches and data-parallel ranks), so the update does not depend on how the batch is
+split. The optimizer is megatron's (distributed) Adam with decoupled weight decay and a global
+gradient-norm clip. Examples are visited as a seeded stream of shuffled epochs (each epoch a
+permutation of the examples, epochs concatenated); every step takes the next
+``global_batch_size`` of them and data-parallel rank ``r`` trains on the ``r``-th contiguous slice.
+The result is written as a new model checkpoint (``cooper_model.json`` and the input
+checkpoint's tokenizer files in ``hf_extra/``), under a temporary name renamed when complete.
+
+:func:`math_sft_examples` builds SFT pairs for :mod:`cooper_mcore.data.mathgen`: the prompt is
+the templated question tokenised as the trainer and ``cooper eval`` tokenise prompts, the
+response the worked solution (``59-15=44,44-75=-31 \\boxed{-31}``) followed by EOS. With
+``mix_wrong > 0`` that share of the responses is a *plausible wrong* worked solution
+(:func:`wrong_worked_solution`): one step off by +-1 or +-10 (later steps computed correctly
+from the wrong value), or the steps right but an intermediate result boxed as the answer. A
+policy pre-trained this way makes mistakes that are modes of its own distribution rather than
+missing skill, so the correct mode has non-zero probability on most prompts and RL can select
+it within few steps (the demo's design; leave ``mix_wrong`` at 0 for plain SFT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from cooper_mcore.data.mathgen import MathProblem, MathTaskConfig, format_answer, generate_problems, worked_solution
+from cooper_mcore.parallel import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+Example = tuple[list[int], list[int]]
+_DELTAS = (-10, -1, 1, 10)
+
+
+# --------------------------------------------------------------------------- SFT data
+
+
+def wrong_worked_solution(problem: MathProblem, rng: random.Random, style: str = "boxed") -> str:
+    """A plausible but wrong worked solution of ``problem``.
+
+    The kind is drawn first, each with equal probability: *off by* (a random step's result off by
+    -10, -1, +1 or +10, the later steps computed correctly from the wrong value,
+    ``59-15=45,45-75=-30 \\boxed{-30}``) or, for problems of two or more steps, *intermediate*
+    (the steps all right but an intermediate result boxed, ``59-15=44,44-75=-31 \\boxed{44}``).
+    Variants whose final answer happens to be right (a later ``*0``, an intermediate equal to the
+    answer) are never returned.
+
+    Args:
+        problem: the problem.
+        rng: the random source.
+        style: the final-answer style (see :func:`cooper_mcore.data.mathgen.format_answer`).
+
+    Returns:
+        The completion text, in the format of :func:`cooper_mcore.data.mathgen.worked_solution`.
+    """
+    off_by: list[tuple[list[int], int]] = []  # (results per step, boxed answer)
+    for step in range(len(problem.ops)):
+        for delta in _DELTAS:
+            results = list(problem.results[:step]) + [problem.results[step] + delta]
+            for op, b in zip(problem.ops[step + 1:], problem.operands[step + 2:]):
+                results.append(MathProblem((results[-1], b), (op,)).answer)
+            if results[-1] != problem.answer:  # never empty: an error in the last step always shows
+                off_by.append((results, results[-1]))
+    intermediate = [(list(problem.results), r) for r in problem.results[:-1] if r != problem.answer]
+    results, boxed = rng.choice(rng.choice([k for k in (off_by, intermediate) if k]))
+    lhs = [problem.operands[0]] + results[:-1]
+    steps = [f"{a}{op}{b}={r}" for a, op, b, r in zip(lhs, problem.ops, problem.operands[1:], results)]
+    return ",".join(steps) + " " + format_answer(boxed, style)
+
+
+def math_sft_examples(
+    tokenizer: Any,
+    n: int,
+    config: Optional[MathTaskConfig] = None,
+    seed: int = 0,
+    template: str = "{question}",
+    mix_wrong: float = 0.0,
+    style: str = "boxed",
+    use_chat_template: bool = False,
+) -> list[Example]:
+    """SFT pairs for ``n`` distinct train-split arithmetic problems.
+
+    Args:
+        tokenizer: the policy's tokenizer (:func:`cooper_mcore.data.tokenizer.load_tokenizer`); needs an EOS token.
+        n: how many examples (distinct questions of the train split; never a held-out one).
+        config: the problem family (default: :class:`~cooper_mcore.data.mathgen.MathTaskConfig`).
+        seed: draws the problems and which of them get a wrong solution.
+        template: prompt format template with ``{question}`` (as the trainer's ``data.template``).
+        mix_wrong: share in [0, 1] of the examples (rounded to a count) whose response is a plausible
+            wrong worked solution (:func:`wrong_worked_solution`; see the module docstring).
+        style: final-answer style, ``"boxed"`` or ``"gsm8k"``.
+        use_chat_template: wrap the prompt with the tokenizer's chat template (as the trainer's option).
+
+    Returns:
+        ``(prompt ids, response ids)`` pairs; the prompt ids are what the trainer and ``cooper eval``
+        generate from, the response ids the completion text's tokens followed by EOS.
+
+    Raises:
+        ValueError: ``mix_wrong`` outside [0, 1], a tokenizer without EOS, or as
+            :func:`~cooper_mcore.data.mathgen.generate_problems` and the template functions.
+    """
+    from cooper_mcore.data.mathgen import to_prompts
+    from cooper_mcore.data.templates import template_prompts
+
+    if not 0.0 <= mix_wrong <= 1.0:
+        raise ValueError(f"mix_wrong must be in [0, 1], got {mix_wrong}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("math_sft_examples: the tokenizer has no EOS token")
+    problems = generate_problems(n, config, "train", seed)
+    prompts = template_prompts(to_prompts(problems), template, tokenizer, use_chat_template, tokenize=True)
+    rng = random.Random(seed * 1_000_003 + 7)
+    wrong = set(rng.sample(range(n), round(mix_wrong * n)))
+    out = []
+    for i, (problem, prompt) in enumerate(zip(problems, prompts)):
+        text = wrong_worked_solution(problem, rng, style) if i in wrong else worked_solution(problem, style)
+        response = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos]
+        out.append((list(prompt.token_ids), response))
+    return out
+
+
+# --------------------------------------------------------------------------- training
+
+
+def example_stream(num_examples: int, global_batch_size: int, seed: int, dp_rank: int = 0,
+                   dp_size: int = 1) -> Iterator[list[int]]:
+    """Indices of this data-parallel rank's share of each global batch, forever.
+
+    Epoch ``e`` visits the examples in :func:`cooper_mcore.data.iterator.epoch_order` ``(seed, e)``;
+    the epochs are concatenated (a batch may span two epochs) and cut into global batches, of which
+    rank ``dp_rank`` gets the ``dp_rank``-th of ``dp_size`` contiguous slices.
+    """
+    from cooper_mcore.data.iterator import epoch_order
+
+    share = global_batch_size // dp_size
+    epoch, pending = 0, []
+    while True:
+        while len(pending) < global_batch_size:
+            pending += epoch_order(num_examples, seed, epoch)
+            epoch += 1
+        batch, pending = pending[:global_batch_size], pending[global_batch_size:]
+        yield batch[dp_rank * share:(dp_rank + 1) * share]
+
+
+@contextlib.contextmanager
+def _world(parallel: ParallelConfig, seed: int):
+    """Use the initialised world, or set up (and afterwards tear down) what is missing."""
+    from megatron.core import parallel_state
+
+    from cooper_mcore.parallel import init_distributed, single_process_world
+
+    if not dist.is_initialized():  # one process, or torchrun before any set-up
+        with single_process_world(parallel, seed=seed):
+            yield
+        return
+    owned = not parallel_state.model_parallel_is_initialized()
+    if not owned:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (parallel.tp, parallel.pp):
+            raise ValueError(f"model-parallel groups are already initialised with tp={have[0]} pp={have[1]}, "
+                             f"not the requested tp={parallel.tp} pp={parallel.pp}")
+    else:
+        init_distributed(parallel, seed=seed)
+    try:
+        yield
+    finally:
+        if owned:
+            parallel_state.destroy_model_parallel()
+
+
+def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
+              micro_batch_size: int) -> tuple[float, float, float]:
+    """One optimizer step on this rank's examples; returns (this rank's loss sum, token count, grad norm)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from cooper_mcore.models.forward import position_ids_for
+    from cooper_mcore.parallel import device
+    from cooper_mcore.train.policy import build_token_batch, token_logprobs
+
+    batch = build_token_batch([p for p, _ in examples], [r for _, r in examples], pad_id)
+    dev = device()
+    mbs = [(batch.input_ids[i:i + micro_batch_size].to(dev), batch.labels[i:i + micro_batch_size].to(dev),
+            batch.loss_mask[i:i + micro_batch_size].to(dev)) for i in range(0, len(batch), micro_batch_size)]
+
+    def step(data_iterator, model):
+        input_ids, labels, mask = next(data_iterator)
+        logits = model(input_ids, position_ids_for(input_ids), None)
+
+        def loss_fn(output):
+            nll = -token_logprobs(output, labels) * mask
+            n = mask.sum()
+            return nll.sum(), n.int(), {"loss_sum": nll.sum().detach(), "tokens": n.detach()}
+
+        return logits, loss_fn
+
+    ddp.train()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    results = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(mbs), model=[ddp], num_microbatches=len(mbs),
+        seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    assert ok, "optimizer step failed"
+    loss_sum = float(sum(r["loss_sum"] for r in results)) if results else 0.0  # last pipeline stage only
+    tokens = float(sum(r["tokens"] for r in results)) if results else 0.0
+    return loss_sum, tokens, float(grad_norm or 0.0)
+
+
+def _save(model, arch, hf_config: dict, dtype: torch.dtype, src_ckpt: str, dest: str) -> None:
+    """Save under ``dest + ".tmp"`` with the source's ``hf_extra/``, then rename to ``dest``. Collective."""
+    from cooper_mcore.convert.checkpoint import EXTRA_DIR, save_model_checkpoint
+
+    tmp = dest + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    save_model_checkpoint(model, tmp, arch, hf_config, dtype)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        extra = os.path.join(src_ckpt, EXTRA_DIR)
+        if os.path.isdir(extra):
+            shutil.copytree(extra, os.path.join(tmp, EXTRA_DIR))
+        os.replace(tmp, dest)
+    dist.barrier()
+
+
+def _scheduler(optimizer, lr: float, warmup_steps: int, steps: int, weight_decay: float, min_lr: Optional[float]):
+    """The trainer's schedule (warm-up, then constant), or warm-up then cosine decay to ``min_lr``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from cooper_mcore.train.megatron_setup import build_scheduler
+
+    if min_lr is None:
+        return build_scheduler(optimizer, lr, warmup_steps, steps, weight_decay)
+    for group in optimizer.param_groups:  # megatron's groups carry their own bounds (min_lr None from its config)
+        group["max_lr"], group["min_lr"] = lr, min_lr
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(steps, warmup_steps + 1), lr_decay_style="cosine", start_wd=weight_decay,
+        end_wd=weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant")
+
+
+def sft(
+    ckpt_in: str,
+    out_ckpt: str,
+    examples: Sequence[Example],
+    steps: int,
+    lr: float,
+    global_batch_size: int,
+    micro_batch_size: int = 8,
+    seed: int = 0,
+    parallel: Optional[ParallelConfig] = None,
+    warmup_steps: int = 0,
+    min_lr: Optional[float] = None,
+    weight_decay: float = 0.01,
+    clip_grad: float = 1.0,
+    log_every: int = 10,
+) -> dict[str, Any]:
+    """Fine-tune a model checkpoint on prompt/response pairs (response tokens' token-mean cross-entropy).
+
+    Collective: under torchrun every rank calls it with the same arguments; in a plain process a
+    one-process world is set up (and torn down) if none is initialised. Data parallelism is the
+    world size over ``tp * pp``.
+
+    Args:
+        ckpt_in: a cooper_mcore causal-LM model checkpoint (``hf-to-mcore`` output or an earlier ``sft``).
+        out_ckpt: the output checkpoint folder; must not exist.
+        examples: ``(prompt ids, response ids)``; the response should end with EOS to teach stopping.
+        steps: optimizer steps.
+        lr: peak learning rate, reached after ``warmup_steps`` of linear warm-up from 0.
+        global_batch_size: examples per step over all data-parallel ranks.
+        micro_batch_size: examples per forward/backward; ``global_batch_size`` must be a multiple of
+            ``micro_batch_size * dp``.
+        seed: shuffling seed (and megatron's RNG seed when this call sets up the world).
+        parallel: the TP/PP layout (default TP=PP=1).
+        warmup_steps: linear warm-up steps (as the trainer's scheduler).
+        min_lr: None: ``lr`` stays constant after the warm-up (the trainer's schedule); a value in
+            ``[0, lr]``: cosine decay from ``lr`` to it over the remaining steps.
+        weight_decay: AdamW's decoupled weight decay.
+        clip_grad: global gradient-norm clip (0 disables).
+        log_every: log loss / gradient norm / throughput every this many steps (0: only the last step).
+
+    Returns:
+        ``{"loss": [global token-mean loss of each step, before its update], "grad_norm": [...],
+        "tokens": response tokens trained on, "seconds": wall time of the steps, "steps": steps}``
+        (the same on every rank).
+
+    Raises:
+        ValueError: no examples, an empty prompt or response, an example longer than the model's
+            positions, a non-causal-LM checkpoint, or inconsistent sizes.
+        FileExistsError: ``out_ckpt`` exists.
+    """
+    from megatron.core import parallel_state as ps
+
+    from cooper_mcore.convert.checkpoint import read_meta
+    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.parallel import device
+    from cooper_mcore.train.megatron_setup import OptimConfig, wrap_for_training
+
+    parallel = parallel or ParallelConfig()
+    if steps < 1 or lr <= 0 or global_batch_size < 1 or micro_batch_size < 1 or warmup_steps < 0:
+        raise ValueError(f"sft needs steps >= 1, lr > 0, batch sizes >= 1 and warmup_steps >= 0; got steps={steps} "
+                         f"lr={lr} global_batch_size={global_batch_size} micro_batch_size={micro_batch_size} "
+                         f"warmup_steps={warmup_steps}")
+    if min_lr is not None and not 0 <= min_lr <= lr:
+        raise ValueError(f"sft: min_lr must be in [0, lr={lr}], got {min_lr}")
+    if not examples:
+        raise ValueError("sft: no examples")
+    bad = next((i for i, (p, r) in enumerate(examples) if not p or not r), None)
+    if bad is not None:
+        raise ValueError(f"sft: example {bad} has an empty prompt or response")
+    if os.path.exists(out_ckpt):
+        raise FileExistsError(f"output {out_ckpt!r} already exists; remove it or choose another path")
+    arch, hf_config, dtype = read_meta(ckpt_in)
+    if arch.model_type != "causal_lm":
+        raise ValueError(f"sft needs a causal-LM checkpoint; {ckpt_in!r} is a {arch.model_type} model")
+    longest = max(len(p) + len(r) for p, r in examples)
+    if longest > arch.max_position_embeddings:
+        raise ValueError(f"sft: an example has {longest} tokens, more than the model's "
+                         f"max_position_embeddings={arch.max_position_embeddings}")
+    pad_id = hf_config.get("pad_token_id") if isinstance(hf_config.get("pad_token_id"), int) else 0
+
+    with _world(parallel, seed):
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if global_batch_size % (micro_batch_size * dp):
+            raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * dp = "
+                             f"{micro_batch_size} * {dp}")
+        model, arch = load_checkpoint_model(ckpt_in, parallel)
+        ddp, optimizer = wrap_for_training(
+            model, OptimConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad), per_token_loss=True)
+        scheduler = _scheduler(optimizer, lr, warmup_steps, steps, weight_decay, min_lr)
+        stream = example_stream(len(examples), global_batch_size, seed, dp_rank, dp)
+        history: dict[str, Any] = {"loss": [], "grad_norm": [], "tokens": 0, "steps": steps}
+        start = time.perf_counter()
+        for step in range(steps):
+            loss_sum, tokens, grad_norm = _sft_step(
+                ddp, optimizer, [examples[i] for i in next(stream)], pad_id, micro_batch_size)
+            scheduler.step(1)
+            # over the world: TP replicas count each sum tp times (cancels in the ratio), non-last stages add 0
+            totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=device())
+            dist.all_reduce(totals)
+            loss = float(totals[0] / totals[1])
+            history["loss"].append(loss)
+            history["grad_norm"].append(grad_norm)
+            history["tokens"] += int(round(float(totals[1]) / parallel.tp))
+            if dist.get_rank() == 0 and ((log_every and (step + 1) % log_every == 0) or step + 1 == steps):
+                elapsed = time.perf_counter() - start
+                logger.info("sft step %d/%d: loss %.4f, grad norm %.3f, lr %.2e, %.0f tokens/s", step + 1, steps,
+                            loss, grad_norm, optimizer.param_groups[0]["lr"], history["tokens"] / max(elapsed, 1e-9))
+        history["seconds"] = time.perf_counter() - start
+        _save(model, arch, hf_config, dtype, ckpt_in, out_ckpt)
+        if dist.get_rank() == 0:
+            logger.info("sft: %d steps in %.1f s, loss %.4f -> %.4f; wrote %s", steps, history["seconds"],
+                        history["loss"][0], history["loss"][-1], out_ckpt)
+        del ddp, optimizer, model
+    return history
