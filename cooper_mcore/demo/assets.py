@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import torch
 
@@ -41,7 +42,9 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
             continue
         save_tiny_hf_model(paths[hf_key], "qwen2_tied" if kind == "causal_lm" else "qwen2", kind,
                            seed=seed + (kind == "reward"), dtype=torch.float32, **size)
-        tok.save_pretrained(paths[hf_key])
+        # copy the files as trained: save_pretrained would rewrite tokenizer_class, and transformers 5
+        # would then load a Qwen2Tokenizer next to the qwen2 config (different tokenization)
+        shutil.copytree(paths["tokenizer"], paths[hf_key], dirs_exist_ok=True)
         hf_to_mcore(paths[hf_key], paths[ckpt_key])
     logger.info("tiny assets in %s", out)
     return paths

@@ -298,7 +298,8 @@ def sft(
 
     Returns:
         ``{"loss": [global token-mean loss of each step, before its update], "grad_norm": [...],
-        "tokens": response tokens trained on, "seconds": wall time of the steps, "steps": steps}``
+        "lr": [learning rate of each step], "tokens": response tokens trained on, "seconds": wall time
+        of the steps (not loading and saving), "steps": steps}``
         (the same on every rank).
 
     Raises:
@@ -346,9 +347,10 @@ def sft(
             model, OptimConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad), per_token_loss=True)
         scheduler = _scheduler(optimizer, lr, warmup_steps, steps, weight_decay, min_lr)
         stream = example_stream(len(examples), global_batch_size, seed, dp_rank, dp)
-        history: dict[str, Any] = {"loss": [], "grad_norm": [], "tokens": 0, "steps": steps}
+        history: dict[str, Any] = {"loss": [], "grad_norm": [], "lr": [], "tokens": 0, "steps": steps}
         start = time.perf_counter()
         for step in range(steps):
+            history["lr"].append(float(optimizer.param_groups[0]["lr"]))
             loss_sum, tokens, grad_norm = _sft_step(
                 ddp, optimizer, [examples[i] for i in next(stream)], pad_id, micro_batch_size)
             scheduler.step(1)
@@ -362,7 +364,7 @@ def sft(
             if dist.get_rank() == 0 and ((log_every and (step + 1) % log_every == 0) or step + 1 == steps):
                 elapsed = time.perf_counter() - start
                 logger.info("sft step %d/%d: loss %.4f, grad norm %.3f, lr %.2e, %.0f tokens/s", step + 1, steps,
-                            loss, grad_norm, optimizer.param_groups[0]["lr"], history["tokens"] / max(elapsed, 1e-9))
+                            loss, grad_norm, history["lr"][-1], history["tokens"] / max(elapsed, 1e-9))
         history["seconds"] = time.perf_counter() - start
         _save(model, arch, hf_config, dtype, ckpt_in, out_ckpt)
         if dist.get_rank() == 0:

@@ -1,9 +1,14 @@
 """SFT through Megatron: the loss against transformers, micro-batch invariance, the output checkpoint,
 learning a trivial task end to end, and the arithmetic SFT data (including the plausible wrong solutions)."""
 
+import json
 import os
 import random
 import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +118,44 @@ def test_output_checkpoint_exports_with_tokenizer_and_holds_the_trained_weights(
         sft(out, out, examples, steps=1, lr=1e-3, global_batch_size=8)
 
 
+_DP_WORKER = """
+import json, os, sys
+from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.train.sft import math_sft_examples, sft
+
+if __name__ == "__main__":
+    tokenizer_dir, ckpt, out = sys.argv[1:4]
+    examples = math_sft_examples(load_tokenizer(tokenizer_dir), 12, seed=1)
+    h = sft(ckpt, out, examples, steps=3, lr=1e-4, global_batch_size=8, micro_batch_size=2, seed=3, log_every=0)
+    if os.environ["RANK"] == "0":
+        print(json.dumps(h))
+"""
+
+
+def test_torchrun_data_parallel_equals_one_process(assets, tok, tmp_path):
+    """Two data-parallel ranks (each its half of every shuffled global batch) give one process's result."""
+    examples = math_sft_examples(tok, 12, seed=1)  # 12 examples in batches of 8: steps span epochs
+    one = sft(assets["policy_ckpt"], str(tmp_path / "one"), examples, steps=3, lr=1e-4, global_batch_size=8,
+              micro_batch_size=8, seed=3)
+    script = tmp_path / "worker.py"
+    script.write_text(_DP_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                        str(script), assets["tokenizer"], assets["policy_ckpt"], str(tmp_path / "dp2")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-4000:]
+    dp2 = json.loads(r.stdout.strip().splitlines()[-1])
+    assert dp2["tokens"] == one["tokens"]
+    assert dp2["loss"] == pytest.approx(one["loss"], abs=1e-6) and dp2["grad_norm"] == pytest.approx(one["grad_norm"])
+    a, b = _weights(str(tmp_path / "one")), _weights(str(tmp_path / "dp2"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
 def test_sft_learns_single_digit_copy(assets, tok, tmp_path):
     from cooper_mcore.convert.checkpoint import mcore_to_hf
     from cooper_mcore.reward.verifier import RuleVerifier
@@ -202,6 +245,14 @@ def test_mix_wrong_replaces_that_share_with_plausible_wrong_solutions(tok):
             _check_wrong(p, wrong_worked_solution(p, rng))
 
 
+def test_learning_rate_schedules(assets, tok, trained, tmp_path):
+    assert trained[2]["lr"] == [3e-3] * 5  # default: constant, no warm-up
+    h = sft(assets["policy_ckpt"], str(tmp_path / "cos"), math_sft_examples(tok, 4, seed=0), steps=4, lr=1e-3,
+            global_batch_size=4, micro_batch_size=4, warmup_steps=1, min_lr=1e-4)
+    # linear warm-up from 0 over one step, then cosine from 1e-3 to 1e-4 over the remaining three
+    assert h["lr"] == pytest.approx([0.0, 1e-3, 1e-4 + 0.75 * 9e-4, 1e-4 + 0.25 * 9e-4])
+
+
 def test_sft_rejects_bad_arguments(assets, tmp_path):
     ckpt, out = assets["policy_ckpt"], str(tmp_path / "out")
     with pytest.raises(ValueError, match="empty prompt or response"):
@@ -210,4 +261,6 @@ def test_sft_rejects_bad_arguments(assets, tmp_path):
         sft(ckpt, out, [([5, 6], [7, 4])], steps=1, lr=1e-3, global_batch_size=6, micro_batch_size=4)
     with pytest.raises(ValueError, match="causal-LM"):
         sft(assets["rm_ckpt"], out, [([5, 6], [7, 4])], steps=1, lr=1e-3, global_batch_size=1, micro_batch_size=1)
+    with pytest.raises(ValueError, match="min_lr"):
+        sft(ckpt, out, [([5, 6], [7, 4])], steps=1, lr=1e-3, global_batch_size=1, min_lr=2e-3)
     assert not os.path.exists(out)
