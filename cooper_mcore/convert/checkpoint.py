@@ -173,6 +173,25 @@ def save_model_checkpoint(
         _write_meta(ckpt_dir, arch, hf_config, dtype)
 
 
+def save_model_checkpoint_atomic(model: torch.nn.Module, dest: str, arch: ArchSpec, hf_config: dict[str, Any],
+                                 dtype: torch.dtype, extra_from: str | None = None) -> None:
+    """Save under ``dest + ".tmp"`` (with ``extra_from/hf_extra`` copied in), then rename to
+    ``dest``, so a folder named ``dest`` is always complete. Collective."""
+    tmp = dest + ".tmp"
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    save_model_checkpoint(model, tmp, arch, hf_config, dtype)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        extra = os.path.join(extra_from, EXTRA_DIR) if extra_from else ""
+        if extra and os.path.isdir(extra):
+            shutil.copytree(extra, os.path.join(tmp, EXTRA_DIR))
+        os.replace(tmp, dest)
+    torch.distributed.barrier()
+
+
 def _detach_views(sharded: dict, model: torch.nn.Module) -> None:
     """Make every ShardedTensor own its data without a second copy of the model.
 

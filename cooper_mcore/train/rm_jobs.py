@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,7 +59,6 @@ from cooper_mcore.data.datasets import (
 from cooper_mcore.data.templates import rm_input
 from cooper_mcore.parallel import ParallelConfig, device
 from cooper_mcore.train.reward_model import (
-    EXTRA_DIR,
     bce_train_step,
     load_rm_tokenizer,
     pad_id_of,
@@ -322,24 +320,13 @@ def _load_rm(ckpt: str, parallel: ParallelConfig):
 
 def _save_checkpoint(model, arch, hf_config, dtype, src_ckpt: str, dest: str) -> None:
     """Save under ``dest + ".tmp"``, copy the tokenizer files, rename to ``dest``. Collective."""
-    from cooper_mcore.convert.checkpoint import save_model_checkpoint
+    from cooper_mcore.convert.checkpoint import save_model_checkpoint_atomic
 
     if os.path.exists(dest):
         raise FileExistsError(f"checkpoint {dest!r} already exists")
-    tmp = dest + ".tmp"
+    save_model_checkpoint_atomic(model, dest, arch, hf_config, dtype, extra_from=src_ckpt)
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    save_model_checkpoint(model, tmp, arch, hf_config, dtype)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        extra = os.path.join(src_ckpt, EXTRA_DIR)
-        if os.path.isdir(extra):
-            shutil.copytree(extra, os.path.join(tmp, EXTRA_DIR))
-        os.replace(tmp, dest)
         logger.info("saved %s", dest)
-    dist.barrier()
 
 
 # --------------------------------------------------------------------------- jobs

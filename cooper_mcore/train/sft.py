@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
@@ -223,21 +222,9 @@ def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
 
 def _save(model, arch, hf_config: dict, dtype: torch.dtype, src_ckpt: str, dest: str) -> None:
     """Save under ``dest + ".tmp"`` with the source's ``hf_extra/``, then rename to ``dest``. Collective."""
-    from cooper_mcore.convert.checkpoint import EXTRA_DIR, save_model_checkpoint
+    from cooper_mcore.convert.checkpoint import save_model_checkpoint_atomic
 
-    tmp = dest + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    save_model_checkpoint(model, tmp, arch, hf_config, dtype)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        extra = os.path.join(src_ckpt, EXTRA_DIR)
-        if os.path.isdir(extra):
-            shutil.copytree(extra, os.path.join(tmp, EXTRA_DIR))
-        os.replace(tmp, dest)
-    dist.barrier()
+    save_model_checkpoint_atomic(model, dest, arch, hf_config, dtype, extra_from=src_ckpt)
 
 
 def _scheduler(optimizer, lr: float, warmup_steps: int, steps: int, weight_decay: float, min_lr: Optional[float]):
