@@ -11,7 +11,7 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper eval-rm --ckpt RM --data VB.jsonl
     cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
-    cooper demo [--out DIR]
+    cooper demo [--full] [--out DIR] [key=value ...]
 """
 
 from __future__ import annotations
@@ -105,9 +105,14 @@ def _tiny_assets(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from cooper_mcore.demo import run_demo
+    from cooper_mcore.demo import load_demo_config, run_demo
+    from cooper_mcore.demo.pipeline import describe
 
-    run_demo(args.out)
+    cfg = load_demo_config("full" if args.full else args.preset, args.overrides)
+    if args.out:
+        cfg.out = args.out
+    logger.info("%s", describe(cfg))
+    run_demo(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,8 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     ta.add_argument("--out", default="runs/tiny_assets")
     ta.set_defaults(func=_tiny_assets)
 
-    demo = sub.add_parser("demo", help="the embedded default job (tiny, CPU)")
-    demo.add_argument("--out", default="runs/demo", help="output folder")
+    demo = sub.add_parser("demo", help="the embedded default job: rule vs static RM vs Cooper on a tiny CPU setup")
+    demo.add_argument("--out", default="", help="output folder (default runs/demo, runs/demo_full with --full)")
+    demo.add_argument("--full", action="store_true", help="the longer, bigger preset (within an hour on 2 cores)")
+    demo.add_argument("--preset", choices=["smoke"], default=None, help="smoke: every stage at the smallest size")
+    demo.add_argument("overrides", nargs="*", help="dotted settings, e.g. rl.steps=60 (cooper_mcore/demo/config.py)")
     demo.set_defaults(func=_demo)
     return p
 
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
         logger.error("%s", e.args[0] if e.args else e)
-        return 2
+        return getattr(e, "exit_code", 2)  # train: 75 preempted (SIGTERM), 3 non-finite stop; else 2
     return 0
 
 

@@ -121,6 +121,8 @@ class RunResult:
         hacks: examples of hacks (high RM reward, rule-wrong); the report shows up to
             ``MAX_EXAMPLES`` per mode.
         seconds: wall seconds of the run, if the pipeline measured them.
+        details: further numbers the pipeline measured (e.g. greedy accuracy), copied into
+            ``summary.json`` under ``details`` and listed in ``report.md``.
     """
 
     metrics_path: str
@@ -130,6 +132,7 @@ class RunResult:
     rm_acc_after: float | None = None
     hacks: list[HackExample] = field(default_factory=list)
     seconds: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base_dir: str | None = None) -> RunResult:
@@ -326,7 +329,7 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
             "eval_acc_last": eval_acc[-1] if eval_acc else None, "eval_steps": eval_steps,
             "steps": max(int(m.get("step", i + 1)) for i, m in enumerate(lines)), "metrics_lines": len(lines),
             "train_seconds": sum(seconds) if seconds else None, "wall_seconds": r.seconds,
-            "hacking": sig, "n_hacks": len(r.hacks)}
+            "hacking": sig, "n_hacks": len(r.hacks), "details": dict(r.details)}
 
 
 def _verdict(s: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -470,6 +473,11 @@ def _markdown(summary: Mapping[str, Any], results: Mapping[str, RunResult], copi
         secs = [f"{x:.1f}" if x is not None else "n/a" for x in (s["train_seconds"], s["wall_seconds"])]
         out.append(f"| {MODE_LABELS[mode]} | {s['steps']} | {secs[0]} | {secs[1]} | "
                    f"{_fmt(s['train_reward_initial'])} | {_fmt(s['rule_acc_final'])} |")
+    if any(summary[m]["details"] for m in MODES):
+        out += ["", "Further measurements:", ""]
+        out += [f"- {MODE_LABELS[m]}: " + ", ".join(f"{k} = {_fmt(v) if isinstance(v, float) else v}"
+                                                    for k, v in summary[m]["details"].items())
+                for m in MODES if summary[m]["details"]]
     out += ["", "## Examples of hacks", ""]
     any_hacks = False
     for mode in MODES:

@@ -1,0 +1,150 @@
+"""Settings of the CPU demo (``cooper demo``): one dataclass section per stage, two presets.
+
+The default preset finishes within minutes on two CPU cores; ``--full`` is longer and bigger
+(more held-out problems, more RL steps). Any field can be overridden on the command line with
+a dotted ``key=value`` (``cooper demo rl.steps=60``), as ``cooper train`` does.
+
+Every stage's settings (plus the outputs of the stages it reads) determine its cache key (see
+:mod:`cooper_mcore.demo.pipeline`), so changing a field re-runs that stage and the ones after it
+and nothing before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+
+@dataclass
+class TaskSection:
+    """The arithmetic task (:class:`cooper_mcore.data.mathgen.MathTaskConfig`) and its prompt sets."""
+
+    num_steps: int = 2
+    max_operand: int = 9
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])
+    n_train: int = 2048  # distinct train-split questions (SFT, RM data and RL prompts draw from them)
+    n_eval: int = 512  # held-out questions for accuracy before/after
+    seed: int = 0
+    tokenizer_vocab: int = 64
+
+
+@dataclass
+class ModelSection:
+    """Sizes of the tiny Qwen2-architecture policy and reward model."""
+
+    policy_hidden: int = 64
+    policy_layers: int = 2
+    rm_hidden: int = 64
+    rm_layers: int = 2
+    max_positions: int = 128
+
+
+@dataclass
+class SFTSection:
+    """Megatron SFT of the policy (:func:`cooper_mcore.train.sft.sft`)."""
+
+    steps: int = 400
+    lr: float = 3e-3
+    batch: int = 64
+    micro_batch: int = 32
+    mix_wrong: float = 0.4  # share of plausible wrong worked solutions (errors become modes RL can select)
+    seed: int = 0
+
+
+@dataclass
+class RMSection:
+    """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier."""
+
+    samples_per_prompt: int = 2  # completions sampled per train prompt for the RM's data
+    temperature: float = 1.0
+    epochs: int = 4
+    lr: float = 1e-3
+    batch: int = 64
+    micro_batch: int = 32
+    seed: int = 0
+
+
+@dataclass
+class RLSection:
+    """The three RL runs (``rule``, ``static_rm``, ``cooper``): identical but for the reward mode."""
+
+    steps: int = 40
+    prompts_per_step: int = 32
+    group_size: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 32
+    lr: float = 1e-4
+    kl_coef: float = 0.02
+    kl_kind: str = "low_var_kl"
+    rm_lr: float = 1e-3  # the co-trained RM's learning rate (cooper mode)
+    negatives: str = "perturb"  # how Cooper gets a verified-wrong negative (no assistant LLM offline)
+    micro_batch: int = 64
+    eval_every: int = 10
+    eval_limit: int = 128  # held-out prompts of the per-step curve (the before/after numbers use all)
+    seed: int = 1234
+
+
+@dataclass
+class EvalSection:
+    """Held-out evaluation before and after RL."""
+
+    temperature: float = 0.7  # the paper's sampling (avg@k); greedy accuracy is reported as well
+    top_p: float = 0.95
+    k: int = 2
+    max_new_tokens: int = 32
+    seed: int = 7
+    hack_examples: int = 5
+
+
+@dataclass
+class DemoConfig:
+    """The whole demo."""
+
+    out: str = "runs/demo"
+    task: TaskSection = field(default_factory=TaskSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    rm: RMSection = field(default_factory=RMSection)
+    rl: RLSection = field(default_factory=RLSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+
+# ``--full``: longer RL, more held-out problems, a bigger RM data set
+FULL_PRESET: dict = {
+    "out": "runs/demo_full",
+    "task": {"n_eval": 640},
+    "rl": {"steps": 150, "eval_every": 10, "eval_limit": 256},
+    "eval": {"k": 4},
+}
+
+# the CI smoke test: every stage, a few steps each, smallest sizes
+SMOKE_PRESET: dict = {
+    "task": {"n_train": 128, "n_eval": 32},
+    "sft": {"steps": 4, "batch": 32},
+    "rm": {"samples_per_prompt": 1, "epochs": 1, "batch": 32},
+    "rl": {"steps": 2, "prompts_per_step": 4, "group_size": 4, "micro_batch": 16, "eval_every": 1,
+           "eval_limit": 8, "max_new_tokens": 16},
+    "eval": {"k": 1, "max_new_tokens": 16, "hack_examples": 2},
+}
+
+
+def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> DemoConfig:
+    """Defaults <- preset (``None``, ``"full"`` or ``"smoke"``) <- dotted overrides, type-checked.
+
+    Raises:
+        ValueError: an unknown preset, key or a wrongly typed value.
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    presets = {None: {}, "full": FULL_PRESET, "smoke": SMOKE_PRESET}
+    if preset not in presets:
+        raise ValueError(f"unknown demo preset {preset!r}; choose from full, smoke")
+    cfg = OmegaConf.structured(DemoConfig)
+    try:
+        cfg = OmegaConf.merge(cfg, presets[preset], OmegaConf.from_dotlist(list(overrides or [])))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad demo setting: {e}") from None
+    result: DemoConfig = OmegaConf.to_object(cfg)
+    return result

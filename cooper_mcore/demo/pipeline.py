@@ -1,0 +1,359 @@
+"""The CPU demo's pipeline: tasks -> SFT policy -> VerifyRM -> three RL runs -> report.
+
+:func:`run_demo` reads top to bottom:
+
+1. ``assets``: train and held-out arithmetic problems, the tiny tokenizer, random tiny Qwen2
+   policy and reward model (HF folders and Megatron checkpoints);
+2. ``sft``: Megatron SFT of the policy on worked solutions mixed with plausible wrong ones, export
+   to HF through the converter, held-out accuracy;
+3. ``rm_data``: completions sampled from the SFT policy, labeled by the rule verifier (train
+   prompts for the RM's training data, held-out prompts for its evaluation);
+4. ``rm``: BCE training of the tiny VerifyRM (``train_rm``);
+5. ``rl_rule`` / ``rl_static_rm`` / ``rl_cooper``: ``cooper train`` in a subprocess, same start,
+   seed, steps and batch; then held-out accuracy of the final policy, the final RM's accuracy on
+   the final policy's held-out completions, and the completions the RM over-scores (hacks);
+6. the report (:func:`cooper_mcore.demo.report.write_report`).
+
+Stages are cached by content: a stage's folder is named by a hash of its settings, the keys of
+the stages it reads and :data:`STAGE_VERSION`; it is reused when its ``stage.json`` (written
+last) exists, and re-run from scratch otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from cooper_mcore.demo.config import DemoConfig
+
+logger = logging.getLogger(__name__)
+
+STAGE_VERSION = 1  # bump when a stage's code changes what it writes
+STAGE_FILE = "stage.json"
+MODES = ("rule", "static_rm", "cooper")
+
+
+# --------------------------------------------------------------------------- content cache
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A finished stage: its folder, cache key and what it reported."""
+
+    name: str
+    key: str
+    path: str
+    info: dict[str, Any]
+
+    def file(self, *parts: str) -> str:
+        return os.path.join(self.path, *parts)
+
+
+def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Callable[[str], dict]) -> Stage:
+    """Run ``fn(folder)`` unless a finished stage with the same content key exists.
+
+    Args:
+        root: the cache folder.
+        name: the stage's name (also the folder prefix).
+        params: JSON-able settings (dataclasses allowed) that determine the output.
+        inputs: the stages whose outputs ``fn`` reads.
+        fn: writes the stage's files into the folder it is given; returns a JSON-able summary.
+
+    Returns:
+        The finished stage.
+    """
+    doc = {"name": name, "version": STAGE_VERSION, "inputs": [s.key for s in inputs],
+           "params": dataclasses.asdict(params) if dataclasses.is_dataclass(params) else params}
+    key = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = os.path.join(root, f"{name}-{key}")
+    marker = os.path.join(path, STAGE_FILE)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            info = json.load(f)["info"]
+        logger.info("[%s] cached: %s", name, path)
+        return Stage(name, key, path, info)
+    shutil.rmtree(path, ignore_errors=True)  # a partial folder from an interrupted run
+    os.makedirs(path)
+    logger.info("[%s] running -> %s", name, path)
+    start = time.perf_counter()
+    info = fn(path)
+    info["seconds"] = round(time.perf_counter() - start, 1)
+    tmp = marker + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"key": key, "doc": doc, "info": info}, f, indent=1, default=str)
+    os.replace(tmp, marker)
+    logger.info("[%s] done in %.0f s", name, info["seconds"])
+    return Stage(name, key, path, info)
+
+
+# --------------------------------------------------------------------------- sampling and scoring
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, top_p: float, max_new_tokens: int,
+                   seed: int) -> list[dict[str, Any]]:
+    """``k`` completions per prompt from an HF policy, labeled by the rule verifier.
+
+    Returns:
+        One row per completion: ``question``, ``reference``, ``completion``, ``label`` (rule-correct).
+    """
+    from cooper_mcore.data.datasets import read_prompts
+    from cooper_mcore.data.templates import template_prompts
+    from cooper_mcore.reward.verifier import RuleVerifier
+    from cooper_mcore.rollout.base import SamplingParams
+    from cooper_mcore.rollout.hf_engine import HFEngine
+
+    engine = HFEngine.from_pretrained(hf_dir)
+    prompts, _ = read_prompts(prompts_path)
+    template_prompts(prompts, "{question}", engine.tokenizer, False, tokenize=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    outs = engine.generate([p.token_ids for p in prompts for _ in range(k)], params)
+    refs = [p.answer for p in prompts for _ in range(k)]
+    with RuleVerifier(num_workers=2) as verifier:
+        verdicts = verifier.verify_batch(refs, [o.text for o in outs])
+    return [{"question": p.question, "reference": p.answer, "completion": o.text, "label": bool(v.correct)}
+            for p, o, v in zip((p for p in prompts for _ in range(k)), outs, verdicts)]
+
+
+def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, out_prefix: str) -> dict[str, Any]:
+    """Held-out accuracy of an HF policy: greedy and sampled (avg@k at the eval temperature).
+
+    The sampled completions are kept in ``<out_prefix>_samples.jsonl`` (the RM is scored on them).
+    """
+    e = cfg.eval
+    greedy = sample_labeled(hf_dir, prompts_path, 1, 0.0, 1.0, e.max_new_tokens, e.seed)
+    sampled = sample_labeled(hf_dir, prompts_path, e.k, e.temperature, e.top_p, e.max_new_tokens, e.seed)
+    write_jsonl(out_prefix + "_samples.jsonl", _scorable(sampled))
+    acc = {"acc": _mean([r["label"] for r in sampled]), "acc_greedy": _mean([r["label"] for r in greedy]),
+           "n_prompts": len(greedy), "k": e.k, "temperature": e.temperature}
+    return acc
+
+
+def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float:
+    """The RM's accuracy (sigmoid > 0.5 vs the rule label) on labeled completions, with predictions kept."""
+    from cooper_mcore.train.rm_jobs import eval_rm
+
+    return float(eval_rm(rm_ckpt, labeled_path, data_format="labeled", predictions_path=predictions_path)["accuracy"])
+
+
+def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[dict[str, Any]]:
+    """Rule-wrong completions the RM scores as correct, highest RM reward first."""
+    samples, preds = read_jsonl(samples_path), read_jsonl(predictions_path)
+    assert len(samples) == len(preds), (samples_path, predictions_path)
+    wrong = [(p["prob"], s) for s, p in zip(samples, preds) if not s["label"] and p["prob"] > 0.5]
+    wrong.sort(key=lambda t: -t[0])
+    return [{"question": s["question"], "reference": s["reference"], "completion": s["completion"],
+             "rm_reward": round(prob, 4), "rule_correct": False} for prob, s in wrong[:limit]]
+
+
+def _scorable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows an RM can score: an empty completion (EOS first) has no text for the RM's template."""
+    return [r for r in rows if r["completion"].strip()]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def _task(cfg: DemoConfig):
+    from cooper_mcore.data.mathgen import MathTaskConfig
+
+    t = cfg.task
+    return MathTaskConfig(num_steps=t.num_steps, max_operand=t.max_operand, operators=tuple(t.operators),
+                          split_seed=t.seed)
+
+
+def build_assets(cfg: DemoConfig, out: str) -> dict[str, Any]:
+    """Stage 1: problems, tokenizer, random tiny policy and RM."""
+    from cooper_mcore.demo.assets import build_tiny_assets
+
+    m = cfg.model
+    paths = build_tiny_assets(out, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed, m.policy_hidden,
+                              m.policy_layers, task=_task(cfg), rm_hidden_size=m.rm_hidden, rm_num_layers=m.rm_layers,
+                              vocab_size=cfg.task.tokenizer_vocab, max_positions=m.max_positions)
+    return {"paths": {k: os.path.relpath(v, out) for k, v in paths.items()}}
+
+
+def train_sft(cfg: DemoConfig, assets: Stage, out: str) -> dict[str, Any]:
+    """Stage 2: Megatron SFT, export through the converter, held-out accuracy of the result."""
+    from cooper_mcore.convert.checkpoint import mcore_to_hf
+    from cooper_mcore.data.tokenizer import load_tokenizer
+    from cooper_mcore.train.sft import math_sft_examples, sft
+
+    s = cfg.sft
+    tokenizer = load_tokenizer(assets.file("tokenizer"))
+    examples = math_sft_examples(tokenizer, cfg.task.n_train, _task(cfg), seed=s.seed, mix_wrong=s.mix_wrong)
+    history = sft(assets.file("policy_mcore"), os.path.join(out, "policy_mcore"), examples, steps=s.steps, lr=s.lr,
+                  global_batch_size=s.batch, micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed,
+                  log_every=max(s.steps // 10, 1))
+    mcore_to_hf(os.path.join(out, "policy_mcore"), os.path.join(out, "policy_hf"))
+    acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, os.path.join(out, "eval"))
+    logger.info("[sft] held-out accuracy: %.3f sampled (T=%.1f, avg@%d), %.3f greedy", acc["acc"],
+                cfg.eval.temperature, cfg.eval.k, acc["acc_greedy"])
+    return {"loss_first": history["loss"][0], "loss_last": history["loss"][-1], "eval": acc}
+
+
+def sample_rm_data(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
+    """Stage 3: the SFT policy's completions, labeled by the rule verifier (train and held-out)."""
+    r = cfg.rm
+    hf = sft_stage.file("policy_hf")
+    train = sample_labeled(hf, assets.file("train.jsonl"), r.samples_per_prompt, r.temperature, 1.0,
+                           cfg.rl.max_new_tokens, r.seed)
+    held_out = sample_labeled(hf, assets.file("eval.jsonl"), 1, cfg.rl.temperature, 1.0, cfg.rl.max_new_tokens,
+                              r.seed + 1)
+    write_jsonl(os.path.join(out, "rm_train.jsonl"), _scorable(train))
+    write_jsonl(os.path.join(out, "rm_eval.jsonl"), _scorable(held_out))
+    info = {"train": len(train), "train_correct": _mean([x["label"] for x in train]),
+            "eval": len(held_out), "eval_correct": _mean([x["label"] for x in held_out])}
+    logger.info("[rm_data] %d train rows (%.0f%% correct), %d held-out rows", info["train"],
+                100 * info["train_correct"], info["eval"])
+    return info
+
+
+def train_verify_rm(cfg: DemoConfig, assets: Stage, data: Stage, out: str) -> dict[str, Any]:
+    """Stage 4: BCE training of the tiny VerifyRM on the labeled completions."""
+    from cooper_mcore.train.rm_jobs import train_rm
+
+    r = cfg.rm
+    summary = train_rm(assets.file("rm_mcore"), data.file("rm_train.jsonl"), os.path.join(out, "train"),
+                       eval_path=data.file("rm_eval.jsonl"), epochs=r.epochs, lr=r.lr,
+                       micro_batch_size=min(r.micro_batch, r.batch), global_batch_size=r.batch, seed=r.seed)
+    ckpt = os.path.relpath(summary["final_checkpoint"], out)
+    acc = summary["eval"]["accuracy"] if summary.get("eval") else None
+    logger.info("[rm] held-out accuracy %.3f on the SFT policy's completions", acc)
+    return {"checkpoint": ckpt, "eval_acc": acc, "train_acc": summary.get("train_acc"), "steps": summary["steps"]}
+
+
+def rl_config(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage: Stage, out: str):
+    """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three)."""
+    from cooper_mcore.config import CooperConfig
+
+    c, r = CooperConfig(), cfg.rl
+    c.out = out
+    c.model.policy_ckpt = sft_stage.file("policy_mcore")
+    c.model.policy_hf = sft_stage.file("policy_hf")
+    c.model.rm_ckpt = rm_stage.file(rm_stage.info["checkpoint"])
+    c.data.train_path, c.data.eval_path = assets.file("train.jsonl"), assets.file("eval.jsonl")
+    c.data.eval_limit = r.eval_limit
+    c.rollout.group_size, c.rollout.temperature = r.group_size, r.temperature
+    c.rollout.max_new_tokens = r.max_new_tokens
+    c.reward.mode, c.reward.verifier_workers = mode, 2
+    c.algo.kl_coef, c.algo.kl_kind = r.kl_coef, r.kl_kind
+    c.optim.lr = r.lr
+    c.rm.negatives, c.rm.optim.lr = r.negatives, r.rm_lr
+    c.train.steps, c.train.prompts_per_step, c.train.seed = r.steps, r.prompts_per_step, r.seed
+    c.train.micro_batch_size = r.micro_batch
+    c.eval.every, c.eval.k, c.eval.max_new_tokens = r.eval_every, 1, cfg.eval.max_new_tokens
+    c.eval.temperature, c.eval.top_p = cfg.eval.temperature, cfg.eval.top_p
+    c.checkpoint.every, c.checkpoint.keep = r.steps, 1
+    c.logging.wandb, c.logging.run_name = False, f"demo-{mode}"
+    return c
+
+
+def run_rl(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage: Stage,
+           out: str) -> dict[str, Any]:
+    """Stage 5: one RL run in a subprocess, then the held-out numbers of its final policy and RM."""
+    from cooper_mcore.config import save_config
+    from cooper_mcore.convert.checkpoint import mcore_to_hf
+
+    run_dir = os.path.join(out, "run")
+    config_path = os.path.join(out, "config.yaml")
+    save_config(rl_config(cfg, mode, assets, sft_stage, rm_stage, run_dir), config_path)
+    cmd = [sys.executable, "-m", "cooper_mcore", "train", "--config", config_path]
+    logger.info("[rl_%s] %s", mode, " ".join(cmd))
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, "WANDB_MODE": "offline"})
+    if proc.returncode:
+        raise RuntimeError(f"the {mode} RL run failed (exit {proc.returncode}); its files are in {run_dir}")
+    seconds = time.perf_counter() - start
+    final = os.path.join(run_dir, "checkpoints", f"step_{cfg.rl.steps}")
+    mcore_to_hf(os.path.join(final, "policy"), os.path.join(out, "policy_hf"))
+    acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, os.path.join(out, "eval"))
+    info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1), "hacks": []}
+    if mode != "rule":
+        rm_ckpt = os.path.join(final, "rm") if mode == "cooper" else rm_stage.file(rm_stage.info["checkpoint"])
+        preds = os.path.join(out, "rm_predictions.jsonl")
+        info["rm_acc"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"), preds)
+        info["hacks"] = hack_examples(os.path.join(out, "eval_samples.jsonl"), preds, cfg.eval.hack_examples)
+    logger.info("[rl_%s] held-out accuracy %.3f sampled, %.3f greedy%s", mode, acc["acc"], acc["acc_greedy"],
+                f"; RM accuracy on its completions {info['rm_acc']:.3f}" if "rm_acc" in info else "")
+    return info
+
+
+def start_rm_accuracy(cfg: DemoConfig, sft_stage: Stage, rm_stage: Stage, out: str) -> dict[str, Any]:
+    """The trained RM's accuracy on the SFT policy's held-out completions at the eval temperature."""
+    preds = os.path.join(out, "rm_predictions.jsonl")
+    return {"rm_acc": rm_accuracy(rm_stage.file(rm_stage.info["checkpoint"]), sft_stage.file("eval_samples.jsonl"),
+                                  preds)}
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def run_demo(cfg: DemoConfig) -> str:
+    """Run (or resume from cached stages) the whole demo; return the report folder.
+
+    Prints ``report: <folder>`` as the last line of output.
+    """
+    from cooper_mcore.demo.report import HackExample, RunResult, write_report
+
+    root = os.path.join(cfg.out, "stages")
+    started = time.perf_counter()
+    assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model}, [],
+                       lambda d: build_assets(cfg, d))
+    sft_stage = run_stage(root, "sft", {"sft": cfg.sft, "eval": cfg.eval}, [assets],
+                          lambda d: train_sft(cfg, assets, d))
+    data = run_stage(root, "rm_data", {"rm": cfg.rm, "rl_sampling": [cfg.rl.temperature, cfg.rl.max_new_tokens]},
+                     [assets, sft_stage], lambda d: sample_rm_data(cfg, assets, sft_stage, d))
+    rm_stage = run_stage(root, "rm", cfg.rm, [assets, data], lambda d: train_verify_rm(cfg, assets, data, d))
+    before = run_stage(root, "rm_start", {}, [sft_stage, rm_stage],
+                       lambda d: start_rm_accuracy(cfg, sft_stage, rm_stage, d))
+    runs = {}
+    for mode in MODES:
+        stage = run_stage(root, f"rl_{mode}", {"rl": cfg.rl, "eval": cfg.eval}, [assets, sft_stage, rm_stage],
+                          lambda d, mode=mode: run_rl(cfg, mode, assets, sft_stage, rm_stage, d))
+        rm_modes = mode != "rule"
+        runs[mode] = RunResult(
+            metrics_path=stage.file("run"), acc_before=sft_stage.info["eval"]["acc"],
+            acc_after=stage.info["eval"]["acc"],
+            rm_acc_before=before.info["rm_acc"] if rm_modes else None,
+            rm_acc_after=stage.info.get("rm_acc") if rm_modes else None,
+            hacks=[HackExample(**h) for h in stage.info["hacks"]], seconds=stage.info["rl_seconds"],
+            details={"acc_greedy_before": sft_stage.info["eval"]["acc_greedy"],
+                     "acc_greedy_after": stage.info["eval"]["acc_greedy"]})
+    report = write_report(os.path.join(cfg.out, "report"), runs, config=dataclasses.asdict(cfg))
+    logger.info("demo finished in %.0f s (stages cached under %s)", time.perf_counter() - started, root)
+    print(f"report: {report}", flush=True)  # the job's last line: where the report is
+    return report
+
+
+def describe(cfg: DemoConfig) -> Optional[str]:
+    """One line naming the demo's size, for the start of the log."""
+    r = cfg.rl
+    return (f"demo: {cfg.task.num_steps}-step arithmetic (operands 0-{cfg.task.max_operand}), {cfg.task.n_eval} "
+            f"held-out problems; SFT {cfg.sft.steps} steps; RL {r.steps} steps x {r.prompts_per_step} prompts x "
+            f"{r.group_size} samples per mode")
