@@ -15,9 +15,12 @@ source      string                  optional dataset name
 =========== ======================= ==========================================================
 
 The field names are configurable (``question_key`` ...), other fields are ignored, blank JSONL
-lines are skipped. A malformed row (bad JSON, not an object, a missing or wrongly typed field,
-an empty question or answer, a duplicate id) raises a :class:`ValueError` naming the file and
-line (or row), or is skipped, logged and counted when ``skip_malformed=True``.
+lines are skipped; JSONL is UTF-8 (a byte-order mark on the first line is allowed), one object per
+``\\n``-terminated line. A malformed row (invalid UTF-8 or JSON, a key repeated in one object,
+not an object, a missing or wrongly typed field, an empty question or answer, text with unpaired
+surrogates, a non-finite number, a duplicate id; a Parquet row that cannot be decoded) raises a
+:class:`ValueError` naming the file and line (or row), or is skipped, logged and counted when
+``skip_malformed=True``.
 
 The row reader and field checks here are shared with :mod:`cooper_mcore.data.verifybench`.
 """
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_BATCH_ROWS = 4096
 
 
 class MalformedRow(ValueError):
@@ -97,20 +101,13 @@ def iter_raw_rows(path: str) -> Iterator[RawRow]:
     fmt = file_format(path)
     base = os.path.basename(path)
     if fmt == "jsonl":
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
                 where, default_id = f"{path}:line {lineno}", f"{base}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield RawRow(where, default_id, None, f"invalid JSON ({e.msg} at column {e.colno})")
-                    continue
-                if not isinstance(record, dict):
-                    yield RawRow(where, default_id, None, f"expected a JSON object, got {type(record).__name__}")
-                    continue
-                yield RawRow(where, default_id, record)
+                record, error = decode_json_line(line, first=lineno == 1)
+                if record is None and error is None:
+                    continue  # blank line
+                yield RawRow(where, default_id, record, error)
         return
     import pyarrow.parquet as pq
 
@@ -118,8 +115,72 @@ def iter_raw_rows(path: str) -> Iterator[RawRow]:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types (ArrowInvalid, OSError, ...)
         raise ValueError(f"{path}: cannot read Parquet file: {e}") from e
-    for row, record in enumerate(table.to_pylist()):
-        yield RawRow(f"{path}:row {row}", f"{base}:{row}", record)
+    row = 0
+    for batch in table.to_batches(max_chunksize=_PARQUET_BATCH_ROWS):
+        try:
+            records = batch.to_pylist()
+        except Exception:  # noqa: BLE001 - e.g. invalid UTF-8 in a string column: find the row(s)
+            records = [_parquet_row(batch, i) for i in range(batch.num_rows)]
+        for record in records:
+            if isinstance(record, str):
+                yield RawRow(f"{path}:row {row}", f"{base}:{row}", None, record)
+            else:
+                yield RawRow(f"{path}:row {row}", f"{base}:{row}", record)
+            row += 1
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"duplicate key {key!r} in a JSON object")
+        out[key] = value
+    return out
+
+
+def decode_json_line(line: bytes, first: bool = False) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """Decode one JSONL line into an object.
+
+    Args:
+        line: the raw bytes of the line (with or without its newline).
+        first: the file's first line (a UTF-8 byte-order mark is then allowed).
+
+    Returns:
+        ``(record, None)`` for a JSON object; ``(None, why)`` for a line that is not valid UTF-8,
+        not valid JSON (including duplicate keys, nesting too deep, integers too long to convert)
+        or not an object; ``(None, None)`` for a blank line.
+    """
+    if first and line.startswith(b"\xef\xbb\xbf"):
+        line = line[3:]
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not valid UTF-8 ({e.reason} at byte {e.start + 1})"
+    if not text.strip():
+        return None, None
+    try:
+        record = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+        return None, "invalid JSON (nested too deeply)"
+    except ValueError as e:  # _DuplicateKey, or an integer beyond Python's digit limit
+        return None, f"invalid JSON ({e})"
+    if not isinstance(record, dict):
+        return None, f"expected a JSON object, got {type(record).__name__}"
+    return record, None
+
+
+def _parquet_row(batch: Any, i: int) -> Any:
+    """Row ``i`` of a record batch as a dict, or the reason it cannot be converted (a str)."""
+    try:
+        return batch.slice(i, 1).to_pylist()[0]
+    except Exception as e:  # noqa: BLE001 - pyarrow/Python conversion errors of one row
+        return f"cannot decode the row ({type(e).__name__}: {str(e)[:200]})"
 
 
 def _present(record: dict[str, Any], key: Optional[str]) -> bool:
@@ -150,7 +211,7 @@ def require_text(record: dict[str, Any], key: str, where: str, allow_numbers: bo
         raise MalformedRow(f"{where}: field {key!r} must be {kinds}, got {type(value).__name__} {value!r}")
     if not value.strip():
         raise MalformedRow(f"{where}: field {key!r} is empty")
-    return value
+    return _encodable(value, key, where)
 
 
 def optional_text(record: dict[str, Any], key: Optional[str], where: str, allow_int: bool = False) -> Optional[str]:
@@ -167,6 +228,17 @@ def optional_text(record: dict[str, Any], key: Optional[str], where: str, allow_
     if not isinstance(value, str):
         kinds = "a string or an integer" if allow_int else "a string"
         raise MalformedRow(f"{where}: field {key!r} must be {kinds}, got {type(value).__name__} {value!r}")
+    return _encodable(value, key, where)
+
+
+def _encodable(value: str, key: str, where: str) -> str:
+    """``value`` if it is valid Unicode text (JSON's ``\\ud800`` escapes can make lone surrogates,
+    which no tokenizer or UTF-8 writer accepts)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise MalformedRow(f"{where}: field {key!r} is not valid Unicode text ({e.reason} at "
+                           f"character {e.start})") from None
     return value
 
 
