@@ -118,9 +118,12 @@ def _build_engine(cfg: CooperConfig):
     if cfg.rollout.engine == "sglang":
         from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
+        # One engine per model-parallel group, on this group leader's GPU and the next tp-1 (its TP
+        # group's GPUs on this node); without base_gpu_id every engine of a node would start on GPU 0.
         return SGLangEngine.offline(SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp,
                                                  dtype=cfg.model.dtype,
-                                                 mem_fraction_static=cfg.rollout.sglang_mem_fraction))
+                                                 mem_fraction_static=cfg.rollout.sglang_mem_fraction,
+                                                 base_gpu_id=torch.cuda.current_device()))
     from cooper_mcore.rollout.hf_engine import HFEngine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

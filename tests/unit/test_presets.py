@@ -1,0 +1,177 @@
+"""The presets in examples/: each loads, passes validation on the GPU count it states, fits the models
+it names (TP/PP against their real head and layer counts), and the paper preset holds the paper's
+settings.
+
+A preset states where it runs in a header line ``# launch: nodes=1,2 gpus_per_node=8``; a preset
+without one is a one-process run. Model paths in presets are placeholders (``/models/...``), so
+validation runs with those paths pointed at empty stand-ins.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from cooper_mcore.config import load_config, validate
+from cooper_mcore.parallel import ParallelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted((ROOT / "examples").glob("*.yaml"))
+PATH_FIELDS = [("model", "policy_ckpt"), ("model", "policy_hf"), ("model", "rm_ckpt"),
+               ("data", "train_path"), ("data", "eval_path")]
+
+# The real models' shapes (their config.json on the hub), as far as the layout depends on them.
+REAL_CONFIGS = {
+    "Qwen2.5-1.5B-Instruct": dict(architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermediate_size=8960,
+                                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                  vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-7B-Instruct": dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
+                                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                vocab_size=152064, tie_word_embeddings=False),
+    "Llama-3.2-1B-Instruct": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                                  num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                  head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    # VerifyRM: Qwen2ForSequenceClassification(num_labels=1) on Qwen2.5-Math-1.5B-Instruct
+    "verifyrm": dict(architectures=["Qwen2ForSequenceClassification"], num_labels=1, hidden_size=1536,
+                     intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                     vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def launch_worlds(path: Path) -> list[int]:
+    """World sizes a preset states it runs on (``# launch: nodes=A,B gpus_per_node=N``), else [1]."""
+    m = re.search(r"^# launch: nodes=([0-9,]+) gpus_per_node=(\d+)\s*$", path.read_text(), flags=re.M)
+    if not m:
+        return [1]
+    return [int(n) * int(m.group(2)) for n in m.group(1).split(",")]
+
+
+def with_stand_in_paths(cfg, tmp_path: Path):
+    """Point the preset's placeholder paths (which do not exist here) at empty files and folders."""
+    for section, name in PATH_FIELDS:
+        value = getattr(getattr(cfg, section), name)
+        if value and not Path(value).exists():
+            stand_in = tmp_path / section / name
+            if value.endswith((".jsonl", ".parquet")):
+                stand_in.parent.mkdir(parents=True, exist_ok=True)
+                stand_in.touch()
+            else:
+                stand_in.mkdir(parents=True, exist_ok=True)
+            setattr(getattr(cfg, section), name, str(stand_in))
+    return cfg
+
+
+def test_there_are_cluster_presets():
+    names = {p.name for p in PRESETS}
+    assert {"qwen2.5-1.5b_8xh100.yaml", "llama3.2-1b_8xh100.yaml", "qwen2.5-7b_multinode.yaml"} <= names
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_preset_loads_and_validates_on_its_gpu_count(preset, tmp_path):
+    cfg = load_config(str(preset))
+    worlds = launch_worlds(preset)
+    for world in worlds:
+        assert world % (cfg.parallel.tp * cfg.parallel.pp) == 0, (world, cfg.parallel)
+        validate(with_stand_in_paths(cfg, tmp_path), world)
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if launch_worlds(p) != [1]], ids=lambda p: p.name)
+def test_cluster_preset_layout_fits_its_models(preset):
+    """TP divides the key/value heads and vocabulary, PP the layers, of the policy and of VerifyRM:
+    the same checks the model builder makes, on the real models' shapes."""
+    from cooper_mcore.models.arch import ArchSpec
+    from cooper_mcore.models.builder import transformer_config
+
+    cfg = load_config(str(preset))
+    policy = Path(cfg.model.policy_hf).name
+    assert policy in REAL_CONFIGS, f"{preset.name}: no recorded shape for {policy}"
+    parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                              sequence_parallel=cfg.parallel.sequence_parallel)
+    for name in (policy, "verifyrm"):
+        arch = ArchSpec.from_hf_config(dict(REAL_CONFIGS[name]))
+        config = transformer_config(arch, parallel, torch.bfloat16, init_weights=False)
+        assert config.num_layers // parallel.pp * parallel.pp == config.num_layers
+    assert cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "sglang"
+    assert cfg.model.policy_hf.startswith("/models/"), "model paths are the documented placeholders"
+    for world in launch_worlds(preset):
+        assert world % 8 == 0, "whole 8-GPU nodes"
+
+
+def test_layout_check_rejects_a_tp_the_reward_model_cannot_split():
+    """TP=4 would split the policy (4 kv heads) but not VerifyRM (2 kv heads)."""
+    from cooper_mcore.models.arch import ArchSpec
+    from cooper_mcore.models.builder import transformer_config
+
+    transformer_config(ArchSpec.from_hf_config(dict(REAL_CONFIGS["Qwen2.5-7B-Instruct"])), ParallelConfig(tp=4))
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp=4"):
+        transformer_config(ArchSpec.from_hf_config(dict(REAL_CONFIGS["verifyrm"])), ParallelConfig(tp=4))
+
+
+def test_paper_preset_has_the_paper_settings():
+    cfg = load_config(str(ROOT / "examples" / "qwen2.5-1.5b_8xh100.yaml"))
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.clip_grad) == (1e-6, 20, 1.0)
+    assert (cfg.rollout.group_size, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens) == \
+        (16, 1.0, 1.0, 512)
+    assert (cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.kl_coef, cfg.algo.kl_kind, cfg.algo.entropy_coef) == \
+        (0.2, 0.2, 1e-3, "low_var_kl", 0.0)
+    assert (cfg.rm.optim.lr, cfg.rm.optim.weight_decay, cfg.rm.optim.clip_grad) == (1e-5, 0.01, 1.0)
+    assert cfg.rm.optim.warmup_steps == round(0.01 * cfg.train.steps)  # ~1% warm-up
+    assert (cfg.reward.mode, cfg.rm.negatives, cfg.model.dtype, cfg.rollout.engine) == \
+        ("cooper", "assistant", "bfloat16", "sglang")
+    assert (cfg.eval.k, cfg.eval.temperature, cfg.eval.top_p) == (8, 0.7, 0.95)
+    assert (cfg.parallel.tp, cfg.parallel.pp, launch_worlds(ROOT / "examples" / "qwen2.5-1.5b_8xh100.yaml")) == \
+        (1, 1, [8])
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if launch_worlds(p) != [1]], ids=lambda p: p.name)
+def test_assistant_colocated_by_default_and_separate_by_override(preset, tmp_path):
+    from cooper_mcore.reward.openai_client import chat_completions_url
+
+    cfg = load_config(str(preset))
+    assert cfg.rm.negatives == "assistant" and cfg.rm.assistant_model
+    # colocated: the launchers start the assistant's SGLang server on every node at this address
+    assert chat_completions_url(cfg.rm.assistant_url) == "http://127.0.0.1:30010/v1/chat/completions"
+    separate = load_config(str(preset), ["rm.assistant_url=http://assistant-host:30000"])
+    assert chat_completions_url(separate.rm.assistant_url) == "http://assistant-host:30000/v1/chat/completions"
+    validate(with_stand_in_paths(separate, tmp_path), launch_worlds(preset)[0])
+    without = load_config(str(preset))
+    without.rm.assistant_url = ""
+    with pytest.raises(ValueError, match="assistant_url"):
+        validate(with_stand_in_paths(without, tmp_path), launch_worlds(preset)[0])
+
+
+def test_a_layout_that_does_not_divide_the_gpus_is_rejected(tmp_path):
+    cfg = load_config(str(ROOT / "examples" / "qwen2.5-7b_multinode.yaml"), ["parallel.pp=3"])
+    with pytest.raises(ValueError, match="not divisible by tp\\*pp"):
+        validate(with_stand_in_paths(cfg, tmp_path), 16)
+
+
+def test_placeholders_are_documented():
+    readme = (ROOT / "examples" / "README.md").read_text()
+    for preset in PRESETS:
+        if launch_worlds(preset) == [1]:
+            continue
+        cfg = load_config(str(preset))
+        assert preset.name in readme, preset.name
+        for section, name in PATH_FIELDS:
+            value = getattr(getattr(cfg, section), name)
+            assert value.split("/")[1] in ("models", "ckpt", "data"), value
+            assert value in readme, f"{preset.name}: {section}.{name}={value} is not in examples/README.md"
+
+
+def test_each_sglang_engine_starts_on_its_own_gpu(monkeypatch):
+    """One engine per model-parallel group: on the group leader's GPU (``base_gpu_id``), not GPU 0."""
+    from cooper_mcore.rollout import sglang_engine
+    from cooper_mcore.train import run_setup
+
+    seen = []
+    monkeypatch.setattr(sglang_engine.SGLangEngine, "offline", classmethod(lambda cls, config: seen.append(config)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 6)
+    cfg = load_config(str(ROOT / "examples" / "qwen2.5-7b_multinode.yaml"))
+    run_setup._build_engine(cfg)
+    assert len(seen) == 1
+    assert (seen[0].base_gpu_id, seen[0].tp_size, seen[0].dtype) == (6, 2, "bfloat16")
+    assert seen[0].model_path == "/models/Qwen2.5-7B-Instruct"
