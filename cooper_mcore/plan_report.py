@@ -1,0 +1,184 @@
+"""The ``cooper plan`` command's input and output: model shapes from config files, the human
+table and the JSON document of a :class:`~cooper_mcore.plan.Plan`.
+
+Model shapes come from (first found): ``--policy-config`` / ``--rm-config`` (a ``config.json``
+or a folder holding one), ``model.policy_hf/config.json``, the converted checkpoint's metadata
+(``model.policy_ckpt`` / ``model.rm_ckpt``). Without any RM shape the RM is assumed to have the
+policy's backbone (VerifyRM is a fine-tuned policy-size model), and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+from cooper_mcore.config import CooperConfig
+from cooper_mcore.models.arch import ArchSpec, load_hf_config
+from cooper_mcore.plan import COMPONENTS, GIB, OFFLOAD_FLAGS, Evaluation, Plan, model_numel, stage_numel
+
+_SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer": "pol.opt", "rm_params": "rm.p",
+          "rm_grads": "rm.g", "rm_optimizer": "rm.opt", "engine_weights": "eng.w", "engine_kv": "eng.kv",
+          "activations": "act", "logits": "logits", "buffers": "buf", "overhead": "ovh"}
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        return load_hf_config(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model config {path!r} not found")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _from_checkpoint(ckpt: str) -> Optional[ArchSpec]:
+    from cooper_mcore.convert.checkpoint import META_FILE, read_meta
+
+    if ckpt and os.path.isfile(os.path.join(ckpt, META_FILE)):
+        return read_meta(ckpt)[0]
+    return None
+
+
+def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
+                rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
+    """The policy's and the RM's architectures for ``cfg``, and notes on where they came from.
+
+    Raises:
+        ValueError: no policy shape can be found (naming the places looked at).
+    """
+    notes = []
+    if policy_config:
+        policy = ArchSpec.from_hf_config(_read_config(policy_config), "causal_lm")
+    elif cfg.model.policy_hf and os.path.isfile(os.path.join(cfg.model.policy_hf, "config.json")):
+        policy = ArchSpec.from_hf_config(load_hf_config(cfg.model.policy_hf), "causal_lm")
+    elif (found := _from_checkpoint(cfg.model.policy_ckpt)) is not None:
+        policy = found
+    else:
+        raise ValueError(f"no policy shape: model.policy_hf={cfg.model.policy_hf!r} has no config.json and "
+                         f"model.policy_ckpt={cfg.model.policy_ckpt!r} is not a converted checkpoint; pass "
+                         f"--policy-config (e.g. examples/model_configs/qwen2.5-1.5b-instruct.json)")
+    if cfg.reward.mode == "rule":
+        return policy, None, notes
+    if rm_config:
+        rm = ArchSpec.from_hf_config(_read_config(rm_config), "reward")
+    elif (found := _from_checkpoint(cfg.model.rm_ckpt)) is not None:
+        rm = found
+    else:
+        rm = dataclasses.replace(policy, model_type="reward", tie_word_embeddings=False)
+        notes.append("reward model shape not found (model.rm_ckpt): assumed to be the policy's backbone with a "
+                     "scalar head; pass --rm-config to set it")
+    return policy, rm, notes
+
+
+def _gib(n: int) -> float:
+    return round(n / GIB, 2)
+
+
+def _evaluation_dict(ev: Evaluation) -> dict[str, Any]:
+    peak = ev.peak
+    return {
+        "fits": ev.fits, "offload": dataclasses.asdict(ev.offload),
+        "peak": {"phase": peak.phase, "stage": peak.stage, "gib": _gib(peak.total)},
+        "phases": [{"phase": p.phase, "stage": p.stage, "total_gib": _gib(p.total),
+                    "components_gib": {k: _gib(v) for k, v in p.components.items()}} for p in ev.phases],
+        "host_per_gpu_gib": _gib(ev.host_per_gpu), "problems": list(ev.problems),
+    }
+
+
+def _arch_dict(arch: ArchSpec, plan: Plan) -> dict[str, Any]:
+    lay = plan.layout
+    per_stage = [stage_numel(arch, lay.tp, lay.pp, s) for s in range(lay.pp)]
+    return {"family": arch.family, "model_type": arch.model_type, "params": model_numel(arch),
+            "params_per_gpu_by_stage": per_stage, "layers": arch.num_layers, "hidden_size": arch.hidden_size,
+            "kv_heads": arch.num_query_groups, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size}
+
+
+def plan_to_dict(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None) -> dict[str, Any]:
+    """The JSON document of ``cooper plan --json`` (top-level ``fits``: the run as configured fits)."""
+    o, lay, eng = plan.options, plan.layout, plan.given.engine
+    return {
+        "fits": plan.fits,
+        "fits_with_offload": plan.recommended is not None,
+        "needed_overrides": plan.needed_overrides(),
+        "gpu_memory_gib": o.gpu_memory_gib,
+        "cluster": {"nodes": o.nodes, "gpus_per_node": o.gpus_per_node, "world_size": o.world_size},
+        "layout": dataclasses.asdict(lay),
+        "dtype": cfg.model.dtype, "reward_mode": cfg.reward.mode,
+        "sequence": {"prompt_tokens": o.prompt_tokens, "max_new_tokens": cfg.rollout.max_new_tokens,
+                     "micro_batch_size": cfg.train.micro_batch_size, "recompute": o.recompute},
+        "models": {"policy": _arch_dict(plan.policy, plan),
+                   "rm": _arch_dict(plan.rm, plan) if plan.rm is not None else None},
+        "engine": {"kind": eng.kind, "weights_gib": _gib(eng.weights), "kv_pool_gib": _gib(eng.kv_pool),
+                   "kv_bytes_per_token": eng.kv_bytes_per_token, "sequences": eng.sequences,
+                   "tokens_at_once": eng.tokens_at_once, "tokens_needed": eng.tokens_needed},
+        "as_configured": _evaluation_dict(plan.given),
+        "offload_effects": {f: {"configured": getattr(plan.given.offload, f), "peak_off_gib": _gib(off.peak.total),
+                                "peak_on_gib": _gib(on.peak.total), "fits_off": off.fits, "fits_on": on.fits}
+                            for f, (off, on) in plan.effects.items()},
+        "recommended": _evaluation_dict(plan.recommended) if plan.recommended is not None else None,
+        "host_per_node_gib": _gib(plan.given.host_per_gpu * o.gpus_per_node),
+        "notes": list(notes or []),
+        "measured": False,  # these figures have not been compared with measured GPU memory
+    }
+
+
+def _phase_table(ev: Evaluation) -> list[str]:
+    cols = [c for c in COMPONENTS if any(p.components[c] for p in ev.phases)]
+    head = f"{'phase':<14}{'stage':>5}" + "".join(f"{_SHORT[c]:>8}" for c in cols) + f"{'total':>8}"
+    rows = [head, "-" * len(head)]
+    for p in ev.phases:
+        rows.append(f"{p.phase:<14}{p.stage:>5}" + "".join(f"{p.components[c] / GIB:>8.2f}" for c in cols)
+                    + f"{p.total / GIB:>8.2f}")
+    return rows
+
+
+def _offload_text(ev: Evaluation) -> str:
+    on = [f for f in OFFLOAD_FLAGS if getattr(ev.offload, f)]
+    return ", ".join(on) if on else "none"
+
+
+def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None) -> str:
+    """The human report: the setting, a per-phase table (GiB per GPU), each offload's effect, the verdict."""
+    o, lay, ev, eng = plan.options, plan.layout, plan.given, plan.given.engine
+    cap = o.gpu_memory_gib
+    lines = [f"cooper plan: {o.nodes} node(s) x {o.gpus_per_node} GPUs, {cap:g} GiB each; tp={lay.tp} pp={lay.pp} "
+             f"dp={lay.dp}{' sp' if lay.sequence_parallel else ''}; {cfg.model.dtype}; reward mode {cfg.reward.mode}"]
+    for name, arch in (("policy", plan.policy), ("reward model", plan.rm)):
+        if arch is not None:
+            per = [stage_numel(arch, lay.tp, lay.pp, s) for s in range(lay.pp)]
+            lines.append(f"{name}: {arch.family}, {model_numel(arch):,} parameters; per GPU by pipeline stage: "
+                         + ", ".join(f"{n:,}" for n in per))
+    lines.append(f"sequences: {o.prompt_tokens} prompt + {cfg.rollout.max_new_tokens} new tokens, "
+                 f"{eng.sequences} per "
+                 f"data-parallel rank, micro-batch {cfg.train.micro_batch_size}; activations "
+                 f"{'with' if o.recompute else 'without'} full recomputation")
+    lines.append(f"engine: {eng.kind}, weights {eng.weights / GIB:.2f} GiB/GPU, KV cache {eng.kv_pool / GIB:.2f} GiB "
+                 f"= {eng.tokens_at_once:,} tokens ({eng.kv_bytes_per_token:,} B/token/GPU); one rollout needs "
+                 f"{eng.tokens_needed:,}")
+    lines += ["", f"per-GPU memory (GiB, worst pipeline stage), offload as configured: {_offload_text(ev)}"]
+    lines += _phase_table(ev)
+    lines += ["", f"{'offload setting':<18}{'configured':>11}{'peak off':>10}{'peak on':>9}  (GiB)"]
+    for flag, (off, on) in plan.effects.items():
+        lines.append(f"{flag:<18}{str(getattr(ev.offload, flag)).lower():>11}{off.peak.total / GIB:>10.2f}"
+                     f"{on.peak.total / GIB:>9.2f}")
+    lines.append("")
+    lines += [f"problem: {p}" for p in ev.problems]
+    peak = ev.peak
+    share = f"peak {peak.total / GIB:.2f} GiB in {peak.phase} (stage {peak.stage}) of {cap:g} GiB"
+    if plan.fits:
+        lines.append(f"verdict: FITS as configured ({share})")
+    elif plan.recommended is not None:
+        rec = plan.recommended
+        overrides = " ".join(f"{k}={str(v).lower()}" for k, v in (plan.needed_overrides() or {}).items())
+        lines.append(f"verdict: does NOT fit as configured ({share}); fits with: {overrides} "
+                     f"(peak {rec.peak.total / GIB:.2f} GiB in {rec.peak.phase})")
+    else:
+        lines.append(f"verdict: does NOT fit, with any offload setting ({share}); reduce "
+                     f"train.micro_batch_size or rollout.max_new_tokens, raise parallel.tp/pp, or lower "
+                     f"rollout.sglang_mem_fraction")
+    lines.append(f"host memory per node (reference copy, offloaded state): "
+                 f"{ev.host_per_gpu * o.gpus_per_node / GIB:.1f} GiB")
+    lines += [f"note: {n}" for n in notes or []]
+    lines.append("note: estimates, not compared with measured GPU peak memory (see cooper_mcore/plan.py)")
+    return "\n".join(lines)

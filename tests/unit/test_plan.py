@@ -1,0 +1,289 @@
+"""The memory planner (`cooper plan`) against hand computations, and its parameter and training-state
+counts against the megatron model that cooper_mcore.models.builder really builds (single process;
+the TP/PP/DP layouts are in tests/multiproc/test_plan_dist.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cooper_mcore.config import CooperConfig, OffloadConfig, load_config
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.plan import (
+    GIB,
+    Layout,
+    PlanOptions,
+    kv_bytes_per_token,
+    layer_activation_bytes,
+    logits_bytes,
+    model_numel,
+    plan,
+    stage_numel,
+    training_activation_bytes,
+    training_state,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
+QWEN15_N = 1_543_714_304  # Qwen2.5-1.5B-Instruct, published parameter count
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def arch(name: str, model_type: str = "causal_lm") -> ArchSpec:
+    return ArchSpec.from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()), model_type)
+
+
+def config(*overrides: str) -> CooperConfig:
+    base = ["model.dtype=bfloat16", "reward.mode=rule", "rollout.engine=sglang", "rm.negatives=perturb"]
+    return load_config(None, base + list(overrides))
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("qwen2.5-1.5b-instruct", QWEN15_N),
+    ("llama-3.2-1b-instruct", 1_235_814_400),
+    ("qwen2.5-7b-instruct", 7_615_616_512),
+])
+def test_parameter_counts_equal_the_published_models(name, expected):
+    assert model_numel(arch(name)) == expected
+
+
+def test_example_configs_have_the_published_shapes():
+    q, ll, q7 = arch("qwen2.5-1.5b-instruct"), arch("llama-3.2-1b-instruct"), arch("qwen2.5-7b-instruct")
+    assert (q.hidden_size, q.num_layers, q.num_attention_heads, q.num_query_groups, q.ffn_hidden_size,
+            q.vocab_size, q.tie_word_embeddings) == (1536, 28, 12, 2, 8960, 151936, True)
+    assert (q7.hidden_size, q7.num_layers, q7.num_attention_heads, q7.num_query_groups, q7.ffn_hidden_size,
+            q7.vocab_size, q7.tie_word_embeddings) == (3584, 28, 28, 4, 18944, 152064, False)
+    assert (ll.hidden_size, ll.num_layers, ll.num_attention_heads, ll.num_query_groups, ll.ffn_hidden_size,
+            ll.vocab_size, ll.tie_word_embeddings, ll.rope.rope_type, ll.rope.factor) == (
+        2048, 16, 32, 8, 8192, 128256, True, "llama3", 32.0)
+
+
+def test_per_gpu_parameters_at_tp2_pp2_by_hand():
+    a = arch("qwen2.5-1.5b-instruct")
+    # one layer on one of 2 TP ranks: 2 norms (1536 each, replicated) + QKV (1536+2*256 rows of 1536)/2
+    # + QKV bias 2048/2 + output projection 1536*1536/2 + gate/up/down 3*1536*8960/2
+    layer = 3072 + 1_572_864 + 1024 + 1_179_648 + 20_643_840
+    assert layer == 23_400_448
+    embedding_half = 151936 * 1536 // 2  # 116,686,848
+    assert stage_numel(a, tp=2, pp=2, stage=0) == 14 * layer + embedding_half == 444_293_120
+    # the last stage: its 14 layers, the final norm, and its own copy of the tied embedding
+    assert stage_numel(a, tp=2, pp=2, stage=1) == 14 * layer + 1536 + embedding_half == 444_294_656
+    # all 4 ranks together: the model + the last stage's embedding copy + norms replicated on the 2nd TP rank
+    total = 2 * (444_293_120 + 444_294_656)
+    assert total == QWEN15_N + 151936 * 1536 + (28 * 2 * 1536 + 1536)
+    # the planner's per-GPU parameter bytes (bf16) on the worst stage
+    p = plan(config("parallel.tp=2", "parallel.pp=2"), a, None, PlanOptions(gpus_per_node=8, gpu_memory_gib=80))
+    assert (p.layout.tp, p.layout.pp, p.layout.dp) == (2, 2, 2)
+    by_phase = {ph.phase: ph for ph in p.given.phases}
+    assert by_phase["policy_update"].components["policy_params"] in (2 * 444_293_120, 2 * 444_294_656)
+    assert by_phase["rollout"].stage == 0  # the engine sits on stage 0's GPUs
+    assert by_phase["rollout"].components["policy_params"] == 2 * 444_293_120
+
+
+def test_distributed_optimizer_shards_at_dp4():
+    a = arch("qwen2.5-1.5b-instruct")
+    n = stage_numel(a, tp=2)
+    assert n == 28 * 23_400_448 + 151936 * 1536 // 2 + 1536 == 771_900_928
+    p = plan(config("parallel.tp=2"), a, None, PlanOptions(gpus_per_node=8, gpu_memory_gib=80))
+    assert p.layout.dp == 4
+    c = p.given.phases[0].components
+    assert c["policy_params"] == 2 * n  # bf16 parameters
+    assert c["policy_grads"] == 4 * n  # fp32 grad buffer (grad_reduce_in_fp32)
+    assert c["policy_optimizer"] == 12 * 192_975_232  # fp32 main params + 2 moments, 1/4 each
+    assert training_state(n, 4, dp=4)["optimizer"] == 8 * 192_975_232  # fp32 model: main params are the params
+    assert training_state(n, 2, dp=4, distributed_optimizer=False)["optimizer"] == 12 * n
+    assert training_state(n, 2, dp=4, trainable=False) == {"params": 2 * n, "grads": 0, "optimizer": 0}
+
+
+def test_kv_cache_bytes_per_token():
+    q, ll = arch("qwen2.5-1.5b-instruct"), arch("llama-3.2-1b-instruct")
+    assert kv_bytes_per_token(q, 2) == 2 * 28 * 2 * 128 * 2 == 28_672
+    assert kv_bytes_per_token(q, 2, tp=2) == 14_336  # one KV head per GPU
+    assert kv_bytes_per_token(q, 2, tp=4) == 14_336  # more GPUs than KV heads: the head is replicated
+    assert kv_bytes_per_token(ll, 2) == 2 * 16 * 8 * 64 * 2 == 32_768
+    assert kv_bytes_per_token(ll, 4, tp=2) == 32_768
+
+
+def test_sglang_kv_pool_by_hand():
+    a = arch("qwen2.5-1.5b-instruct")
+    p = plan(config("rollout.sglang_mem_fraction=0.5"), a, None, PlanOptions(gpus_per_node=8, gpu_memory_gib=80))
+    n = QWEN15_N
+    resident = 2 * n + 4 * n + 12 * math.ceil(n / 8)  # the trainer's state when the engine starts (dp=8)
+    free = 80 * GIB - 2 * GIB - resident
+    pool = int(0.5 * free) - 2 * n
+    eng = p.given.engine
+    assert (eng.weights, eng.kv_pool) == (2 * n, pool)
+    assert eng.tokens_at_once == pool // 28_672
+    assert eng.sequences == 32 // 8 * 16 and eng.tokens_needed == 64 * (512 + 512)
+
+
+def test_activations_and_logits_by_hand():
+    a = arch("qwen2.5-1.5b-instruct")
+    tokens = 2 * 256  # micro-batch 2, sequence 100 + 156 tokens
+    per_token_layer = 6 * 1536 + 5 * 1536 + 4 * 8960  # 52,736 elements, bf16
+    layer = tokens * 2 * per_token_layer
+    assert layer_activation_bytes(a, tokens, 2) == layer == 54_001_664
+    assert logits_bytes(a, tokens, 2, tp=1, train=True) == tokens * 151936 * 27
+    assert logits_bytes(a, tokens, 2, tp=1, train=False) == tokens * 151936 * 6
+    assert logits_bytes(a, tokens, 2, tp=2, train=True) == tokens * 75968 * 18
+
+    cfg = config("train.micro_batch_size=2", "train.prompts_per_step=8", "rollout.group_size=4",
+                 "rollout.max_new_tokens=156")
+    opts = PlanOptions(gpus_per_node=1, gpu_memory_gib=80, prompt_tokens=100)
+    update = {ph.phase: ph for ph in plan(cfg, a, None, opts).given.phases}["policy_update"].components
+    assert update["activations"] == 29 * layer  # 28 layers + one layer of backward workspace
+    assert update["logits"] == tokens * 151936 * 27
+    rec = {ph.phase: ph for ph in plan(cfg, a, None, PlanOptions(gpus_per_node=1, gpu_memory_gib=80, prompt_tokens=100,
+                                                                 recompute=True)).given.phases}["policy_update"]
+    assert rec.components["activations"] == 28 * tokens * 1536 * 2 + 2 * layer
+
+
+def test_pipeline_stages_hold_their_in_flight_micro_batches():
+    a = arch("qwen2.5-1.5b-instruct")
+    lay = Layout(tp=1, pp=4, dp=1, sequence_parallel=False)
+    layer = layer_activation_bytes(a, 1000, 2)
+    assert training_activation_bytes(a, lay, 0, 1000, 8, 2, False) == (4 * 7 + 1) * layer
+    assert training_activation_bytes(a, lay, 3, 1000, 8, 2, False) == (1 * 7 + 1) * layer
+    assert training_activation_bytes(a, lay, 0, 1000, 2, 2, False) == (2 * 7 + 1) * layer  # only 2 exist
+
+
+def _hf_rollout_setting():
+    cfg = config("rollout.engine=hf", "train.micro_batch_size=1", "train.prompts_per_step=16",
+                 "rollout.group_size=4", "rollout.max_new_tokens=512", "rollout.bucket_mb=16")
+    return cfg, PlanOptions(gpus_per_node=1, gpu_memory_gib=80, prompt_tokens=1536, recompute=True)
+
+
+def test_offload_turns_a_non_fitting_run_into_a_fitting_one():
+    a = arch("qwen2.5-1.5b-instruct")
+    n = QWEN15_N
+    cfg, opts = _hf_rollout_setting()
+    # rollout on one GPU by hand: training state (dp=1) + the HF engine's whole model + the KV cache of 64
+    # sequences of 2048 tokens + prefill workspace of 64 x 1536 prompt tokens + 2 GiB overhead
+    rollout = (2 + 4 + 12) * n + 2 * n + 64 * 2048 * 28_672 + 64 * 1536 * 2 * 52_736 + 2 * GIB
+    ev = plan(cfg, a, None, opts).given
+    assert ev.peak.phase == "rollout" and ev.peak.total == rollout
+    # a GPU 1.5 x the parameters' bf16 bytes too small: offloading the bf16 params (2n) is not enough, the fp32
+    # grads (4n) are, and move fewer bytes than the Adam state (12n)
+    gib = (rollout - 3 * n) / GIB
+    p = plan(cfg, a, None, PlanOptions(gpus_per_node=1, gpu_memory_gib=gib, prompt_tokens=1536, recompute=True))
+    assert not p.fits and p.recommended is not None
+    assert p.needed_overrides() == {"offload.policy_grads": True}
+    assert p.recommended.fits and p.recommended.peak.total <= gib * GIB
+    assert {ph.phase: ph.total for ph in p.recommended.phases}["rollout"] == rollout - 4 * n
+    off, on = p.effects["policy_params"]
+    assert not off.fits and not on.fits and off.peak.total - on.peak.total == 2 * n
+
+
+def test_sglang_needs_the_engine_released_during_training():
+    a = arch("qwen2.5-1.5b-instruct")
+    cfg = config("offload.release_engine=false", "rollout.sglang_mem_fraction=0.9", "train.micro_batch_size=1")
+    opts = PlanOptions(gpus_per_node=8, gpu_memory_gib=40)
+    p = plan(cfg, a, None, opts)
+    n = QWEN15_N
+    static = int(0.9 * (40 * GIB - 2 * GIB - (6 * n + 12 * math.ceil(n / 8))))
+    update = {ph.phase: ph for ph in p.given.phases}["policy_update"].components
+    assert update["engine_weights"] + update["engine_kv"] == static
+    assert not p.fits and p.needed_overrides() == {"offload.release_engine": True}
+    assert {ph.phase: ph for ph in p.recommended.phases}["policy_update"].components["engine_kv"] == 0
+
+
+def test_a_kv_pool_smaller_than_one_sequence_fits_with_no_offload():
+    # 4% of the ~67 GiB free when SGLang starts is less than its 2.9 GiB of weights
+    p = plan(config("rollout.sglang_mem_fraction=0.04"), arch("qwen2.5-1.5b-instruct"), None,
+             PlanOptions(gpus_per_node=8, gpu_memory_gib=80))
+    assert not p.fits and p.given.problems and "sglang_mem_fraction" in p.given.problems[0]
+    assert p.recommended is None and p.needed_overrides() is None
+
+
+def test_the_rm_modes():
+    a = arch("qwen2.5-1.5b-instruct")
+    rm = arch("qwen2.5-1.5b-instruct", "reward")
+    assert stage_numel(rm) == QWEN15_N + 1536  # the scalar head instead of the tied output layer
+    opts = PlanOptions(gpus_per_node=8, gpu_memory_gib=80)
+    cooper = plan(config("reward.mode=cooper"), a, rm, opts).given.phases[0].components
+    static = plan(config("reward.mode=static_rm"), a, rm, opts).given.phases[0].components
+    n = QWEN15_N + 1536
+    assert (cooper["rm_params"], cooper["rm_grads"], cooper["rm_optimizer"]) == (2 * n, 4 * n, 12 * math.ceil(n / 8))
+    assert (static["rm_params"], static["rm_grads"], static["rm_optimizer"]) == (2 * n, 0, 0)
+    with pytest.raises(ValueError, match="reward model's shape"):
+        plan(config("reward.mode=cooper"), a, None, opts)
+
+
+def test_impossible_layouts_are_named():
+    a = arch("qwen2.5-1.5b-instruct")
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp=4"):
+        plan(config("parallel.tp=4"), a, None, PlanOptions(gpus_per_node=8, gpu_memory_gib=80))
+    with pytest.raises(ValueError, match="not divisible by tp\\*pp"):
+        plan(config("parallel.tp=2"), a, None, PlanOptions(gpus_per_node=3, gpu_memory_gib=80))
+
+
+def test_cli_json_and_table(capsys, tmp_path):
+    from cooper_mcore.cli import main
+
+    policy = str(CONFIGS / "qwen2.5-1.5b-instruct.json")
+    common = ["plan", "--gpus-per-node", "8", "--gpu-memory-gib", "80", "--policy-config", policy,
+              "model.dtype=bfloat16", "rollout.engine=sglang", "rm.negatives=perturb", "train.micro_batch_size=2"]
+    assert main(common + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert isinstance(doc["fits"], bool)
+    expected = plan(config("reward.mode=cooper", "train.micro_batch_size=2"), arch("qwen2.5-1.5b-instruct"),
+                    ArchSpec.from_hf_config(json.loads(Path(policy).read_text()), "reward"),
+                    PlanOptions(gpus_per_node=8, gpu_memory_gib=80))
+    assert doc["fits"] == expected.fits
+    assert doc["as_configured"]["peak"]["gib"] == round(expected.given.peak.total / GIB, 2)
+    assert doc["models"]["policy"]["params"] == QWEN15_N and doc["measured"] is False
+    assert [ph["phase"] for ph in doc["as_configured"]["phases"]] == [
+        "rollout", "rm_score", "logprobs", "policy_update", "rm_update", "weight_sync"]
+    assert any("assumed to be the policy's backbone" in n for n in doc["notes"])
+
+    assert main(common) == 0
+    text = capsys.readouterr().out
+    assert "policy_update" in text and "verdict: " in text and "release_engine" in text
+
+    # the shape from model.policy_hf's config.json; none anywhere is an error that names the flag
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(Path(policy).read_text())
+    assert main(["plan", "--gpus-per-node", "8", "--gpu-memory-gib", "80", "--json", "reward.mode=rule",
+                 f"model.policy_hf={tmp_path / 'hf'}"]) == 0
+    assert json.loads(capsys.readouterr().out)["models"]["policy"]["params"] == QWEN15_N
+    assert main(["plan", "--gpus-per-node", "8", "--gpu-memory-gib", "80", "reward.mode=rule"]) == 2
+
+
+def test_offload_defaults_are_the_config_defaults():
+    assert OffloadConfig() == CooperConfig().offload  # the planner's "as configured" starts from these
+
+
+@pytest.fixture(scope="module")
+def world():
+    from cooper_mcore.parallel import single_process_world
+
+    with single_process_world():
+        yield
+
+
+@pytest.mark.parametrize("family, model_type", [("qwen2_tied", "causal_lm"), ("qwen3", "reward")])
+def test_counts_equal_the_built_megatron_model(world, family, model_type):
+    """Independent reference: the model megatron-core builds, wrapped for training as the trainer does."""
+    import torch
+
+    from cooper_mcore.models.builder import build_model
+    from cooper_mcore.models.tiny import tiny_hf_config
+    from cooper_mcore.parallel import ParallelConfig
+    from cooper_mcore.train.megatron_setup import OptimConfig, wrap_for_training
+    from cooper_mcore.train.offload import ModelOffloader
+
+    a = ArchSpec.from_hf_config(tiny_hf_config(family, model_type).to_dict())
+    model = build_model(a, ParallelConfig(), dtype=torch.bfloat16)
+    numel = sum(p.numel() for p in model.parameters())
+    tensors = sum(1 for _ in model.parameters())
+    assert numel == stage_numel(a) == model_numel(a)
+    ddp, opt = wrap_for_training(model, OptimConfig(distributed_optimizer=True))
+    off = ModelOffloader(ddp, opt)
+    planned = training_state(numel, 2, dp=1)
+    pad = tensors * 64 + 128  # DDP aligns each parameter to 64 elements and the buffer end to 128
+    assert 0 <= off.device_bytes("params") - planned["params"] <= 2 * pad
+    assert 0 <= off.device_bytes("grads") - planned["grads"] <= 4 * pad
+    assert abs(off.device_bytes("optimizer") - planned["optimizer"]) <= 0.03 * planned["optimizer"]
