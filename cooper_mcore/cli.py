@@ -12,6 +12,7 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
     cooper demo [--full] [--out DIR] [key=value ...]
+    cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
 """
 
 from __future__ import annotations
@@ -113,6 +114,22 @@ def _demo(args: argparse.Namespace) -> None:
         cfg.out = args.out
     logger.info("%s", describe(cfg))
     run_demo(cfg)
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from cooper_mcore.config import load_config
+    from cooper_mcore.plan import PlanOptions, plan
+    from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
+
+    cfg = load_config(args.config, args.overrides)
+    policy, rm, notes = load_shapes(cfg, args.policy_config, args.rm_config)
+    result = plan(cfg, policy, rm, PlanOptions(
+        gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib, nodes=args.nodes,
+        prompt_tokens=args.prompt_tokens, overhead_gib=args.overhead_gib, recompute=args.recompute))
+    if args.json:
+        print(json.dumps(plan_to_dict(result, cfg, notes), indent=2), flush=True)
+    else:
+        print(format_plan(result, cfg, notes), flush=True)  # the report table
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--preset", choices=["smoke"], default=None, help="smoke: every stage at the smallest size")
     demo.add_argument("overrides", nargs="*", help="dotted settings, e.g. rl.steps=60 (cooper_mcore/demo/config.py)")
     demo.set_defaults(func=_demo)
+
+    pl = sub.add_parser("plan", help="predict per-GPU memory per phase and the offload settings a run needs")
+    pl.add_argument("--config", default=None, help="YAML preset (examples/*.yaml)")
+    pl.add_argument("--gpus-per-node", type=int, required=True)
+    pl.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, e.g. 80")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--policy-config", default=None, help="the policy's HF config.json (default: model.policy_hf)")
+    pl.add_argument("--rm-config", default=None, help="the reward model's HF config.json (default: model.rm_ckpt)")
+    pl.add_argument("--prompt-tokens", type=int, default=512, help="the longest prompt in tokens")
+    pl.add_argument("--overhead-gib", type=float, default=2.0,
+                    help="per-GPU allowance for CUDA contexts, NCCL, CUDA graphs, fragmentation")
+    pl.add_argument("--recompute", action="store_true", help="plan with full activation recomputation")
+    pl.add_argument("--json", action="store_true", help="print JSON (top-level boolean 'fits')")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 train.micro_batch_size=4")
+    pl.set_defaults(func=_plan)
     return p
 
 
