@@ -114,7 +114,8 @@ def plan_to_dict(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = Non
                    "tokens_at_once": eng.tokens_at_once, "tokens_needed": eng.tokens_needed},
         "as_configured": _evaluation_dict(plan.given),
         "offload_effects": {f: {"configured": getattr(plan.given.offload, f), "peak_off_gib": _gib(off.peak.total),
-                                "peak_on_gib": _gib(on.peak.total), "fits_off": off.fits, "fits_on": on.fits}
+                                "peak_on_gib": _gib(on.peak.total), "rollout_off_gib": _gib(off.phases[0].total),
+                                "rollout_on_gib": _gib(on.phases[0].total), "fits_off": off.fits, "fits_on": on.fits}
                             for f, (off, on) in plan.effects.items()},
         "recommended": _evaluation_dict(plan.recommended) if plan.recommended is not None else None,
         "host_per_node_gib": _gib(plan.given.host_per_gpu * o.gpus_per_node),
@@ -158,10 +159,11 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
                  f"{eng.tokens_needed:,}")
     lines += ["", f"per-GPU memory (GiB, worst pipeline stage), offload as configured: {_offload_text(ev)}"]
     lines += _phase_table(ev)
-    lines += ["", f"{'offload setting':<18}{'configured':>11}{'peak off':>10}{'peak on':>9}  (GiB)"]
+    lines += ["", f"{'offload setting':<18}{'configured':>11}{'peak off':>10}{'peak on':>9}{'rollout off':>13}"
+              f"{'rollout on':>12}  (GiB; the others as configured)"]
     for flag, (off, on) in plan.effects.items():
         lines.append(f"{flag:<18}{str(getattr(ev.offload, flag)).lower():>11}{off.peak.total / GIB:>10.2f}"
-                     f"{on.peak.total / GIB:>9.2f}")
+                     f"{on.peak.total / GIB:>9.2f}{off.phases[0].total / GIB:>13.2f}{on.phases[0].total / GIB:>12.2f}")
     lines.append("")
     lines += [f"problem: {p}" for p in ev.problems]
     peak = ev.peak

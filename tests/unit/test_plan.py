@@ -287,3 +287,22 @@ def test_counts_equal_the_built_megatron_model(world, family, model_type):
     assert 0 <= off.device_bytes("params") - planned["params"] <= 2 * pad
     assert 0 <= off.device_bytes("grads") - planned["grads"] <= 4 * pad
     assert abs(off.device_bytes("optimizer") - planned["optimizer"]) <= 0.03 * planned["optimizer"]
+
+
+@pytest.mark.parametrize("preset, nodes, policy", [
+    ("qwen2.5-1.5b_8xh100.yaml", 1, "qwen2.5-1.5b-instruct"),
+    ("llama3.2-1b_8xh100.yaml", 1, "llama-3.2-1b-instruct"),
+    ("qwen2.5-7b_multinode.yaml", 2, "qwen2.5-7b-instruct"),
+    ("qwen2.5-7b_multinode.yaml", 4, "qwen2.5-7b-instruct"),
+])
+def test_the_cluster_presets_fit_on_80_gib_gpus(capsys, preset, nodes, policy):
+    from cooper_mcore.cli import main
+
+    # VerifyRM's backbone (Qwen2.5-Math-1.5B-Instruct) has Qwen2.5-1.5B-Instruct's shape
+    assert main(["plan", "--config", str(CONFIGS.parent / preset), "--nodes", str(nodes), "--gpus-per-node", "8",
+                 "--gpu-memory-gib", "80", "--policy-config", str(CONFIGS / f"{policy}.json"),
+                 "--rm-config", str(CONFIGS / "qwen2.5-1.5b-instruct.json"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] is True and doc["needed_overrides"] == {}, doc["as_configured"]["peak"]
+    assert doc["cluster"]["world_size"] == 8 * nodes
+    assert doc["engine"]["tokens_at_once"] >= 512 + 512  # SGLang's KV pool holds at least one sequence
