@@ -115,7 +115,9 @@ def plan_to_dict(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = Non
         "as_configured": _evaluation_dict(plan.given),
         "offload_effects": {f: {"configured": getattr(plan.given.offload, f), "peak_off_gib": _gib(off.peak.total),
                                 "peak_on_gib": _gib(on.peak.total), "rollout_off_gib": _gib(off.phases[0].total),
-                                "rollout_on_gib": _gib(on.phases[0].total), "fits_off": off.fits, "fits_on": on.fits}
+                                "rollout_on_gib": _gib(on.phases[0].total), "fits_off": off.fits, "fits_on": on.fits,
+                                "phases_off_gib": {ph.phase: _gib(ph.total) for ph in off.phases},
+                                "phases_on_gib": {ph.phase: _gib(ph.total) for ph in on.phases}}
                             for f, (off, on) in plan.effects.items()},
         "recommended": _evaluation_dict(plan.recommended) if plan.recommended is not None else None,
         "host_per_node_gib": _gib(plan.given.host_per_gpu * o.gpus_per_node),

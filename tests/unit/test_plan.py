@@ -238,6 +238,11 @@ def test_cli_json_and_table(capsys, tmp_path):
     assert [ph["phase"] for ph in doc["as_configured"]["phases"]] == [
         "rollout", "rm_score", "logprobs", "policy_update", "rm_update", "weight_sync"]
     assert any("assumed to be the policy's backbone" in n for n in doc["notes"])
+    grads = doc["offload_effects"]["policy_grads"]  # offloading grads lowers the rollout phase by 4 B/param
+    assert grads["configured"] is False
+    assert grads["phases_off_gib"]["rollout"] - grads["phases_on_gib"]["rollout"] == pytest.approx(
+        4 * QWEN15_N / GIB, abs=0.011)
+    assert grads["phases_off_gib"]["policy_update"] == grads["phases_on_gib"]["policy_update"]
 
     assert main(common) == 0
     text = capsys.readouterr().out
