@@ -15,10 +15,12 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from cooper_mcore.algo.losses import KL_ESTIMATORS as KL_KINDS
 from cooper_mcore.parallel import ParallelConfig
 
 REWARD_MODES = ("rule", "static_rm", "cooper")
 NEGATIVE_KINDS = ("assistant", "policy", "perturb", "random")
+FAILURE_ACTIONS = ("mask", "stop")
 
 
 @dataclass
@@ -31,12 +33,16 @@ class ModelConfig:
         policy_hf: HF folder of the same policy (rollout engine start, tokenizer).
         rm_ckpt: Megatron checkpoint of the VerifyRM (reward model); unused in ``rule`` mode.
         dtype: "float32" or "bfloat16".
+        trust_remote_code: let transformers run Python code shipped with a model folder (its
+            tokenizer or config); off unless asked, as executing a downloaded folder's code is
+            executing untrusted code.
     """
 
     policy_ckpt: str = ""
     policy_hf: str = ""
     rm_ckpt: str = ""
     dtype: str = "float32"
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -112,13 +118,22 @@ class RMUpdateConfig:
     Attributes:
         negatives: "assistant" (LLM over an OpenAI-compatible API), "policy" (the policy's own
             wrong rollouts), "perturb" (answer perturbation) or "random" (paper ablation).
-        assistant_url / assistant_model / api_key_env: the assistant LLM endpoint.
+        assistant_url / assistant_model / api_key_env: the assistant LLM endpoint; the API key is
+            read from the environment variable named by ``api_key_env``, never from the config.
+        assistant_timeout_s / assistant_max_retries: per-attempt timeout and retries (exponential
+            backoff from 1 s) of each assistant request.
+        on_assistant_failure: when a request still fails after its retries: "mask" (that prompt's
+            pair is left out of the RM update and counted in ``pairs/assistant_failed``; the run
+            goes on) or "stop" (the run stops with an error naming the endpoint).
     """
 
     negatives: str = "assistant"
     assistant_url: str = ""
     assistant_model: str = ""
     api_key_env: str = "OPENAI_API_KEY"
+    assistant_timeout_s: float = 60.0
+    assistant_max_retries: int = 3
+    on_assistant_failure: str = "mask"
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_steps=0))
 
 
@@ -235,40 +250,144 @@ def save_config(cfg: CooperConfig, path: str) -> None:
 
 
 def validate(cfg: CooperConfig, world_size: int) -> None:
-    """One clear error for an impossible run, before any work starts."""
-    cfg.parallel.validate(world_size)
-    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
-    r, t = cfg.reward, cfg.train
-    if r.mode not in REWARD_MODES:
-        raise ValueError(f"reward.mode must be one of {REWARD_MODES}, got {r.mode!r}")
-    if cfg.rm.negatives not in NEGATIVE_KINDS:
-        raise ValueError(f"rm.negatives must be one of {NEGATIVE_KINDS}, got {cfg.rm.negatives!r}")
-    if r.mode == "cooper" and cfg.rm.negatives == "assistant" and not cfg.rm.assistant_url:
-        raise ValueError("rm.negatives=assistant needs rm.assistant_url (or choose policy/perturb/random)")
-    if cfg.rollout.engine not in ("hf", "sglang"):
-        raise ValueError(f"rollout.engine must be 'hf' or 'sglang', got {cfg.rollout.engine!r}")
-    if cfg.model.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
-    if t.prompts_per_step % dp:
-        raise ValueError(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the "
-                         f"data-parallel size {dp}")
-    per_rank = t.prompts_per_step // dp * cfg.rollout.group_size
-    if per_rank % (t.micro_batch_size * t.mini_batches):
-        raise ValueError(f"{per_rank} sequences per data-parallel rank are not divisible by "
-                         f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
-    if cfg.rollout.group_size < 2:
-        raise ValueError("rollout.group_size must be >= 2 (GRPO normalizes within a group)")
-    paths = [("model.policy_ckpt", cfg.model.policy_ckpt), ("model.policy_hf", cfg.model.policy_hf),
-             ("data.train_path", cfg.data.train_path)]
-    if r.mode != "rule":
-        paths.append(("model.rm_ckpt", cfg.model.rm_ckpt))
-    if cfg.eval.every:
-        paths.append(("data.eval_path", cfg.data.eval_path))
-    for name, path in paths:
+    """One clear error for an impossible run, before any work starts.
+
+    Checks the parallel layout against the world size and against the models' architectures
+    (read from the checkpoints' ``cooper_model.json``: attention heads, key/value heads and the
+    vocabulary divisible by TP, layers by PP), that the batch sizes divide (prompts per step by the
+    data-parallel size; each rank's ``prompts * group_size`` sequences by ``micro_batch_size *
+    mini_batches``), the choices and ranges of the settings, and that every path the run reads
+    exists.
+
+    Args:
+        cfg: the run's config.
+        world_size: the number of processes (``WORLD_SIZE``).
+
+    Raises:
+        ValueError: listing every problem found, one per line.
+    """
+    problems = config_problems(cfg, world_size)
+    if problems:
+        raise ValueError(f"invalid config ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+
+
+def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
+    """Every problem :func:`validate` reports, in a fixed order (empty when the config is fine)."""
+    out: list[str] = []
+    t, ro, r = cfg.train, cfg.rollout, cfg.reward
+    choices = [("reward.mode", r.mode, REWARD_MODES), ("rm.negatives", cfg.rm.negatives, NEGATIVE_KINDS),
+               ("rm.on_assistant_failure", cfg.rm.on_assistant_failure, FAILURE_ACTIONS),
+               ("rollout.engine", ro.engine, ("hf", "sglang")),
+               ("model.dtype", cfg.model.dtype, ("float32", "bfloat16")), ("algo.kl_kind", cfg.algo.kl_kind, KL_KINDS)]
+    out += [f"{name} must be one of {allowed}, got {value!r}"
+            for name, value, allowed in choices if value not in allowed]
+    if r.mode == "cooper" and cfg.rm.negatives == "assistant":
+        out += [f"rm.negatives=assistant needs rm.{k} (or choose negatives policy/perturb/random)"
+                for k in ("assistant_url", "assistant_model") if not getattr(cfg.rm, k)]
+    ranges = [("train.steps", t.steps, 0), ("train.prompts_per_step", t.prompts_per_step, 1),
+              ("train.micro_batch_size", t.micro_batch_size, 1), ("train.mini_batches", t.mini_batches, 1),
+              ("rollout.group_size", ro.group_size, 2), ("rollout.max_new_tokens", ro.max_new_tokens, 1),
+              ("rollout.bucket_mb", ro.bucket_mb, 1), ("reward.verifier_workers", r.verifier_workers, 1),
+              ("rm.assistant_max_retries", cfg.rm.assistant_max_retries, 0), ("eval.every", cfg.eval.every, 0),
+              ("eval.k", cfg.eval.k, 1), ("checkpoint.every", cfg.checkpoint.every, 0),
+              ("checkpoint.keep", cfg.checkpoint.keep, 1)]
+    out += [f"{name} must be >= {low}, got {value}" for name, value, low in ranges if value < low]
+    positive = [("reward.verifier_timeout_s", r.verifier_timeout_s),
+                ("rm.assistant_timeout_s", cfg.rm.assistant_timeout_s)]
+    out += [f"{name} must be > 0, got {value}" for name, value in positive if not value > 0]
+    non_negative = [("algo.clip_low", cfg.algo.clip_low), ("algo.clip_high", cfg.algo.clip_high),
+                    ("algo.kl_coef", cfg.algo.kl_coef), ("optim.lr", cfg.optim.lr), ("rm.optim.lr", cfg.rm.optim.lr),
+                    ("rollout.temperature", ro.temperature)]
+    out += [f"{name} must be >= 0, got {value}" for name, value in non_negative if not value >= 0]
+    out += [f"{name} must be in (0, 1], got {value}" for name, value in
+            (("rollout.top_p", ro.top_p), ("eval.top_p", cfg.eval.top_p)) if not 0 < value <= 1]
+    if "{question}" not in cfg.data.template:
+        out.append(f"data.template {cfg.data.template!r} has no {{question}} placeholder")
+    out += _layout_problems(cfg, world_size)
+    out += _path_problems(cfg)
+    return out
+
+
+def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
+    """The parallel layout against the world size, the batch sizes and the models' shapes."""
+    par, t = cfg.parallel, cfg.train
+    if par.tp < 1 or par.pp < 1:
+        return [f"parallel.tp and parallel.pp must be >= 1, got tp={par.tp} pp={par.pp}"]
+    out = []
+    if par.sequence_parallel and par.tp == 1:
+        out.append("parallel.sequence_parallel needs parallel.tp > 1")
+    if world_size % (par.tp * par.pp):
+        out.append(f"the world size {world_size} is not divisible by tp*pp = {par.tp}*{par.pp}")
+    else:
+        dp = world_size // (par.tp * par.pp)
+        if t.prompts_per_step % dp:
+            out.append(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the data-parallel "
+                       f"size {dp} (world {world_size} / tp {par.tp} / pp {par.pp})")
+        elif t.micro_batch_size >= 1 and t.mini_batches >= 1:
+            per_rank = t.prompts_per_step // dp * cfg.rollout.group_size
+            if per_rank % (t.micro_batch_size * t.mini_batches):
+                out.append(f"{per_rank} sequences per data-parallel rank (prompts_per_step {t.prompts_per_step} / "
+                           f"dp {dp} * group_size {cfg.rollout.group_size}) are not divisible by "
+                           f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
+    models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
+    if cfg.reward.mode != "rule":
+        models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
+    for name, ckpt in models:
+        arch, dtype = _checkpoint_arch(ckpt)
+        if arch is None:
+            continue
+        for field_name, what, size, by in (("num_attention_heads", "attention heads", par.tp, "tp"),
+                                           ("num_query_groups", "key/value heads", par.tp, "tp"),
+                                           ("vocab_size", "vocabulary entries", par.tp, "tp"),
+                                           ("num_layers", "layers", par.pp, "pp")):
+            value = arch.get(field_name)
+            if isinstance(value, int) and value % size:
+                out.append(f"{name} ({ckpt}) has {value} {what}, not divisible by parallel.{by}={size}")
+        if name == "model.policy_ckpt" and dtype is not None and dtype != cfg.model.dtype:
+            out.append(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype} weights; convert the "
+                       "checkpoint in the dtype you train in")
+    return out
+
+
+def _checkpoint_arch(ckpt: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """(arch fields, dtype) from a checkpoint's ``cooper_model.json``; (None, None) when unreadable
+    (the path checks report that)."""
+    import json
+
+    try:
+        with open(os.path.join(ckpt, "cooper_model.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        return dict(meta["arch"]), meta.get("dtype")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+
+
+def _path_problems(cfg: CooperConfig) -> list[str]:
+    """Every file or folder the run reads must exist (and be of the right kind)."""
+    m, d = cfg.model, cfg.data
+    ckpts = [("model.policy_ckpt", m.policy_ckpt)]
+    if cfg.reward.mode != "rule":
+        ckpts.append(("model.rm_ckpt", m.rm_ckpt))
+    files = [("data.train_path", d.train_path)] + ([("data.eval_path", d.eval_path)] if cfg.eval.every else [])
+    out = []
+    for name, path in ckpts + [("model.policy_hf", m.policy_hf)] + files:
         if not path:
-            raise ValueError(f"{name} is not set")
-        if not os.path.exists(path):
-            raise ValueError(f"{name}: {path!r} does not exist")
+            out.append(f"{name} is not set")
+        elif not os.path.exists(path):
+            out.append(f"{name}: {path!r} does not exist")
+    for name, path in ckpts:
+        if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "cooper_model.json")):
+            out.append(f"{name}: {path!r} is not a cooper_mcore checkpoint (no cooper_model.json; "
+                       "make one with `cooper convert hf-to-mcore`)")
+    if m.policy_hf and os.path.isdir(m.policy_hf) and not os.path.isfile(os.path.join(m.policy_hf, "config.json")):
+        out.append(f"model.policy_hf: {m.policy_hf!r} has no config.json (an HF model folder is expected)")
+    for name, path in files:
+        if path and os.path.exists(path):
+            if not os.path.isfile(path):
+                out.append(f"{name}: {path!r} is not a file")
+            elif not path.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet", ".pq")):
+                out.append(f"{name}: {path!r} is neither JSONL (.jsonl/.json/.ndjson) nor Parquet (.parquet/.pq)")
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.isdir(cfg.checkpoint.resume):
-        raise ValueError(f"checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got "
-                         f"{cfg.checkpoint.resume!r}")
+        out.append(f"checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got {cfg.checkpoint.resume!r}")
+    return out

@@ -51,7 +51,7 @@ def logits_diff(model, arch, hf_dir: str, batch: int = 2, seq: int = 16, seed: i
     dtype = model.config.params_dtype
     pad = arch.pad_token_id if arch.model_type == "reward" else None
     if arch.model_type == "reward" and pad is None:
-        pad = transformers.AutoConfig.from_pretrained(hf_dir).pad_token_id
+        pad = transformers.AutoConfig.from_pretrained(hf_dir, trust_remote_code=False).pad_token_id
     ids, lengths = sample_batch(arch.vocab_size, batch, seq, pad, seed)
     if arch.model_type == "reward":
         out = forward_only(model, ids, sequence_lengths=lengths)
@@ -61,7 +61,7 @@ def logits_diff(model, arch, hf_dir: str, batch: int = 2, seq: int = 16, seed: i
     if out is not None:
         auto = (transformers.AutoModelForSequenceClassification if arch.model_type == "reward"
                 else transformers.AutoModelForCausalLM)
-        hf = auto.from_pretrained(hf_dir, dtype=dtype).eval()
+        hf = auto.from_pretrained(hf_dir, dtype=dtype, use_safetensors=True, trust_remote_code=False).eval()
         with torch.no_grad():
             if arch.model_type == "reward":
                 ref = hf(ids).logits.squeeze(-1)

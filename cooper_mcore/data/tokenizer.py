@@ -183,7 +183,7 @@ def train_tiny_tokenizer(
     with open(os.path.join(out_dir, SPM_FILE), "wb") as f:
         f.write(proto)
     _set_tokenizer_class(out_dir)
-    loaded = transformers.AutoTokenizer.from_pretrained(out_dir)
+    loaded = transformers.AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)
     assert loaded.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(len(SPECIAL_TOKENS)))
     logger.info("trained a %s tokenizer with %d tokens into %s", model_type, len(loaded), out_dir)
     return loaded
@@ -200,7 +200,7 @@ def _set_tokenizer_class(out_dir: str) -> None:
         f.write("\n")
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """Load a tokenizer folder the way it was saved.
 
     transformers 5's ``AutoTokenizer`` picks the tokenizer class from a ``config.json`` in the
@@ -208,6 +208,10 @@ def load_tokenizer(path: str) -> Any:
     tokenizes differently from a generic fast tokenizer saved there. When
     ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` (as :func:`train_tiny_tokenizer`
     writes), that class is used directly; anything else goes through ``AutoTokenizer``.
+
+    Args:
+        path: the tokenizer (or model) folder.
+        trust_remote_code: allow a folder's own Python tokenizer code to run (off unless asked).
     """
     import transformers
 
@@ -215,5 +219,5 @@ def load_tokenizer(path: str) -> Any:
     if os.path.isfile(cfg_path):
         with open(cfg_path, encoding="utf-8") as f:
             if json.load(f).get("tokenizer_class") == "PreTrainedTokenizerFast":
-                return transformers.PreTrainedTokenizerFast.from_pretrained(path)
-    return transformers.AutoTokenizer.from_pretrained(path)
+                return transformers.PreTrainedTokenizerFast.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

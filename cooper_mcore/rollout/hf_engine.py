@@ -47,19 +47,24 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        **kwargs) -> HFEngine:
-        """Load a model (and its tokenizer if the folder has one) from an HF folder."""
+                        trust_remote_code: bool = False, **kwargs) -> HFEngine:
+        """Load a model (and its tokenizer if the folder has one) from an HF folder.
+
+        Weights are read from safetensors only (a folder with only ``pytorch_model.bin`` pickles is
+        refused); ``trust_remote_code`` lets the folder's own Python code run (off unless asked).
+        """
         import os
 
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code).to(device)
         tok = None
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
                                                                  "tokenizer_config.json")):
             from cooper_mcore.data.tokenizer import load_tokenizer
 
-            tok = load_tokenizer(path)
+            tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
         return cls(model, tok, **kwargs)
 
     # -- generation ---------------------------------------------------------------------------

@@ -83,13 +83,14 @@ class RMBatch:
         return self.input_ids.shape[0]
 
 
-def load_rm_tokenizer(path: str) -> Any:
+def load_rm_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """The reward model's HF tokenizer.
 
     Args:
         path: a cooper_mcore checkpoint (the tokenizer is read from its ``hf_extra/`` folder) or
             an HF model / tokenizer folder.
 
+        trust_remote_code: allow the folder's own Python tokenizer code to run (off unless asked).
     Raises:
         ValueError: no tokenizer files in the folder.
     """
@@ -99,7 +100,7 @@ def load_rm_tokenizer(path: str) -> Any:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, n)) for n in names):
         raise ValueError(f"no tokenizer files in {folder!r} (expected one of {names})")
-    return load_tokenizer(folder)
+    return load_tokenizer(folder, trust_remote_code=trust_remote_code)
 
 
 def pad_id_of(tokenizer: Any) -> int:

@@ -25,10 +25,10 @@ def eval_params(cfg: CooperConfig) -> SamplingParams:
                           top_p=cfg.eval.top_p, stop=list(cfg.rollout.stop), seed=cfg.train.seed)
 
 
-def _tokenizer(path: str):
+def _tokenizer(path: str, trust_remote_code: bool = False):
     from cooper_mcore.data.tokenizer import load_tokenizer
 
-    return load_tokenizer(path)
+    return load_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
 def build_run(cfg: CooperConfig) -> Run:
@@ -47,8 +47,10 @@ def build_run(cfg: CooperConfig) -> Run:
     from cooper_mcore.train.reward_model import load_rm_tokenizer, wrap_reward_model
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world)
+    validate(cfg, world)  # before anything is loaded or any process group is made
     init_distributed(cfg.parallel, seed=cfg.train.seed)
+    if dist.get_world_size() != world:  # a launcher without WORLD_SIZE: check the real layout
+        validate(cfg, dist.get_world_size())
     dtype = _DTYPES[cfg.model.dtype]
     steps = cfg.train.steps * cfg.train.mini_batches
 
@@ -61,14 +63,15 @@ def build_run(cfg: CooperConfig) -> Run:
     policy_ddp, policy_opt = wrap_for_training(
         policy, OptimConfig(lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad), per_token_loss=True)
     policy_sched = build_scheduler(policy_opt, o.lr, o.warmup_steps, steps, o.weight_decay)
-    tokenizer = _tokenizer(cfg.model.policy_hf)
+    tokenizer = _tokenizer(cfg.model.policy_hf, cfg.model.trust_remote_code)
     archs = {"policy": read_meta(cfg.model.policy_ckpt)}
 
     rm = rm_opt = rm_sched = rm_arch = rm_tok = None
     if cfg.reward.mode != "rule":
         rm, rm_arch = load_checkpoint_model(cfg.model.rm_ckpt, cfg.parallel)
         extra = os.path.join(cfg.model.rm_ckpt, EXTRA_DIR)
-        rm_tok = load_rm_tokenizer(cfg.model.rm_ckpt) if os.path.isdir(extra) else tokenizer
+        rm_tok = (load_rm_tokenizer(cfg.model.rm_ckpt, trust_remote_code=cfg.model.trust_remote_code)
+                  if os.path.isdir(extra) else tokenizer)
         if cfg.reward.mode == "cooper":
             r = cfg.rm.optim
             rm, rm_opt = wrap_reward_model(rm, OptimConfig(lr=r.lr, weight_decay=r.weight_decay, clip_grad=r.clip_grad))
@@ -84,7 +87,8 @@ def build_run(cfg: CooperConfig) -> Run:
         if cfg.reward.mode == "cooper" and cfg.rm.negatives == "assistant":
             from cooper_mcore.reward.openai_client import OpenAIChatClient
 
-            client = OpenAIChatClient(cfg.rm.assistant_url, cfg.rm.assistant_model, api_key_env=cfg.rm.api_key_env)
+            client = OpenAIChatClient(cfg.rm.assistant_url, cfg.rm.assistant_model, api_key_env=cfg.rm.api_key_env,
+                                      timeout_s=cfg.rm.assistant_timeout_s, max_retries=cfg.rm.assistant_max_retries)
 
     d = cfg.data
     prompts, skipped = read_prompts(d.train_path, question_key=d.question_key, answer_key=d.answer_key,
@@ -123,8 +127,10 @@ def _build_engine(cfg: CooperConfig):
         return SGLangEngine.offline(SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp,
                                                  dtype=cfg.model.dtype,
                                                  mem_fraction_static=cfg.rollout.sglang_mem_fraction,
-                                                 base_gpu_id=torch.cuda.current_device()))
+                                                 base_gpu_id=torch.cuda.current_device(),
+                                                 trust_remote_code=cfg.model.trust_remote_code))
     from cooper_mcore.rollout.hf_engine import HFEngine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine.from_pretrained(cfg.model.policy_hf, dtype=_DTYPES[cfg.model.dtype], device=device)
+    return HFEngine.from_pretrained(cfg.model.policy_hf, dtype=_DTYPES[cfg.model.dtype], device=device,
+                                    trust_remote_code=cfg.model.trust_remote_code)

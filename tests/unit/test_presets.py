@@ -9,6 +9,7 @@ validation runs with those paths pointed at empty stand-ins.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -50,16 +51,21 @@ def launch_worlds(path: Path) -> list[int]:
 
 
 def with_stand_in_paths(cfg, tmp_path: Path):
-    """Point the preset's placeholder paths (which do not exist here) at empty files and folders."""
+    """Point the preset's placeholder paths (which do not exist here) at empty stand-ins of the
+    right kind: data files with the same suffix, an HF folder with a ``config.json``, checkpoints
+    with a ``cooper_model.json`` that records only the dtype (the shapes are checked below)."""
     for section, name in PATH_FIELDS:
         value = getattr(getattr(cfg, section), name)
         if value and not Path(value).exists():
             stand_in = tmp_path / section / name
             if value.endswith((".jsonl", ".parquet")):
+                stand_in = stand_in.with_suffix(Path(value).suffix)
                 stand_in.parent.mkdir(parents=True, exist_ok=True)
                 stand_in.touch()
             else:
                 stand_in.mkdir(parents=True, exist_ok=True)
+                marker = "config.json" if name == "policy_hf" else "cooper_model.json"
+                (stand_in / marker).write_text(json.dumps({"arch": {}, "dtype": cfg.model.dtype}))
             setattr(getattr(cfg, section), name, str(stand_in))
     return cfg
 

@@ -1,0 +1,146 @@
+"""Config validation: impossible layouts, batch sizes that do not divide, bad choices and missing
+paths are all reported together, in one ValueError, before any work starts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from cooper_mcore.cli import main as cli_main
+from cooper_mcore.config import config_problems, load_config, validate
+
+
+def _ckpt(path, heads=4, kv=2, layers=4, vocab=128, dtype="float32"):
+    os.makedirs(path)
+    arch = {"num_layers": layers, "num_attention_heads": heads, "num_query_groups": kv, "vocab_size": vocab,
+            "hidden_size": 32}
+    with open(os.path.join(path, "cooper_model.json"), "w") as f:
+        json.dump({"arch": arch, "hf_config": {}, "dtype": dtype}, f)
+    return str(path)
+
+
+@pytest.fixture
+def paths(tmp_path):
+    hf = tmp_path / "policy_hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"question": "1+1", "answer": "2"}\n')
+    return {"model.policy_ckpt": _ckpt(tmp_path / "policy"), "model.rm_ckpt": _ckpt(tmp_path / "rm"),
+            "model.policy_hf": str(hf), "data.train_path": str(train), "data.eval_path": str(train)}
+
+
+def _cfg(paths, *overrides):
+    base = [f"{k}={v}" for k, v in paths.items()]
+    return load_config(None, base + ["rm.negatives=perturb", "train.prompts_per_step=8", "rollout.group_size=4",
+                                     "train.micro_batch_size=4", *overrides])
+
+
+def test_a_good_config_has_no_problem(paths):
+    cfg = _cfg(paths)
+    assert config_problems(cfg, 1) == []
+    validate(cfg, 1)
+    # 8 prompts / dp 2 * G 4 = 16 sequences per rank = 4 micro-batches of 4; heads 4, kv 2, vocab 128 by tp 2
+    assert config_problems(_cfg(paths, "parallel.tp=2"), 4) == []
+    assert config_problems(_cfg(paths, "parallel.pp=4"), 4) == []  # 4 layers over 4 stages, dp 1
+
+
+def test_every_problem_is_listed_in_one_error(paths):
+    cfg = _cfg({**paths, "data.train_path": "/nonexistent/train.jsonl"}, "reward.mode=cooperative",
+               "parallel.tp=3", "rollout.group_size=1", "rollout.top_p=0", "algo.kl_kind=k9", "data.template=Question")
+    with pytest.raises(ValueError) as info:
+        validate(cfg, 4)
+    msg = str(info.value)
+    lines = [ln for ln in msg.splitlines() if ln.startswith("  - ")]
+    assert msg.startswith(f"invalid config ({len(lines)} problems):")
+    expected = ["reward.mode must be one of", "algo.kl_kind must be one of", "rollout.group_size must be >= 2, got 1",
+                "rollout.top_p must be in (0, 1], got 0.0", "data.template 'Question' has no {question}",
+                "the world size 4 is not divisible by tp*pp = 3*1",
+                "data.train_path: '/nonexistent/train.jsonl' does not exist"]
+    for name in ("policy_ckpt", "rm_ckpt"):  # the fixture's models (4 heads, 2 kv heads, vocab 128) at tp 3
+        expected += [f"model.{name} ({paths['model.' + name]}) has {n}, not divisible by parallel.tp=3"
+                     for n in ("4 attention heads", "2 key/value heads", "128 vocabulary entries")]
+    for e in expected:
+        assert sum(e in ln for ln in lines) == 1, (e, msg)
+    assert len(lines) == len(expected)
+
+
+def test_layout_against_the_architecture(paths, tmp_path):
+    # policy: 3 layers, 6 heads, 3 kv heads, vocab 100; rm: the fixture's (4 layers, 4/2 heads, vocab 128)
+    paths = {**paths, "model.policy_ckpt": _ckpt(tmp_path / "odd", heads=6, kv=3, layers=3, vocab=100)}
+    problems = config_problems(_cfg(paths, "parallel.tp=4", "parallel.pp=2", "train.prompts_per_step=1"), 8)
+    pol = f"model.policy_ckpt ({paths['model.policy_ckpt']}) has"
+    rm = f"model.rm_ckpt ({paths['model.rm_ckpt']}) has"
+    assert problems == [
+        f"{pol} 6 attention heads, not divisible by parallel.tp=4",
+        f"{pol} 3 key/value heads, not divisible by parallel.tp=4",
+        f"{pol} 3 layers, not divisible by parallel.pp=2",
+        f"{rm} 2 key/value heads, not divisible by parallel.tp=4",
+    ]
+    # rule mode does not read the RM
+    assert all("rm_ckpt" not in p for p in config_problems(
+        _cfg(paths, "parallel.tp=4", "parallel.pp=2", "train.prompts_per_step=1", "reward.mode=rule"), 8))
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    # dp = 4 / (1*1) = 4; 6 prompts do not split over 4 ranks
+    (["train.prompts_per_step=6"], 4, "train.prompts_per_step=6 is not divisible by the data-parallel size 4"),
+    # dp 2: 8 / 2 * 4 = 16 sequences per rank; 16 % (3*1) != 0
+    (["train.micro_batch_size=3"], 2, "16 sequences per data-parallel rank (prompts_per_step 8 / dp 2 * group_size 4)"
+                                      " are not divisible by micro_batch_size*mini_batches = 3*1"),
+    # dp 1: 32 per rank; 32 % (4*3) != 0
+    (["train.mini_batches=3"], 1, "32 sequences per data-parallel rank"),
+    (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel needs parallel.tp > 1"),
+    (["train.micro_batch_size=0"], 1, "train.micro_batch_size must be >= 1, got 0"),
+])
+def test_batch_sizes_that_do_not_divide(paths, overrides, world, expected):
+    problems = config_problems(_cfg(paths, *overrides), world)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_paths_and_their_kinds(paths, tmp_path):
+    not_ckpt = tmp_path / "plain"
+    not_ckpt.mkdir()
+    odd_data = tmp_path / "train.csv"
+    odd_data.write_text("q,a\n")
+    cfg = _cfg({**paths, "model.policy_ckpt": str(not_ckpt), "model.policy_hf": str(not_ckpt),
+                "data.train_path": str(odd_data), "model.rm_ckpt": "''"}, "eval.every=2", "data.eval_path=''",
+               "checkpoint.resume=/no/such/step")
+    problems = config_problems(cfg, 1)
+    assert problems == [
+        "model.rm_ckpt is not set",
+        "data.eval_path is not set",
+        f"model.policy_ckpt: {str(not_ckpt)!r} is not a cooper_mcore checkpoint (no cooper_model.json; "
+        "make one with `cooper convert hf-to-mcore`)",
+        f"model.policy_hf: {str(not_ckpt)!r} has no config.json (an HF model folder is expected)",
+        f"data.train_path: {str(odd_data)!r} is neither JSONL (.jsonl/.json/.ndjson) nor Parquet (.parquet/.pq)",
+        "checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got '/no/such/step'",
+    ]
+
+
+def test_assistant_settings_and_dtype(paths):
+    problems = config_problems(_cfg(paths, "rm.negatives=assistant", "rm.on_assistant_failure=retry",
+                                    "rm.assistant_max_retries=-1", "model.dtype=bfloat16"), 1)
+    assert problems == [
+        "rm.on_assistant_failure must be one of ('mask', 'stop'), got 'retry'",
+        "rm.negatives=assistant needs rm.assistant_url (or choose negatives policy/perturb/random)",
+        "rm.negatives=assistant needs rm.assistant_model (or choose negatives policy/perturb/random)",
+        "rm.assistant_max_retries must be >= 0, got -1",
+        f"model.dtype=bfloat16 but {paths['model.policy_ckpt']} holds float32 weights; convert the checkpoint in "
+        "the dtype you train in",
+    ]
+
+
+def test_cooper_train_reports_all_problems_before_any_work(paths, tmp_path, caplog):
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out)] + [f"{k}={v}" for k, v in paths.items()]
+    with caplog.at_level(logging.ERROR):
+        rc = cli_main(args + ["reward.mode=nope", "train.prompts_per_step=3", "model.rm_ckpt=/missing"])
+    assert rc == 2
+    assert "invalid config (2 problems)" in caplog.text
+    assert "  - reward.mode must be one of ('rule', 'static_rm', 'cooper'), got 'nope'" in caplog.text
+    assert "  - model.rm_ckpt: '/missing' does not exist" in caplog.text
+    assert not out.exists()
