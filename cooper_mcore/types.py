@@ -73,12 +73,15 @@ class PreferencePair:
         chosen: a completion the rule verifier marked correct.
         rejected: a completion verified wrong (assistant-written or other); None if none.
         source: where ``rejected`` came from ("assistant", "policy", "perturb", "random").
+        failed: no ``rejected`` because its generator failed (the assistant endpoint did not
+            answer after its retries), as opposed to none being found.
     """
 
     prompt: Prompt
     chosen: Optional[str]
     rejected: Optional[str]
     source: str = ""
+    failed: bool = False
 
     @property
     def valid(self) -> bool:

@@ -59,6 +59,10 @@ def judge_user_prompt(question: str, reference: str, completion: str) -> str:
     )
 
 
+class JudgeUnavailable(RuntimeError):
+    """The LLM judge failed after its retries and the run was told to stop (``on_judge_failure="stop"``)."""
+
+
 class ChatClient(Protocol):
     """What :func:`annotate` needs of a judge (e.g. ``OpenAIChatClient``)."""
 
@@ -173,6 +177,7 @@ def annotate(
     max_tokens: int = 16,
     truncate: bool = True,
     judgements_path: Optional[str] = None,
+    on_judge_failure: str = "mask",
 ) -> dict[str, Any]:
     """Label triples where the rule verifier and the LLM judge agree (module docstring).
 
@@ -189,6 +194,9 @@ def annotate(
         truncate: the judge sees completions truncated as the reward model does.
         judgements_path: if set, also write every row's verdicts (``index, rule, judge,
             judge_text, kept``) as JSONL, for auditing disagreements.
+        on_judge_failure: a judge request that fails after the client's retries: ``"mask"`` drops
+            that row (counted in ``judge_failed``) and goes on; ``"stop"`` raises at the end of
+            that chunk, before anything is written.
 
     Returns:
         Statistics: ``rows`` (read), ``skipped_malformed``, ``table`` (``table[rule][judge]``
@@ -199,7 +207,11 @@ def annotate(
 
     Raises:
         ValueError: bad arguments, or a malformed row (unless skipped).
+        JudgeUnavailable: with ``on_judge_failure="stop"``, a judge request failed for good (the
+            message names the endpoint and how many requests of the chunk failed).
     """
+    if on_judge_failure not in ("mask", "stop"):
+        raise ValueError(f"on_judge_failure must be 'mask' or 'stop', got {on_judge_failure!r}")
     if os.path.abspath(in_path) == os.path.abspath(out_path):
         raise ValueError(f"out_path must differ from in_path ({in_path!r})")
     file_format(out_path)  # an unknown suffix fails before any work
@@ -220,6 +232,12 @@ def annotate(
             if len(answers) != len(chunk) or len(outcomes) != len(chunk):
                 raise RuntimeError(f"judge/verifier returned {len(answers)}/{len(outcomes)} results for "
                                    f"{len(chunk)} rows")
+            failed = sum(a is None for a in answers)
+            if failed and on_judge_failure == "stop":
+                raise JudgeUnavailable(
+                    f"LLM judge at {getattr(judge_client, 'url', '?')} failed for {failed} of {len(chunk)} rows "
+                    f"(rows {start}-{start + len(chunk) - 1}) after its retries; nothing was written. Use "
+                    "on_judge_failure='mask' (--on-judge-failure mask) to drop and count such rows instead")
             for j, (text, outcome) in enumerate(zip(answers, outcomes)):
                 rule, judge = outcome.correct, parse_judgement(text)
                 judge_failed += text is None

@@ -145,6 +145,8 @@ class LLMAssistant:
     Attributes:
         stats: cumulative counters: requested, accepted, rejected_correct, rejected_unverifiable,
             failed_requests, empty.
+        last_failed: per item of the last :meth:`generate` call, whether it got no negative
+            because its (last) request failed after the client's retries.
     """
 
     source = "assistant"
@@ -163,6 +165,7 @@ class LLMAssistant:
         self.extra_tokens = int(extra_tokens)
         self.rounds = int(rounds)
         self.stats = _new_stats("rejected_correct", "rejected_unverifiable", "failed_requests", "empty")
+        self.last_failed: list[bool] = []
 
     def max_tokens_for(self, positive: str) -> int:
         """The completion budget for rewriting ``positive``: its word count plus ``extra_tokens``."""
@@ -176,6 +179,7 @@ class LLMAssistant:
         """
         self.stats["requested"] += len(items)
         out: list[Optional[str]] = [None] * len(items)
+        request_failed = [False] * len(items)
         pending = list(range(len(items)))
         for _ in range(self.rounds):
             if not pending:
@@ -187,6 +191,7 @@ class LLMAssistant:
             idx: list[int] = []
             candidates: list[str] = []
             for i, text in zip(pending, texts):
+                request_failed[i] = text is None
                 if text is None:
                     self.stats["failed_requests"] += 1
                     continue
@@ -208,6 +213,7 @@ class LLMAssistant:
                     else:
                         self.stats["rejected_unverifiable"] += 1
             pending = [i for i in pending if out[i] is None]
+        self.last_failed = [out[i] is None and request_failed[i] for i in range(len(items))]
         logger.debug("assistant negatives: %s", self.stats)
         return out
 
@@ -549,20 +555,58 @@ def build_pairs(groups: Sequence[RolloutGroup], negatives: NegativeGenerator) ->
     if len(rejected) != len(items):
         raise ValueError(f"{type(negatives).__name__}.generate returned {len(rejected)} negatives for "
                          f"{len(items)} items")
-    it = iter(rejected)
+    failed = list(getattr(negatives, "last_failed", None) or [False] * len(items))
+    assert len(failed) == len(items), "last_failed does not match the items"
+    it, it_failed = iter(rejected), iter(failed)
     source = getattr(negatives, "source", "")
     pairs = []
     for g, positive in zip(groups, positives):
         neg = next(it) if positive is not None else None
-        pairs.append(PreferencePair(g.prompt, positive, neg, source if neg is not None else ""))
+        fail = next(it_failed) if positive is not None else False
+        pairs.append(PreferencePair(g.prompt, positive, neg, source if neg is not None else "", failed=fail))
     return pairs
 
 
 def pair_stats(pairs: Sequence[PreferencePair]) -> dict[str, int]:
-    """Counts for logging: total, valid, no_positive, no_negative."""
+    """Counts for logging: total, valid, no_positive, no_negative, and failed (no negative because
+    the generator failed, e.g. the assistant endpoint; included in no_negative)."""
     return {
         "total": len(pairs),
         "valid": sum(p.valid for p in pairs),
         "no_positive": sum(p.chosen is None for p in pairs),
         "no_negative": sum(p.chosen is not None and p.rejected is None for p in pairs),
+        "failed": sum(p.failed for p in pairs),
     }
+
+
+class AssistantUnavailable(RuntimeError):
+    """The assistant endpoint failed after its retries and the run is configured to stop."""
+
+
+def check_negative_failures(pairs: Sequence[PreferencePair], on_failure: str, endpoint: str) -> int:
+    """Apply ``rm.on_assistant_failure`` to a step's pairs.
+
+    Pairs whose negative failed are already masked (``valid`` is False). With ``"mask"`` their
+    number is returned for the ``pairs/assistant_failed`` metric; with ``"stop"`` any such pair
+    raises.
+
+    Args:
+        pairs: the step's pairs (from :func:`build_pairs`).
+        on_failure: "mask" or "stop".
+        endpoint: the assistant's URL, for the message.
+
+    Raises:
+        ValueError: unknown ``on_failure``.
+        AssistantUnavailable: ``on_failure == "stop"`` and a request failed.
+    """
+    if on_failure not in ("mask", "stop"):
+        raise ValueError(f"on_assistant_failure must be 'mask' or 'stop', got {on_failure!r}")
+    failed = sum(p.failed for p in pairs)
+    if failed and on_failure == "stop":
+        raise AssistantUnavailable(
+            f"assistant endpoint {endpoint} failed for {failed} of {len(pairs)} prompts after its retries; "
+            "stopping as rm.on_assistant_failure=stop (set it to 'mask' to leave those pairs out and go on)")
+    if failed:
+        logger.warning("assistant endpoint %s failed for %d of %d prompts; their pairs are masked", endpoint,
+                       failed, len(pairs))
+    return failed

@@ -282,6 +282,9 @@ def _patch_torch_reductions() -> None:
 
 
 # -- HTTP ------------------------------------------------------------------------------------
+_RETRY_STATUS = (500, 502, 503, 504)  # server-side failures worth another try for idempotent requests
+
+
 def _is_connect_failure(exc: requests.exceptions.ConnectionError) -> bool:
     """True when the request never reached the server (safe to retry any operation)."""
     import urllib3
@@ -295,10 +298,18 @@ def _is_connect_failure(exc: requests.exceptions.ConnectionError) -> bool:
 class SGLangHTTPClient:
     """JSON calls to an SGLang server with bounded retries and errors that name the server.
 
+    A request that never reached the server (connection refused, connect timeout) is retried
+    with exponential backoff (``backoff_s``, doubling) up to ``max_retries`` times. An
+    *idempotent* request (generation, reads, cache flush: sending it twice changes nothing) is
+    also retried when the connection drops mid-request or the server answers HTTP 500, 502, 503
+    or 504. Weight-update calls are not idempotent and fail at once on those. After the retries
+    the error names the server, the operation and the number of attempts; a dead engine stops the
+    run with it (there is nothing to mask without rollouts).
+
     Args:
         base_url: e.g. ``http://127.0.0.1:30000``.
         connect_timeout_s / request_timeout_s: per-request limits (a read timeout is not retried).
-        max_retries: extra attempts when the connection fails (exponential backoff from ``backoff_s``).
+        max_retries: extra attempts (exponential backoff from ``backoff_s``).
     """
 
     def __init__(self, base_url: str, connect_timeout_s: float = 5.0, request_timeout_s: float = 1800.0,
@@ -326,7 +337,11 @@ class SGLangHTTPClient:
         for attempt in range(self.max_retries + 1):
             try:
                 resp = self._session.request(method, url, json=payload, timeout=timeout)
-                break
+                if not (idempotent and resp.status_code in _RETRY_STATUS) or attempt == self.max_retries:
+                    break
+                delay = self.backoff_s * 2**attempt
+                logger.warning("SGLang %s at %s: HTTP %d; retrying in %.2fs", op, url, resp.status_code, delay)
+                time.sleep(delay)
             except requests.exceptions.ConnectionError as e:
                 if not (_is_connect_failure(e) or idempotent) or attempt == self.max_retries:
                     raise ConnectionError(f"SGLang server {self.base_url}: {op} ({method} {path}) failed after "
@@ -338,8 +353,9 @@ class SGLangHTTPClient:
                 raise TimeoutError(f"SGLang server {self.base_url}: {op} ({method} {path}) got no answer within "
                                    f"{timeout[1]}s") from e
         if resp.status_code >= 400:
+            tries = f" after {attempt + 1} attempt(s)" if idempotent and resp.status_code in _RETRY_STATUS else ""
             raise RuntimeError(f"SGLang server {self.base_url}: {op} ({method} {path}) answered HTTP "
-                               f"{resp.status_code}: {resp.text[:500]!r}")
+                               f"{resp.status_code}{tries}: {resp.text[:500]!r}")
         if not resp.content:
             return None
         try:
@@ -518,8 +534,9 @@ class SGLangEngine:
             kwargs = {"prompt" if key == "text" else "input_ids": value}
             outs = self._engine.generate(sampling_params=sampling, return_logprob=params.logprobs, **kwargs)
         else:
-            outs = self._client.request("POST", "/generate", "generate",
-                                        {key: value, "sampling_params": sampling, "return_logprob": params.logprobs})
+            outs = self._client.request("POST", "/generate", "generate",  # seeded, stateless: safe to resend
+                                        {key: value, "sampling_params": sampling, "return_logprob": params.logprobs},
+                                        idempotent=True)
         if not isinstance(outs, list) or len(outs) != len(value):
             raise RuntimeError(f"SGLang generate returned {type(outs).__name__} "
                                f"{len(outs) if isinstance(outs, list) else ''} for {len(value)} prompts")

@@ -319,7 +319,7 @@ def test_build_pairs_masking_and_order():
         ("c", "good-c", None, "", False),
     ]
     assert [(p.id, t) for p, t in gen.items] == [("a", "good-a"), ("c", "good-c")]
-    assert pair_stats(pairs) == {"total": 3, "valid": 1, "no_positive": 1, "no_negative": 1}
+    assert pair_stats(pairs) == {"total": 3, "valid": 1, "no_positive": 1, "no_negative": 1, "failed": 0}
 
 
 def test_build_pairs_rejects_wrong_length_and_handles_no_positive():
