@@ -75,8 +75,15 @@ DEFAULT_PROGRESS_KEYS = ("reward/mean", "rule/acc", "eval/acc")
 # ----------------------------------------------------------------------------- redaction
 
 
+# settings that name a data field ("answer_key: answer"), not secrets
+_FIELD_SELECTORS = {f"{f}_key" for f in ("question", "answer", "reference", "completion", "label", "id",
+                                          "answer_type", "gold", "pred", "prompt", "response")}
+
+
 def _is_secret_name(name: str) -> bool:
     low = name.lower()
+    if low in _FIELD_SELECTORS:
+        return False
     return any(p in low for p in SECRET_KEY_PARTS) or low.endswith(SECRET_KEY_ENDINGS)
 
 
@@ -85,8 +92,9 @@ def redact(obj: Any) -> Any:
 
     A mapping entry is redacted when its key's name (case-insensitive) contains "secret",
     "password", "passwd" or "credential", or ends with "key" or "token" (``api_key``,
-    ``HF_TOKEN``, ``wandb_key``), whatever its value. Settings that merely mention tokens or
-    name an environment variable (``max_new_tokens``, ``tokenizer``, ``api_key_env``) are kept.
+    ``HF_TOKEN``, ``wandb_key``), whatever its value. Settings that merely mention tokens, name an
+    environment variable or a data field (``max_new_tokens``, ``tokenizer``, ``api_key_env``,
+    ``answer_key``) are kept.
     Nested mappings, lists and tuples are walked. The input is not modified.
 
     Args:

@@ -504,3 +504,15 @@ def test_reduce_metrics_two_gloo_ranks():
         assert isinstance(out, dict), out
         assert out == pytest.approx({"pairs/valid": 7.0, "reward/mean": 0.4, "time/step": 2.0})
         assert err and "differ between ranks" in err
+
+
+def test_redact_keeps_data_field_selectors_and_saved_config_loads_back(tmp_path):
+    """`answer_key: answer` names a data field, not a secret: a saved run config must load back as it was."""
+    from cooper_mcore.config import load_config, save_config
+
+    assert redact({"answer_key": "answer", "question_key": "q", "api_key": "sk-x"}) == {
+        "answer_key": "answer", "question_key": "q", "api_key": "***REDACTED***"}
+    cfg = load_config(None, ["data.answer_key=solution", "data.question_key=problem"])
+    save_config(cfg, str(tmp_path / "config.yaml"))
+    back = load_config(str(tmp_path / "config.yaml"))
+    assert (back.data.answer_key, back.data.question_key) == ("solution", "problem")
