@@ -45,9 +45,11 @@ def _verify(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from cooper_mcore.config import load_config
+    from cooper_mcore.redaction import install_log_filter
     from cooper_mcore.train.cooper import train
 
     cfg = load_config(args.config, args.overrides)
+    install_log_filter([cfg.rm.api_key_env])
     if args.out:
         cfg.out = args.out
     if args.resume:
@@ -87,14 +89,17 @@ def _eval_rm(args: argparse.Namespace) -> None:
 
 
 def _annotate(args: argparse.Namespace) -> None:
+    from cooper_mcore.redaction import install_log_filter
     from cooper_mcore.reward.annotate import annotate
     from cooper_mcore.reward.openai_client import OpenAIChatClient
     from cooper_mcore.reward.verifier import RuleVerifier
 
-    client = OpenAIChatClient(args.judge_url, args.judge_model, api_key_env=args.api_key_env)
+    install_log_filter([args.api_key_env])
+    client = OpenAIChatClient(args.judge_url, args.judge_model, api_key_env=args.api_key_env,
+                              max_retries=args.judge_retries, timeout_s=args.judge_timeout)
     with RuleVerifier(timeout_s=args.verifier_timeout, num_workers=args.workers) as verifier:
         stats = annotate(args.inp, args.out, client, verifier, skip_malformed=args.skip_malformed,
-                         judgements_path=args.judgements)
+                         judgements_path=args.judgements, on_judge_failure=args.on_judge_failure)
     print(json.dumps(stats, default=str), flush=True)
 
 
@@ -219,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--judge-model", required=True)
     an.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
     an.add_argument("--judgements", default=None, help="also write every raw judgement here")
+    an.add_argument("--judge-retries", type=int, default=3, help="retries per judge request (exponential backoff)")
+    an.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judge request attempt")
+    an.add_argument("--on-judge-failure", choices=["mask", "stop"], default="mask",
+                    help="a judge request that fails after its retries: drop that row and count it (mask), "
+                         "or stop with an error naming the endpoint (stop)")
     an.add_argument("--verifier-timeout", type=float, default=5.0)
     an.add_argument("--workers", type=int, default=2)
     an.add_argument("--skip-malformed", action="store_true")
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.verbose:
         logging.getLogger("megatron").setLevel(logging.WARNING)
+    from cooper_mcore.redaction import install_log_filter
+
+    install_log_filter()  # no API key from the environment in any log line
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:

@@ -244,9 +244,12 @@ def to_dict(cfg: CooperConfig) -> dict[str, Any]:
 
 
 def save_config(cfg: CooperConfig, path: str) -> None:
-    """Write the resolved config as YAML."""
+    """Write the resolved config as YAML, without secrets (:func:`cooper_mcore.redaction.scrub_config`:
+    API keys live in the environment; a key pasted into a setting by mistake is written as ``***``)."""
+    from cooper_mcore.redaction import scrub_config
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), path)
+    OmegaConf.save(OmegaConf.create(scrub_config(to_dict(cfg))), path)
 
 
 def validate(cfg: CooperConfig, world_size: int) -> None:

@@ -219,7 +219,10 @@ class MetricsLogger:
         self.is_main = bool(is_main)
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, METRICS_FILE)
-        self.config = redact(dict(config or {}))
+        from cooper_mcore.redaction import scrub, scrub_config
+
+        self.config = scrub_config(dict(config or {}))
+        run_name = scrub(run_name) if run_name else run_name
         self.wandb_mode = resolve_wandb_mode(use_wandb)
         self._file: Optional[TextIO] = None
         self._run: Any = None
