@@ -264,6 +264,7 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
         raise ValueError(f"checkpoint {ckpt_dir!r} does not match the model: "
                          + ", ".join(f"{k}: model {a} vs checkpoint {b}" for k, (a, b) in diffs.items()))
     sharded = model.sharded_state_dict()
+    check_checkpoint_files(ckpt_dir)
     saved = dist_checkpointing.load_tensors_metadata(ckpt_dir)
     for key, sh in _sharded_tensors(sharded):
         if key not in saved:
@@ -278,6 +279,40 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
         missing, _ = model.load_state_dict(state, strict=False)  # strict trips on _extra_state
     missing = [k for k in missing if not k.endswith("_extra_state")]
     assert not missing, f"parameters not loaded from {ckpt_dir}: {missing}"
+
+
+def check_checkpoint_files(ckpt_dir: str) -> None:
+    """Refuse a truncated or incomplete dist checkpoint before megatron-core reads it.
+
+    Every stored item's byte range (from the checkpoint's ``.metadata``) must lie inside its
+    ``.distcp`` file; megatron-core itself fails on a short file with a bare ``EOFError`` deep in
+    unpickling.
+
+    Raises:
+        ValueError: a shard file is missing, or shorter than the bytes recorded for it (the
+            message names the file, its expected and actual size, and the first tensor cut off).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(ckpt_dir).read_metadata().storage_data
+    except FileNotFoundError:
+        raise ValueError(f"{ckpt_dir!r} has no dist-checkpoint metadata (.metadata); it is incomplete") from None
+    need: dict[str, tuple[int, str]] = {}
+    for index, info in storage.items():
+        end = info.offset + info.length
+        if end > need.get(info.relative_path, (0, ""))[0]:
+            need[info.relative_path] = (end, index.fqn)
+    for name, (end, fqn) in sorted(need.items()):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint shard {path!r} is missing (it holds tensor {fqn!r})")
+        size = os.path.getsize(path)
+        if size < end:
+            cut = min((s.offset, i.fqn) for i, s in storage.items()
+                      if s.relative_path == name and s.offset + s.length > size)[1]
+            raise ValueError(f"checkpoint shard {path!r} is truncated: expected at least {end} bytes, found {size} "
+                             f"(tensor {cut!r} is cut off)")
 
 
 def _sharded_tensors(sharded: dict) -> list:
@@ -392,6 +427,7 @@ def stream_checkpoint_tensors(ckpt: str, arch: ArchSpec):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    check_checkpoint_files(ckpt)
     meta = dist_checkpointing.load_tensors_metadata(ckpt)
     current_key, value = None, None
     for m, key, layer in _export_order(arch):

@@ -90,7 +90,8 @@ class HFCheckpointReader:
             while got < len(buf):
                 n = f.readinto(buf[got:])
                 if not n:
-                    raise ValueError(f"{path!r} is truncated: tensor {name!r} ends past the file")
+                    raise ValueError(f"{path!r} is truncated: expected at least {start + len(buf)} bytes, found "
+                                     f"{os.path.getsize(path)} (tensor {name!r} is cut off)")
                 got += n
 
     def _entry(self, name: str):
@@ -108,18 +109,32 @@ def _read_header(path: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int
             raise ValueError(f"{path!r} is not a safetensors file (too short)")
         n = struct.unpack("<Q", raw)[0]
         if n > size - 8:
-            raise ValueError(f"{path!r} is not a safetensors file (bad header length)")
-        header = json.loads(f.read(n))
+            raise ValueError(f"{path!r} is truncated or not a safetensors file: its header needs {8 + n} bytes, "
+                             f"the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ValueError(f"{path!r} is not a safetensors file (unreadable header: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path!r} is not a safetensors file (header is not a JSON object)")
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        if meta["dtype"] not in _FROM_NAME:
-            raise ValueError(f"{path!r}: tensor {name!r} has unsupported dtype {meta['dtype']}")
-        start, end = meta["data_offsets"]
+        try:
+            dtype_name, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path!r}: tensor {name!r} has a malformed header entry {meta!r}") from None
+        if dtype_name not in _FROM_NAME:
+            raise ValueError(f"{path!r}: tensor {name!r} has unsupported dtype {dtype_name}")
+        dtype = _FROM_NAME[dtype_name]
+        if end - start != _numel(shape) * _itemsize(dtype) or start < 0:
+            raise ValueError(f"{path!r}: tensor {name!r} of shape {shape} {dtype_name} needs "
+                             f"{_numel(shape) * _itemsize(dtype)} bytes but its data offsets span {end - start}")
         if 8 + n + end > size:
-            raise ValueError(f"{path!r} is truncated: tensor {name!r} ends past the file")
-        out[name] = (_FROM_NAME[meta["dtype"]], tuple(meta["shape"]), 8 + n + start, 8 + n + end)
+            raise ValueError(f"{path!r} is truncated: expected at least {8 + n + end} bytes, found {size} "
+                             f"(tensor {name!r} is cut off)")
+        out[name] = (dtype, shape, 8 + n + start, 8 + n + end)
     return out
 
 
