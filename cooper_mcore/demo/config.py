@@ -27,7 +27,7 @@ class TaskSection:
     n_train: int = 2048  # distinct train-split questions (SFT, RM data and RL prompts draw from them)
     n_eval: int = 512  # held-out questions for accuracy before/after
     seed: int = 0
-    tokenizer_vocab: int = 64
+    tokenizer_vocab: int = 96  # digits, operators and the VerifyRM template's tags
 
 
 @dataclass
@@ -57,29 +57,36 @@ class SFTSection:
 class RMSection:
     """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier."""
 
-    samples_per_prompt: int = 2  # completions sampled per train prompt for the RM's data
+    samples_per_prompt: int = 4  # completions sampled per train prompt for the RM's data
     temperature: float = 1.0
-    epochs: int = 4
+    epochs: int = 6
     lr: float = 1e-3
     batch: int = 64
     micro_batch: int = 32
     seed: int = 0
+    # hybrid labels (as VerifyRM's data): with an OpenAI-compatible LLM judge configured, keep only
+    # the training rows where the rule verifier and the judge agree (``cooper annotate``)
+    judge_url: str = ""
+    judge_model: str = ""
+    judge_api_key_env: str = "OPENAI_API_KEY"
 
 
 @dataclass
 class RLSection:
     """The three RL runs (``rule``, ``static_rm``, ``cooper``): identical but for the reward mode."""
 
-    steps: int = 40
+    steps: int = 60
     prompts_per_step: int = 32
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 32
-    lr: float = 1e-4
-    kl_coef: float = 0.02
+    lr: float = 3e-4
+    kl_coef: float = 0.01
     kl_kind: str = "low_var_kl"
-    rm_lr: float = 1e-3  # the co-trained RM's learning rate (cooper mode)
-    negatives: str = "perturb"  # how Cooper gets a verified-wrong negative (no assistant LLM offline)
+    rm_lr: float = 1e-4  # the co-trained RM's learning rate (cooper mode)
+    # Cooper's verified-wrong negative: with no assistant LLM offline, a rollout of the same prompt
+    # that the rule verifier marked wrong (see the README's demo section for why not "perturb")
+    negatives: str = "policy"
     micro_batch: int = 64
     eval_every: int = 10
     eval_limit: int = 128  # held-out prompts of the per-step curve (the before/after numbers use all)
@@ -115,7 +122,7 @@ class DemoConfig:
 FULL_PRESET: dict = {
     "out": "runs/demo_full",
     "task": {"n_eval": 640},
-    "rl": {"steps": 150, "eval_every": 10, "eval_limit": 256},
+    "rl": {"steps": 200, "eval_every": 10, "eval_limit": 256},
     "eval": {"k": 4},
 }
 

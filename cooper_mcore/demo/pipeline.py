@@ -227,11 +227,34 @@ def sample_rm_data(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -
                               r.seed + 1)
     write_jsonl(os.path.join(out, "rm_train.jsonl"), _scorable(train))
     write_jsonl(os.path.join(out, "rm_eval.jsonl"), _scorable(held_out))
-    info = {"train": len(train), "train_correct": _mean([x["label"] for x in train]),
-            "eval": len(held_out), "eval_correct": _mean([x["label"] for x in held_out])}
+    info: dict[str, Any] = {"train": len(train), "train_correct": _mean([x["label"] for x in train]),
+                            "eval": len(held_out), "eval_correct": _mean([x["label"] for x in held_out])}
+    if r.judge_url:
+        info["hybrid"] = hybrid_labels(cfg, os.path.join(out, "rm_train.jsonl"))
+        info["train"] = info["hybrid"]["kept"]
     logger.info("[rm_data] %d train rows (%.0f%% correct), %d held-out rows", info["train"],
                 100 * info["train_correct"], info["eval"])
     return info
+
+
+def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
+    """Keep the rows of ``path`` where the rule verifier and the configured LLM judge agree (in place)."""
+    from cooper_mcore.reward.annotate import annotate
+    from cooper_mcore.reward.openai_client import OpenAIChatClient
+    from cooper_mcore.reward.verifier import RuleVerifier
+
+    r = cfg.rm
+    if not r.judge_model:
+        raise ValueError("rm.judge_url is set but rm.judge_model is empty; name the judge's model")
+    rule_only = path.replace(".jsonl", ".rule_only.jsonl")
+    os.replace(path, rule_only)
+    with OpenAIChatClient(r.judge_url, r.judge_model, api_key_env=r.judge_api_key_env) as client, \
+            RuleVerifier(num_workers=2) as verifier:
+        stats = annotate(rule_only, path, client, verifier,
+                         judgements_path=path.replace(".jsonl", ".judgements.jsonl"))
+    logger.info("[rm_data] hybrid labels: rule and judge agree on %s of %d rows; kept %d",
+                stats["agreement_rate"], stats["rows"], stats["kept"])
+    return stats
 
 
 def train_verify_rm(cfg: DemoConfig, assets: Stage, data: Stage, out: str) -> dict[str, Any]:
