@@ -18,6 +18,7 @@ import torch
 from cooper_mcore.convert.checkpoint import hf_to_mcore
 from cooper_mcore.data.datasets import write_prompts
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_prompts, tokenizer_corpus
+from cooper_mcore.data.templates import rm_input
 from cooper_mcore.data.tokenizer import train_tiny_tokenizer
 from cooper_mcore.models.tiny import save_tiny_hf_model
 
@@ -49,8 +50,10 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         tmp = os.path.join(out, "train.tmp.jsonl")
         write_prompts(generate_prompts(n_train, task, split="train", seed=seed), tmp)
         os.replace(tmp, paths["train"])  # written last and renamed: its presence marks both files complete
-    tok = train_tiny_tokenizer(tokenizer_corpus(2000, config=task, seed=seed), paths["tokenizer"],
-                               vocab_size=vocab_size)
+    corpus = tokenizer_corpus(2000, config=task, seed=seed)
+    # the VerifyRM template's tags too, so that each is a few tokens rather than one <unk> per letter
+    corpus += [rm_input(q, "0", c) for q, c in zip(corpus[0::3], corpus[1::3])][:200]
+    tok = train_tiny_tokenizer(corpus, paths["tokenizer"], vocab_size=vocab_size)
     common = dict(vocab_size=-(-len(tok) // 8) * 8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   max_position_embeddings=max_positions)
     sizes = {"causal_lm": (hidden_size, num_layers),
