@@ -9,8 +9,24 @@ Layout of ``<out>/checkpoints/step_<n>/``:
 * ``cooper_model.json`` in ``policy/`` and ``rm/``, so each is also a model checkpoint that
   ``cooper convert mcore-to-hf`` exports.
 
-A checkpoint is written under ``step_<n>.tmp`` and renamed when every rank has finished, so a
-folder named ``step_<n>`` is always complete; ``resume: auto`` picks the newest one.
+* ``manifest.json``: every other file of the folder with its size and CRC-32, written last.
+
+A checkpoint is written under ``step_<n>.tmp``; when every rank has finished, rank 0 writes the
+manifest and renames the folder to ``step_<n>``, so a process killed at any moment leaves either
+a complete ``step_<n>`` or a ``*.tmp`` folder that is ignored (and removed later).
+
+Resuming verifies before loading: a ``step_<n>`` folder without a manifest, or with a file that
+is missing or whose size or CRC-32 disagrees with it (a truncated copy, a flipped bit, a partial
+rsync), is reported with its path and reason (``logging.warning``) and the next older checkpoint
+is tried. ``resume: auto`` starts from scratch only when there is no ``step_<n>`` folder at all;
+when there are some but none verifies, it raises ``ValueError`` (silently restarting a long run
+from step 0 would throw its progress away; move the folders aside or set ``resume: none``).
+
+Checksum: CRC-32 (``zlib``, standard library). It catches every truncation and every burst
+error up to 32 bits, which is what torn writes and storage faults produce; it is not meant to
+resist tampering (checkpoints are trusted files). zlib releases the GIL, so files are hashed in
+parallel threads; measured 1.7 GB/s per thread here (sha256: 1.4 GB/s with SHA-NI, about 0.4 GB/s
+without). Verifying reads the whole checkpoint once, on rank 0.
 """
 
 from __future__ import annotations
@@ -21,6 +37,8 @@ import os
 import random
 import re
 import shutil
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
@@ -29,9 +47,13 @@ import torch.distributed as dist
 
 from cooper_mcore.convert.checkpoint import EXTRA_DIR, _write_meta
 from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.train.faults import fault_point
 
 logger = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^step_(\d+)\.tmp$")
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
 
 
 def _rng_state() -> dict[str, Any]:
@@ -131,6 +153,7 @@ def save_training_checkpoint(
     dist.barrier()
     for name, (ddp, opt, sched) in models.items():
         dist_checkpointing.save(_model_state(ddp, opt, sched), os.path.join(tmp, name))
+        fault_point(f"ckpt_{name}", step)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     if rank == 0:
         for name, (arch, cfg, dtype) in archs.items():
@@ -143,40 +166,158 @@ def save_training_checkpoint(
             json.dump({"step": step, "world_size": dist.get_world_size(), "adam_steps": adam, **trainer_state}, f)
     dist.barrier()
     if rank == 0:
+        fault_point("ckpt_files", step)
+        write_manifest(tmp)
+        fault_point("ckpt_manifest", step)
+        if os.path.exists(final):  # a corrupt or stale checkpoint of a step this run has redone
+            logger.warning("replacing the existing %s", final)
+            shutil.rmtree(final)
         os.replace(tmp, final)
-        _prune(out_dir, keep)
+        _fsync_dir(out_dir)
+        fault_point("ckpt_renamed", step)
+        _prune(out_dir, keep, step)
     dist.barrier()
     logger.info("checkpoint: %s", final)
     return final
 
 
-def _prune(out_dir: str, keep: int) -> None:
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _files(folder: str) -> list[str]:
+    """Every regular file under ``folder`` except the manifest, as sorted relative paths."""
+    out = []
+    for root, _, names in os.walk(folder):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), folder)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _checksums(folder: str, rels: list[str]) -> list[str]:
+    with ThreadPoolExecutor(max_workers=min(8, len(rels) or 1)) as pool:
+        return list(pool.map(lambda r: _crc32(os.path.join(folder, r)), rels))
+
+
+def write_manifest(folder: str) -> dict[str, Any]:
+    """Write ``<folder>/manifest.json`` listing every other file with its size and CRC-32.
+
+    Written to a temporary name, fsynced and renamed, so a manifest that exists is whole.
+
+    Returns:
+        The manifest.
+    """
+    rels = _files(folder)
+    crcs = _checksums(folder, rels)
+    manifest = {"format": 1, "checksum": "crc32",
+                "files": {r: {"size": os.path.getsize(os.path.join(folder, r)), "crc32": c}
+                          for r, c in zip(rels, crcs)}}
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+    return manifest
+
+
+def verify_checkpoint(path: str) -> Optional[str]:
+    """Check ``path`` against its manifest; return None when whole, else the first problem found.
+
+    Sizes are checked for every file before any checksum is computed, so a truncated file is
+    reported without reading the rest.
+    """
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        return f"no {MANIFEST} (a partial checkpoint)"
+    try:
+        with open(mpath) as f:
+            files = json.load(f)["files"]
+        rels = sorted(files)
+        sizes = {r: int(files[r]["size"]) for r in rels}
+        expected = [str(files[r]["crc32"]) for r in rels]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST}: {e}"
+    for r in rels:
+        full = os.path.join(path, r)
+        if not os.path.isfile(full):
+            return f"{r} is missing"
+        if os.path.getsize(full) != sizes[r]:
+            return f"{r} has {os.path.getsize(full)} bytes, the manifest says {sizes[r]}"
+    for r, want, got in zip(rels, expected, _checksums(path, rels)):
+        if want != got:
+            return f"{r} has CRC-32 {got}, the manifest says {want}"
+    return None
+
+
+def _prune(out_dir: str, keep: int, current: int) -> None:
+    """Keep the ``keep`` newest checkpoints with a manifest; drop ``*.tmp`` leftovers of older steps."""
     steps = sorted(complete_checkpoints(out_dir))
     for s in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(out_dir, f"step_{s}"), ignore_errors=True)
+    for name in os.listdir(out_dir):
+        m = _TMP_RE.match(name)
+        if m and int(m.group(1)) < current:
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def _step_folders(out_dir: str) -> list[int]:
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP_RE.match, os.listdir(out_dir))
+                  if m and os.path.isdir(os.path.join(out_dir, m.group(0))))
 
 
 def complete_checkpoints(out_dir: str) -> list[int]:
-    """Steps of the complete checkpoints in ``out_dir`` (``*.tmp`` folders are ignored)."""
-    if not os.path.isdir(out_dir):
-        return []
-    steps = []
-    for name in os.listdir(out_dir):
-        m = _STEP_RE.match(name)
-        if m and os.path.isfile(os.path.join(out_dir, name, "trainer.json")):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    """Steps of the checkpoints in ``out_dir`` that have a manifest (not verified; ``*.tmp`` ignored)."""
+    return [s for s in _step_folders(out_dir) if os.path.isfile(os.path.join(out_dir, f"step_{s}", MANIFEST))]
 
 
 def find_resume(out_dir: str, resume: str) -> Optional[str]:
-    """The checkpoint to resume from: ``none``, ``auto`` (the newest complete one) or a path."""
+    """The checkpoint to resume from: ``none``, ``auto`` (the newest that verifies) or a path.
+
+    ``auto`` verifies ``step_<n>`` folders newest first (:func:`verify_checkpoint`), warns with the
+    path and the reason for each one that fails, and returns the first whole one; None when
+    ``out_dir`` holds no ``step_<n>`` folder at all.
+
+    Raises:
+        ValueError: ``auto`` found checkpoint folders but none verifies, or the given path is not a
+            whole checkpoint.
+    """
     if resume == "none":
         return None
     if resume == "auto":
-        steps = complete_checkpoints(out_dir)
-        return os.path.join(out_dir, f"step_{steps[-1]}") if steps else None
-    if not os.path.isfile(os.path.join(resume, "trainer.json")):
-        raise ValueError(f"{resume!r} is not a complete training checkpoint (no trainer.json)")
+        rejected = []
+        for s in reversed(_step_folders(out_dir)):
+            path = os.path.join(out_dir, f"step_{s}")
+            problem = verify_checkpoint(path)
+            if problem is None:
+                if rejected:
+                    logger.warning("resuming from %s, the newest whole checkpoint", path)
+                return path
+            logger.warning("skipping checkpoint %s: %s", path, problem)
+            rejected.append(f"{path} ({problem})")
+        if rejected:
+            raise ValueError(f"no whole checkpoint to resume from in {out_dir}: " + "; ".join(rejected)
+                             + ". Move them aside or set checkpoint.resume=none to start over")
+        return None
+    problem = verify_checkpoint(resume)
+    if problem is not None:
+        raise ValueError(f"{resume!r} is not a whole training checkpoint: {problem}")
     return resume
 
 
