@@ -159,6 +159,9 @@ class TrainConfig:
         prompts_per_step: prompts per step across all data-parallel ranks.
         micro_batch_size: sequences per forward/backward.
         mini_batches: policy updates per step (1 = one update on the whole batch).
+        max_nonfinite_steps: stop (with a checkpoint, exit code 3) after this many steps in a
+            row whose policy or RM update was skipped for a non-finite loss or gradient norm;
+            0 never stops.
     """
 
     steps: int = 100
@@ -166,6 +169,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     mini_batches: int = 1
     seed: int = 1234
+    max_nonfinite_steps: int = 3
 
 
 @dataclass

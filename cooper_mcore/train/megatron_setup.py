@@ -121,7 +121,9 @@ def train_step(
             ``loss_fn(output) -> (loss, metrics dict)``.
 
     Returns:
-        The per-micro-batch metrics of the last pipeline stage and the gradient norm.
+        The per-micro-batch metrics of the last pipeline stage and the gradient norm, which is
+        NaN when the update was skipped because a micro-batch's ``loss`` metric or the norm was
+        not finite (see :func:`guarded_step`).
     """
     ddp.train()
     ddp.zero_grad_buffer()
@@ -135,6 +137,53 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    ok, grad_norm, _ = optimizer.step()
-    assert ok, "optimizer step failed (found inf/nan with a loss scaler)"
+    loss_finite = all(bool(torch.isfinite(torch.as_tensor(m["loss"])).all())
+                      for m in metrics or [] if isinstance(m, dict) and "loss" in m)
+    _, grad_norm = guarded_step(optimizer, loss_finite)
     return metrics, grad_norm
+
+
+@torch.no_grad()
+def guarded_step(optimizer: MegatronOptimizer, loss_finite: bool = True) -> tuple[bool, float]:
+    """``optimizer.step()`` that skips the update when the loss or the gradient norm is not finite.
+
+    megatron-core checks for inf/NaN only with a loss scaler (fp16); in fp32 and bf16 its
+    ``step()`` clips with a NaN norm (a no-op) and writes NaN into every weight and Adam moment.
+    This does the same work as ``step()`` (prepare the main grads, the global gradient norm,
+    clipping, the inner step; bitwise the same result) but first decides, identically on every
+    rank, whether to update: when ``loss_finite`` is False on any rank (one
+    ``all_reduce`` over the default group: every rank steps the same optimizer) or the norm is
+    not finite, nothing is updated: weights, Adam moments and Adam's step count stay as they were.
+
+    Collective over all ranks.
+
+    Args:
+        optimizer: megatron-core optimizer (chained or not).
+        loss_finite: whether this rank's loss values were finite (ranks without a loss pass True).
+
+    Returns:
+        ``(updated, grad_norm)``; ``grad_norm`` is NaN when the update was skipped.
+    """
+    import math
+
+    import torch.distributed as dist
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from cooper_mcore.parallel import device
+
+    if optimizer.prepare_grads():  # fp16: the loss scaler found inf/NaN (and lowered its scale)
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())
+    bad = torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0], device=device())
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item() > 0:
+        return False, float("nan")
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, opt.config.clip_grad, grad_norm,
+                                         opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm

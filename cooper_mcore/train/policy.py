@@ -13,6 +13,7 @@ mini-batch, and splitting it into 1x8 or 8x1 micro-batches gives the same update
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from cooper_mcore.algo import entropy_from_logits, kl_penalty, policy_loss
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import device
+from cooper_mcore.train.megatron_setup import guarded_step
 
 
 @dataclass
@@ -145,7 +147,9 @@ def policy_update(ddp, optimizer, batch: TokenBatch, micro_batch_size: int, clip
 
     Returns:
         Metrics (means over this rank's response tokens): ``loss``, ``kl``, ``ratio/mean``,
-        ``clip_frac``, ``entropy``, ``grad_norm``.
+        ``clip_frac``, ``entropy``, ``grad_norm``, and ``nonfinite``: 1.0 when the update was
+        skipped because the loss or the gradient norm was not finite (``grad_norm`` is then NaN;
+        see :func:`~cooper_mcore.train.megatron_setup.guarded_step`), else 0.0.
     """
     from megatron.core import parallel_state as ps
 
@@ -188,8 +192,8 @@ def policy_update(ddp, optimizer, batch: TokenBatch, micro_batch_size: int, clip
     results = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(mbs), model=[ddp], num_microbatches=len(mbs),
         seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size, forward_only=False)
-    ok, grad_norm, _ = optimizer.step()
-    assert ok, "optimizer step failed"
+    loss_finite = all(math.isfinite(float(r["loss"])) for r in results or [])
+    updated, grad_norm = guarded_step(optimizer, loss_finite)
     keys = ("loss", "kl", "ratio/mean", "clip_frac", "entropy")
     values = torch.zeros(len(keys), dtype=torch.float64)
     if results:  # the last pipeline stage
@@ -200,6 +204,6 @@ def policy_update(ddp, optimizer, batch: TokenBatch, micro_batch_size: int, clip
     if dist.get_world_size(pp) > 1:  # every stage reports the same metrics
         values = values.to(device())
         dist.broadcast(values, src=dist.get_process_group_ranks(pp)[-1], group=pp)
-    metrics = {"grad_norm": float(grad_norm or 0.0)}
+    metrics = {"grad_norm": grad_norm, "nonfinite": 0.0 if updated else 1.0}
     metrics.update({k: float(v) for k, v in zip(keys, values.tolist())})
     return metrics

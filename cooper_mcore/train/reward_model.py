@@ -31,6 +31,7 @@ over the data-parallel group first).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -429,8 +430,10 @@ def pairwise_train_step(
     Returns:
         Global metrics, the same on every rank: ``loss`` (before the step), ``pair_acc`` (share of
         valid pairs with ``s(chosen) > s(rejected)``), ``num_valid``, ``mean_chosen``,
-        ``mean_rejected``, ``grad_norm`` and ``skipped``. Without valid pairs: ``loss`` 0.0, the
-        others NaN / None, ``num_valid`` 0, ``skipped`` True.
+        ``mean_rejected``, ``grad_norm``, ``skipped`` and ``nonfinite`` (the update was skipped
+        because the loss or the gradient norm was not finite; ``grad_norm`` is then NaN). Without
+        valid pairs: ``loss`` 0.0, the others NaN / None, ``num_valid`` 0, ``skipped`` True,
+        ``nonfinite`` False.
     """
     chosen, rejected = _as_batch(chosen, "chosen"), _as_batch(rejected, "rejected")
     b = len(chosen)
@@ -448,7 +451,7 @@ def pairwise_train_step(
         logger.info("pairwise_train_step: no valid pair on any rank; step skipped")
         nan = float("nan")
         return {"loss": 0.0, "pair_acc": nan, "num_valid": 0, "mean_chosen": nan, "mean_rejected": nan,
-                "grad_norm": None, "skipped": True}
+                "grad_norm": None, "skipped": True, "nonfinite": False}
     index, weight = _fill_rows(b, micro_batch_size, valid)
     mult = _seq_multiple(ddp)
     s = -(-max(chosen.input_ids.shape[1], rejected.input_ids.shape[1]) // mult) * mult
@@ -484,7 +487,7 @@ def pairwise_train_step(
     assert int(n) == n_global, (n, n_global)
     return {"loss": sums["loss"] / n, "pair_acc": sums["correct"] / n, "num_valid": int(n),
             "mean_chosen": sums["chosen"] / n, "mean_rejected": sums["rejected"] / n,
-            "grad_norm": _float(grad_norm), "skipped": False}
+            "grad_norm": _float(grad_norm), "skipped": False, "nonfinite": math.isnan(grad_norm)}
 
 
 def _float(x: Any) -> Optional[float]:
