@@ -73,7 +73,7 @@ def score_rewards(run: Run, groups: list[RolloutGroup]) -> torch.Tensor:
 
 def update_reward_model(run: Run, groups: list[RolloutGroup]) -> dict[str, float]:
     """Cooper's RM step: verified-correct positive vs verified-wrong negative per prompt."""
-    from cooper_mcore.reward.negatives import build_pairs, make_negative_generator, pair_stats
+    from cooper_mcore.reward.negatives import build_pairs, check_negative_failures, make_negative_generator, pair_stats
     from cooper_mcore.train.reward_model import pairwise_train_step
 
     cfg = run.cfg
@@ -83,6 +83,8 @@ def update_reward_model(run: Run, groups: list[RolloutGroup]) -> dict[str, float
                                       seed=cfg.train.seed + run.step)
         pairs = build_pairs(groups, gen)
     pairs = stages.broadcast_in_model_parallel_group(pairs)
+    # assistant requests that failed after retries: masked and counted, or a stop naming the endpoint
+    failed = check_negative_failures(pairs, cfg.rm.on_assistant_failure, cfg.rm.assistant_url)
     valid = torch.tensor([p.valid for p in pairs])
     pad = _pad_id(run.rm_tokenizer)
     max_len = run.rm_arch.max_position_embeddings
@@ -96,7 +98,8 @@ def update_reward_model(run: Run, groups: list[RolloutGroup]) -> dict[str, float
     stats = pair_stats(pairs)
     return {"rm/loss": metrics["loss"], "rm/pair_acc": metrics["pair_acc"], "rm/nonfinite": float(metrics["nonfinite"]),
             "pairs/valid": float(stats["valid"]),
-            "pairs/no_positive": float(stats["no_positive"]), "pairs/no_negative": float(stats["no_negative"])}
+            "pairs/no_positive": float(stats["no_positive"]), "pairs/no_negative": float(stats["no_negative"]),
+            "pairs/assistant_failed": float(failed)}
 
 
 def cooper_step(run: Run, prompts: list[Prompt], timer) -> dict[str, float]:

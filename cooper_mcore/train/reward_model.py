@@ -90,8 +90,8 @@ def load_rm_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     Args:
         path: a cooper_mcore checkpoint (the tokenizer is read from its ``hf_extra/`` folder) or
             an HF model / tokenizer folder.
-
         trust_remote_code: allow the folder's own Python tokenizer code to run (off unless asked).
+
     Raises:
         ValueError: no tokenizer files in the folder.
     """
