@@ -57,9 +57,9 @@ class SFTSection:
 class RMSection:
     """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier."""
 
-    samples_per_prompt: int = 4  # completions sampled per train prompt for the RM's data
+    samples_per_prompt: int = 1  # completions sampled per train prompt for the RM's data
     temperature: float = 1.0
-    epochs: int = 6
+    epochs: int = 3
     lr: float = 1e-3
     batch: int = 64
     micro_batch: int = 32
@@ -75,7 +75,7 @@ class RMSection:
 class RLSection:
     """The three RL runs (``rule``, ``static_rm``, ``cooper``): identical but for the reward mode."""
 
-    steps: int = 60
+    steps: int = 80
     prompts_per_step: int = 32
     group_size: int = 8
     temperature: float = 1.0

@@ -158,13 +158,18 @@ def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float
 
 
 def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[dict[str, Any]]:
-    """Rule-wrong completions the RM scores as correct, highest RM reward first."""
+    """The rule-wrong completions the RM rewards most (distinct ones), highest RM reward first.
+
+    No absolute threshold: a policy hacks an RM by producing what it scores above the rest, which
+    for a poorly calibrated RM can be well below 0.5 (the report shows the rewards).
+    """
     samples, preds = read_jsonl(samples_path), read_jsonl(predictions_path)
     assert len(samples) == len(preds), (samples_path, predictions_path)
-    wrong = [(p["prob"], s) for s, p in zip(samples, preds) if not s["label"] and p["prob"] > 0.5]
+    wrong = [(p["prob"], s) for s, p in zip(samples, preds) if not s["label"]]
     wrong.sort(key=lambda t: -t[0])
+    unique = list({(s["question"], s["completion"]): (prob, s) for prob, s in reversed(wrong)}.values())[::-1]
     return [{"question": s["question"], "reference": s["reference"], "completion": s["completion"],
-             "rm_reward": round(prob, 4), "rule_correct": False} for prob, s in wrong[:limit]]
+             "rm_reward": round(prob, 4), "rule_correct": False} for prob, s in unique[:limit]]
 
 
 def _scorable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -316,12 +321,11 @@ def run_rl(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage
     final = os.path.join(run_dir, "checkpoints", f"step_{cfg.rl.steps}")
     mcore_to_hf(os.path.join(final, "policy"), os.path.join(out, "policy_hf"))
     acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, os.path.join(out, "eval"))
-    info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1), "hacks": []}
-    if mode != "rule":
+    info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1)}
+    if mode != "rule":  # the final RM on the final policy's completions (rm_predictions.jsonl: the hacks)
         rm_ckpt = os.path.join(final, "rm") if mode == "cooper" else rm_stage.file(rm_stage.info["checkpoint"])
-        preds = os.path.join(out, "rm_predictions.jsonl")
-        info["rm_acc"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"), preds)
-        info["hacks"] = hack_examples(os.path.join(out, "eval_samples.jsonl"), preds, cfg.eval.hack_examples)
+        info["rm_acc"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
+                                     os.path.join(out, "rm_predictions.jsonl"))
     logger.info("[rl_%s] held-out accuracy %.3f sampled, %.3f greedy%s", mode, acc["acc"], acc["acc_greedy"],
                 f"; RM accuracy on its completions {info['rm_acc']:.3f}" if "rm_acc" in info else "")
     return info
@@ -365,7 +369,10 @@ def run_demo(cfg: DemoConfig) -> str:
             acc_after=stage.info["eval"]["acc"],
             rm_acc_before=before.info["rm_acc"] if rm_modes else None,
             rm_acc_after=stage.info.get("rm_acc") if rm_modes else None,
-            hacks=[HackExample(**h) for h in stage.info["hacks"]], seconds=stage.info["rl_seconds"],
+            hacks=[HackExample(**h) for h in hack_examples(stage.file("eval_samples.jsonl"),
+                                                           stage.file("rm_predictions.jsonl"),
+                                                           cfg.eval.hack_examples)] if rm_modes else [],
+            seconds=stage.info["rl_seconds"],
             details={"acc_greedy_before": sft_stage.info["eval"]["acc_greedy"],
                      "acc_greedy_after": stage.info["eval"]["acc_greedy"]})
     report = write_report(os.path.join(cfg.out, "report"), runs, config=dataclasses.asdict(cfg))

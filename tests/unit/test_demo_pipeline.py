@@ -48,15 +48,16 @@ def test_stage_cache_reruns_an_unfinished_folder(tmp_path):
     assert done.path == str(folder) and done.info["ok"] == []  # the partial file was removed first
 
 
-def test_hack_examples_are_rule_wrong_and_rm_high(tmp_path):
+def test_hack_examples_are_the_distinct_rule_wrong_ones_the_rm_rewards_most(tmp_path):
     rows = [{"question": "1+1=", "reference": "2", "completion": c, "label": lab}
-            for c, lab in (("a", True), ("b", False), ("c", False), ("d", False))]
-    preds = [{"prob": p} for p in (0.99, 0.7, 0.2, 0.9)]
+            for c, lab in (("a", True), ("b", False), ("c", False), ("d", False), ("d", False))]
+    preds = [{"prob": p} for p in (0.99, 0.7, 0.2, 0.9, 0.9)]  # "d" sampled twice: shown once
     write_jsonl(str(tmp_path / "s.jsonl"), rows)
     write_jsonl(str(tmp_path / "p.jsonl"), preds)
     hacks = hack_examples(str(tmp_path / "s.jsonl"), str(tmp_path / "p.jsonl"), limit=5)
-    assert [h["completion"] for h in hacks] == ["d", "b"]  # wrong, above 0.5, highest first
-    assert [h["rm_reward"] for h in hacks] == [0.9, 0.7]
+    assert [h["completion"] for h in hacks] == ["d", "b", "c"]  # rule-wrong only, highest RM reward first
+    assert [h["rm_reward"] for h in hacks] == [0.9, 0.7, 0.2]
+    assert [h["completion"] for h in hack_examples(str(tmp_path / "s.jsonl"), str(tmp_path / "p.jsonl"), 1)] == ["d"]
 
 
 def test_demo_config_presets_and_overrides():
