@@ -262,6 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_known_warnings() -> None:
+    """Hide warnings that megatron-core 0.16 and torch raise on every run and a user cannot act on
+    (deprecated collectives inside megatron, its optimizer probing ``.grad`` of non-leaf tensors);
+    ``--verbose`` shows them."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)")
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -270,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.verbose:
         logging.getLogger("megatron").setLevel(logging.WARNING)
+        _quiet_known_warnings()
     from cooper_mcore.redaction import install_log_filter
 
     install_log_filter()  # no API key from the environment in any log line
