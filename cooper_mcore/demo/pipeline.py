@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from cooper_mcore.demo.config import DemoConfig
 
@@ -381,7 +381,7 @@ def run_demo(cfg: DemoConfig) -> str:
     return report
 
 
-def describe(cfg: DemoConfig) -> Optional[str]:
+def describe(cfg: DemoConfig) -> str:
     """One line naming the demo's size, for the start of the log."""
     r = cfg.rl
     return (f"demo: {cfg.task.num_steps}-step arithmetic (operands 0-{cfg.task.max_operand}), {cfg.task.n_eval} "
