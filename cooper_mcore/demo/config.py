@@ -75,15 +75,15 @@ class RMSection:
 class RLSection:
     """The three RL runs (``rule``, ``static_rm``, ``cooper``): identical but for the reward mode."""
 
-    steps: int = 80
+    steps: int = 120
     prompts_per_step: int = 32
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 32
-    lr: float = 3e-4
+    lr: float = 1e-4
     kl_coef: float = 0.01
     kl_kind: str = "low_var_kl"
-    rm_lr: float = 1e-4  # the co-trained RM's learning rate (cooper mode)
+    rm_lr: float = 1e-3  # the co-trained RM's learning rate (cooper mode): 10x the policy's, as the paper
     # Cooper's verified-wrong negative: with no assistant LLM offline, a rollout of the same prompt
     # that the rule verifier marked wrong (see the README's demo section for why not "perturb")
     negatives: str = "policy"
@@ -118,7 +118,7 @@ class DemoConfig:
     eval: EvalSection = field(default_factory=EvalSection)
 
 
-# ``--full``: longer RL, more held-out problems, a bigger RM data set
+# ``--full``: longer RL (the static RM's collapse and Cooper's recovery take ~150 steps), more held-out problems
 FULL_PRESET: dict = {
     "out": "runs/demo_full",
     "task": {"n_eval": 640},
