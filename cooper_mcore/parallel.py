@@ -88,7 +88,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
-            create_gloo_process_groups=not cuda,
+            create_gloo_process_groups=False,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     logger.debug(

@@ -67,7 +67,7 @@ def wrap_for_training(
         params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
     _init_adam_states(optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
