@@ -122,7 +122,8 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: i
 def _read_mapped(reader: HFCheckpointReader, m: ParamMapping, dest: torch.Tensor, arch: ArchSpec) -> None:
     """Fill one Megatron parameter from its HF tensors, reading straight into it when the
     layout allows (copies, and the gate/up halves of ``linear_fc1``)."""
-    direct = dest.is_contiguous() and all(reader.dtype(n) == dest.dtype for n in m.hf)
+    # file reads land in host memory: a model built on a GPU is filled through a CPU copy
+    direct = dest.device.type == "cpu" and dest.is_contiguous() and all(reader.dtype(n) == dest.dtype for n in m.hf)
     if direct and m.kind == "copy":
         reader.read_into(m.hf[0], dest)
     elif direct and m.kind == "gate_up":
