@@ -191,6 +191,10 @@ def build_model(
     )
     if not init_weights:
         _mark_tensor_parallel_weights(model)
+    # megatron's torch-norm fallback (no apex/TE) builds its norms on the default device, as do
+    # other modules that ignore use_cpu_initialization: put every tensor on this rank's device,
+    # as megatron's own get_model() does with model.cuda()
+    model.to(_init_device())
     # Exact HF rotary frequencies (megatron hard-codes llama3 scaling's other parameters).
     inv = rope_inv_freq(arch.rope, arch.head_dim).to(model.rotary_pos_emb.inv_freq.device)
     model.rotary_pos_emb.inv_freq = inv
