@@ -53,9 +53,13 @@ def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits:
     import sentencepiece as spm
 
     model = io.BytesIO()
+    # sentencepiece < 0.2.3 aborts the process (a CHECK, not an exception) when a required
+    # character never occurs in the corpus: give the missing ones one line of their own.
+    seen = set().union(*map(set, texts)) if texts else set()
+    missing = "".join(sorted(set(required) - seen))
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts),
+            sentence_iterator=iter([*texts, missing] if missing else texts),
             model_writer=model,
             model_type=model_type,
             vocab_size=vocab_size,
