@@ -72,9 +72,12 @@ class PreferencePair:
         prompt: the problem.
         chosen: a completion the rule verifier marked correct.
         rejected: a completion verified wrong (assistant-written or other); None if none.
-        source: where ``rejected`` came from ("assistant", "policy", "perturb", "random").
+        source: where ``rejected`` came from ("assistant", "policy", "perturb", "rewrite", "random").
         failed: no ``rejected`` because its generator failed (the assistant endpoint did not
             answer after its retries), as opposed to none being found.
+        chosen_index: the rollout (column in its group) ``chosen`` is, if any.
+        rejected_index: the rollout ``rejected`` is when it is one of the policy's own rollouts;
+            None for written negatives (assistant, rewrite, perturb) and other prompts' rollouts.
     """
 
     prompt: Prompt
@@ -82,6 +85,8 @@ class PreferencePair:
     rejected: Optional[str]
     source: str = ""
     failed: bool = False
+    chosen_index: Optional[int] = None
+    rejected_index: Optional[int] = None
 
     @property
     def valid(self) -> bool:

@@ -1,7 +1,9 @@
 """Pure tensor math of a Cooper step (torch only): GRPO advantages, the PPO policy loss, KL penalty,
-aggregation, entropy, reward-model losses and positive selection for preference pairs."""
+aggregation, entropy, the policy's reward from RM logits, reward-model losses and preference-pair
+selection."""
 
 from cooper_mcore.algo.advantages import broadcast_to_tokens, group_advantages
+from cooper_mcore.algo.batching import MicroBatchPlan, plan_micro_batches
 from cooper_mcore.algo.losses import (
     aggregate,
     entropy_from_logits,
@@ -9,13 +11,24 @@ from cooper_mcore.algo.losses import (
     masked_mean,
     masked_sum,
     policy_loss,
-    reward_from_logits,
     rm_bce_loss,
+    rm_pair_losses,
     rm_pairwise_loss,
 )
-from cooper_mcore.algo.pairs import first_positive_index, gather_by_group
+from cooper_mcore.algo.pairs import (
+    PairSelection,
+    first_positive_index,
+    gather_by_group,
+    select_negatives,
+    select_pairs,
+    select_positives,
+    verdict_codes,
+)
+from cooper_mcore.algo.rewards import reward_from_logits, round_to_bf16
 
 __all__ = [
+    "MicroBatchPlan",
+    "PairSelection",
     "aggregate",
     "broadcast_to_tokens",
     "entropy_from_logits",
@@ -25,8 +38,15 @@ __all__ = [
     "kl_penalty",
     "masked_mean",
     "masked_sum",
+    "plan_micro_batches",
     "policy_loss",
     "reward_from_logits",
     "rm_bce_loss",
+    "rm_pair_losses",
     "rm_pairwise_loss",
+    "round_to_bf16",
+    "select_negatives",
+    "select_pairs",
+    "select_positives",
+    "verdict_codes",
 ]

@@ -1,6 +1,6 @@
 """Per-token losses of a Cooper step: the PPO clipped policy surrogate, the KL penalty to the frozen
 reference policy, masked aggregation, entropy, and the reward-model losses (Cooper's pairwise loss and
-the VerifyRM binary cross-entropy).
+the VerifyRM binary cross-entropy), with the optional calibration anchor of the pairwise loss.
 
 Conventions: token tensors are ``[b, t]`` (sequences x positions) with a response mask of the same
 shape (bool or 0/1 numbers; nonzero = response token). Per-token losses are 0 wherever the mask is 0,
@@ -13,9 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cooper_mcore.algo.rewards import reward_from_logits
+
 __all__ = [
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
+    "PAIR_LOSS_EPS",
     "aggregate",
     "entropy_from_logits",
     "kl_penalty",
@@ -24,6 +27,7 @@ __all__ = [
     "policy_loss",
     "reward_from_logits",
     "rm_bce_loss",
+    "rm_pair_losses",
     "rm_pairwise_loss",
 ]
 
@@ -34,6 +38,9 @@ LOG_RATIO_CLAMP = 20.0
 KL_CLAMP = 10.0
 KL_ESTIMATORS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
+#: the pairwise loss is ``sum over valid pairs / (number of valid pairs + PAIR_LOSS_EPS)`` (the reference's).
+PAIR_LOSS_EPS = 1e-6
+BCE_REDUCTIONS = ("mean", "sum", "none")
 
 
 def _check_same_shape(**tensors: Tensor) -> None:
@@ -264,63 +271,134 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(p * log_p.masked_fill(torch.isneginf(z), 0.0)).sum(dim=-1)
 
 
-def rm_pairwise_loss(s_pos: Tensor, s_neg: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """Cooper's reward-model loss: Bradley-Terry ``-logsigmoid(s_pos - s_neg)`` averaged over valid pairs.
+def rm_pair_losses(
+    s_pos: Tensor, s_neg: Tensor, valid: Tensor, anchor_weight: float = 0.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-pair reward-model loss: Cooper's Bradley-Terry term plus an optional calibration anchor.
 
-    ``loss = sum_valid(-logsigmoid(s_pos - s_neg)) / (num_valid + 1e-6)``. With no valid pair the loss is
-    exactly 0 with zero gradient (invalid pairs never contribute, even if their scores are NaN).
+    ``loss_i = -logsigmoid(s_pos_i - s_neg_i) + anchor_weight * (BCE(s_pos_i, 1) + BCE(s_neg_i, 0)) / 2``
+    with ``BCE(s, 1) = -logsigmoid(s)`` and ``BCE(s, 0) = -logsigmoid(-s)``. The pairwise term is
+    invariant to a shift of all scores, so on its own it lets the scores drift (the ranking improves
+    while ``sigmoid(s) > 0.5`` stops meaning "correct"); the anchor is the mean BCE of the pair's two
+    rows against their own labels (chosen 1, rejected 0) and pins the scores to the 0.5 threshold.
+    ``anchor_weight=0`` is the paper's loss.
+
+    Invalid pairs give exactly 0 with zero gradient (their scores are replaced before any arithmetic,
+    so NaN there cannot leak). The trainer sums this over the valid pairs of all micro-batches and
+    ranks and divides by their number (:func:`rm_pairwise_loss` does that for one batch).
+
+    Args:
+        s_pos: ``[n]`` raw RM logits of the chosen responses.
+        s_neg: ``[n]`` raw RM logits of the rejected responses.
+        valid: ``[n]`` bool (or 0/1) pair mask.
+        anchor_weight: weight of the BCE anchor, >= 0.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` ``[n]``; ``stats`` (detached sums over valid pairs, so that they add up
+        over micro-batches): ``num_valid``, ``pairwise_sum`` (the Bradley-Terry terms), ``anchor_sum`` (the
+        unweighted anchor terms, computed whatever the weight), ``correct_sum`` (pairs with
+        ``s_pos > s_neg``), ``threshold_correct_sum`` (rows on the right side of 0: ``s_pos > 0`` and
+        ``s_neg <= 0``, counted per row, 2 per pair at most), ``chosen_sum``, ``rejected_sum``.
+
+    Raises:
+        ValueError: the three are not 1-D of one length, or ``anchor_weight < 0``.
+    """
+    _check_same_shape(s_pos=s_pos, s_neg=s_neg, valid=valid)
+    if s_pos.dim() != 1:
+        raise ValueError(f"s_pos, s_neg and valid must be 1-D [n], got shape {tuple(s_pos.shape)}")
+    if not anchor_weight >= 0.0:
+        raise ValueError(f"anchor_weight must be >= 0, got {anchor_weight}")
+    v = valid.bool()
+    zero = s_pos.new_zeros(())
+    pos = torch.where(v, s_pos, zero)
+    neg = torch.where(v, s_neg, zero)
+    pairwise = -F.logsigmoid(pos - neg)
+    anchor = 0.5 * (-F.logsigmoid(pos) - F.logsigmoid(-neg))
+    loss = pairwise + anchor_weight * anchor if anchor_weight else pairwise
+    loss = torch.where(v, loss, zero)
+    with torch.no_grad():
+        fv = v.to(pairwise.dtype)
+        stats = {
+            "num_valid": fv.sum(),
+            "pairwise_sum": (pairwise.detach() * fv).sum(),
+            "anchor_sum": (anchor.detach() * fv).sum(),
+            "correct_sum": ((pos > neg).to(fv.dtype) * fv).sum(),
+            "threshold_correct_sum": (((pos > 0).to(fv.dtype) + (neg <= 0).to(fv.dtype)) * fv).sum(),
+            "chosen_sum": (pos.detach() * fv).sum(),
+            "rejected_sum": (neg.detach() * fv).sum(),
+        }
+    return loss, stats
+
+
+def rm_pairwise_loss(
+    s_pos: Tensor, s_neg: Tensor, valid: Tensor, anchor_weight: float = 0.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Cooper's reward-model loss averaged over valid pairs, with the optional calibration anchor.
+
+    ``loss = sum_valid(rm_pair_losses(...)) / (num_valid + 1e-6)`` (:data:`PAIR_LOSS_EPS`, the reference's
+    denominator); with ``anchor_weight=0`` that is ``sum_valid(-logsigmoid(s_pos - s_neg)) / (num_valid +
+    1e-6)``. With no valid pair the loss is exactly 0 with zero gradient (invalid pairs never contribute,
+    even if their scores are NaN).
 
     Args:
         s_pos: ``[n]`` raw RM logits of the positive (chosen) responses.
         s_neg: ``[n]`` raw RM logits of the negative (rejected) responses.
         valid: ``[n]`` bool (or 0/1) pair mask.
+        anchor_weight: weight of the BCE anchor (see :func:`rm_pair_losses`); 0 is the paper's loss.
 
     Returns:
-        ``(loss, stats)``: scalar loss; ``stats``: ``pair_acc`` (fraction of valid pairs with
-        ``s_pos > s_neg``, 0 with none), ``num_valid``, ``margin_mean`` (mean ``s_pos - s_neg`` over valid
-        pairs).
+        ``(loss, stats)``: scalar loss; ``stats`` (over valid pairs; 0 with none): ``pair_acc`` (fraction
+        with ``s_pos > s_neg``), ``num_valid``, ``margin_mean`` (mean ``s_pos - s_neg``), ``pairwise`` and
+        ``anchor`` (means of the two terms, the anchor unweighted), ``threshold_acc`` (fraction of the
+        ``2 * num_valid`` rows classified right by ``logit > 0``), ``mean_chosen``, ``mean_rejected``.
 
     Raises:
-        ValueError: the three are not 1-D of one length.
+        ValueError: the three are not 1-D of one length, or ``anchor_weight < 0``.
     """
-    _check_same_shape(s_pos=s_pos, s_neg=s_neg, valid=valid)
-    if s_pos.dim() != 1:
-        raise ValueError(f"s_pos, s_neg and valid must be 1-D [n], got shape {tuple(s_pos.shape)}")
-    v = valid.bool()
-    # Invalid pairs are zeroed before logsigmoid, so NaN scores there cannot reach the gradient.
-    margin = torch.where(v, s_pos - s_neg, s_pos.new_zeros(()))
-    num_valid = v.sum()
-    loss = masked_sum(-F.logsigmoid(margin), v) / (num_valid.to(margin.dtype) + 1e-6)
+    loss, sums = rm_pair_losses(s_pos, s_neg, valid, anchor_weight)
+    n = sums["num_valid"]
+    total = loss.sum() / (n.to(loss.dtype) + PAIR_LOSS_EPS)
     with torch.no_grad():
+        d = n.clamp(min=1.0)
         stats = {
-            "pair_acc": masked_mean((margin > 0).float(), v),
-            "num_valid": num_valid.float(),
-            "margin_mean": masked_mean(margin.detach().float(), v),
+            "pair_acc": (sums["correct_sum"] / d).float(),
+            "num_valid": n.float(),
+            "margin_mean": ((sums["chosen_sum"] - sums["rejected_sum"]) / d).float(),
+            "pairwise": (sums["pairwise_sum"] / d).float(),
+            "anchor": (sums["anchor_sum"] / d).float(),
+            "threshold_acc": (sums["threshold_correct_sum"] / (2 * d)).float(),
+            "mean_chosen": (sums["chosen_sum"] / d).float(),
+            "mean_rejected": (sums["rejected_sum"] / d).float(),
         }
-    return loss, stats
+    return total, stats
 
 
-def rm_bce_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """VerifyRM loss: mean binary cross-entropy with logits against 0/1 correctness labels.
+def rm_bce_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """VerifyRM loss: binary cross-entropy with logits against 0/1 correctness labels.
 
     Args:
         logits: ``[n]`` (any shape) raw RM logits.
         labels: same shape, 0/1 labels (bool, int or float; soft labels are accepted by the loss).
+        reduction: "mean" (default; 0 with grad for an empty batch), "sum" (for micro-batches whose sums
+            the trainer divides by a global count) or "none" (per-row, same shape as ``logits``).
 
     Returns:
-        ``(loss, stats)``: scalar mean BCE (0 with grad for an empty batch); ``stats``: ``acc`` (fraction
-        with ``(sigmoid(logit) > 0.5) == (label >= 0.5)``, i.e. logit > 0 predicts 1), ``pos_frac``
-        (fraction of labels that are 1).
+        ``(loss, stats)``: the loss reduced as asked; ``stats``: ``acc`` (fraction with
+        ``(sigmoid(logit) > 0.5) == (label >= 0.5)``, i.e. logit > 0 predicts 1), ``pos_frac`` (fraction of
+        labels that are 1); both 0 for an empty batch.
 
     Raises:
-        ValueError: ``logits`` and ``labels`` differ in shape.
+        ValueError: ``logits`` and ``labels`` differ in shape, or an unknown ``reduction``.
     """
     _check_same_shape(logits=logits, labels=labels)
+    if reduction not in BCE_REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; expected one of {BCE_REDUCTIONS}")
     if logits.numel() == 0:
         zero = logits.sum() * 0.0
-        return zero, {"acc": zero.detach().float(), "pos_frac": zero.detach().float()}
+        loss = logits * 0.0 if reduction == "none" else zero
+        return loss, {"acc": zero.detach().float(), "pos_frac": zero.detach().float()}
     target = labels.to(logits.dtype)
-    loss = F.binary_cross_entropy_with_logits(logits, target)
+    loss = F.binary_cross_entropy_with_logits(logits, target, reduction=reduction)
     with torch.no_grad():
         pos = labels.float() >= 0.5
         stats = {
@@ -328,15 +406,3 @@ def rm_bce_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tenso
             "pos_frac": pos.float().mean(),
         }
     return loss, stats
-
-
-def reward_from_logits(logits: Tensor) -> Tensor:
-    """Policy reward from the reward model: ``sigmoid(logit)`` in float32 (float64 kept), in ``(0, 1)``.
-
-    Args:
-        logits: ``[...]`` raw RM logits.
-
-    Returns:
-        ``[...]`` rewards.
-    """
-    return torch.sigmoid(logits if logits.dtype == torch.float64 else logits.float())

@@ -11,7 +11,12 @@ The reward model (VerifyRM, Cooper paper) reads::
     <reference_answer>{ref}</reference_answer>
     <completion>{c}</completion>
 
-where a completion longer than 1500 characters is cut to its first 500 and last 1000 characters.
+As in the reference implementation, a completion *and a reference answer* longer than 1500
+characters are cut to their first 500 and last 1000 characters (``truncate_reference=False`` cuts
+the completion only). The reference implementation's ``{q}`` is the problem as the policy is asked
+it: the dataset question passed through the format template, instruction suffix included, without
+the chat template; :func:`rm_input` writes that when given the policy's template
+(``question_template``, see :func:`rm_question`), and the bare question without it.
 """
 
 from __future__ import annotations
@@ -119,9 +124,10 @@ def template_prompts(
 def truncate_completion(
     completion: str, max_chars: int = RM_MAX_CHARS, head: int = RM_HEAD_CHARS, tail: int = RM_TAIL_CHARS
 ) -> str:
-    """A completion longer than ``max_chars`` cut to its first ``head`` + last ``tail`` characters.
+    """A text longer than ``max_chars`` cut to its first ``head`` + last ``tail`` characters.
 
-    Completions of at most ``max_chars`` characters are returned unchanged.
+    Texts of at most ``max_chars`` characters are returned unchanged. Used for the completion and the
+    reference answer of the reward model's input (and the judge's).
     """
     assert head + tail <= max_chars, (head, tail, max_chars)
     if len(completion) <= max_chars:
@@ -129,18 +135,54 @@ def truncate_completion(
     return completion[:head] + completion[len(completion) - tail:]
 
 
-def rm_input(question: str, reference: str, completion: str, truncate: bool = True) -> str:
+def rm_question(question: str, template: Optional[str] = None) -> str:
+    """The ``<question>`` of the reward model's input.
+
+    Args:
+        question: the dataset's problem statement.
+        template: the policy's format template (``data.template``, e.g. ``"{question}\nPlease reason step
+            by step, and put your final answer within \\boxed{}."``): the question as the policy is asked
+            it, instruction included, without the chat template (the reference implementation's). None:
+            the bare question.
+
+    Raises:
+        ValueError: the template lacks ``{question}``.
+    """
+    if template is None:
+        return question
+    return apply_prompt_template(question, template)
+
+
+def rm_input(
+    question: str,
+    reference: str,
+    completion: str,
+    truncate: bool = True,
+    *,
+    question_template: Optional[str] = None,
+    truncate_reference: bool = True,
+) -> str:
     """The reward model's input text (VerifyRM format, see the module docstring).
 
     Args:
         question: the problem statement.
         reference: the reference answer.
         completion: the policy's completion to score.
-        truncate: apply the paper's truncation (first 500 + last 1000 characters of a completion
-            longer than 1500 characters).
+        truncate: apply the paper's truncation (first 500 + last 1000 characters of a text longer than
+            1500 characters) to the completion and, with ``truncate_reference``, to the reference.
+        question_template: pass ``question`` through this format template first (see :func:`rm_question`);
+            None keeps it as given.
+        truncate_reference: with ``truncate``, cut the reference answer too, as the reference
+            implementation does; False cuts the completion only (cooper_mcore's earlier behaviour).
+
+    Raises:
+        ValueError: ``question_template`` lacks ``{question}``.
     """
+    question = rm_question(question, question_template)
     if truncate:
         completion = truncate_completion(completion)
+        if truncate_reference:
+            reference = truncate_completion(reference)
     # Plain concatenation, not str.format: the texts may contain braces.
     return (
         "<question>" + question + "</question>\n<reference_answer>" + reference

@@ -1,18 +1,23 @@
 """Negatives for the reward model's contrastive update, and the preference pairs built from them.
 
-Per prompt, the chosen side is the first rollout the rule verifier marked correct; the rejected
-side is a verified-wrong solution from a :class:`NegativeGenerator`:
+Per prompt, the chosen side is a rollout the rule verifier marked correct (the first one by
+default, as the reference implementation; see :func:`build_pairs` for the other picks); the
+rejected side is a verified-wrong solution from a :class:`NegativeGenerator`:
 
 * :class:`LLMAssistant` (Cooper's method): an instruct model behind an OpenAI-compatible API
-  rewrites the correct solution into a wrong but convincing one; a rewrite is kept only if the
-  rule verifier says its answer is *not* equivalent to the gold answer.
-* CPU alternatives for runs without an assistant LLM: :class:`PolicyWrongNegatives` (a rollout of
-  the same prompt the verifier marked wrong), :class:`AnswerPerturbation` (the positive with its
-  final answer changed to a nearby wrong number) and :class:`RandomOtherResponse` (the paper's
+  rewrites the correct solution into a wrong but convincing one, asked up to 3 times; a rewrite is
+  kept only if the rule verifier says it is *not* equivalent to the gold answer.
+* CPU alternatives for runs without an assistant LLM: :class:`PolicyWrongNegatives` (rollouts of
+  the same prompt the verifier marked wrong, the hardest or a random one),
+  :class:`~cooper_mcore.reward.rewrites.ChainRewrite` (an offline assistant-like rewrite of an
+  arithmetic chain), :class:`~cooper_mcore.reward.rewrites.AnswerPerturbation` (the positive with
+  its final answer changed to a nearby wrong number) and :class:`RandomOtherResponse` (the paper's
   ablation: a response to another prompt).
 
-:func:`build_pairs` keeps one pair per prompt; pairs without a positive or without a negative are
-kept but masked (``valid`` is False) so that callers can count them.
+:func:`build_pairs` selects the positives (and the policy's own negatives) with
+:mod:`cooper_mcore.algo.pairs` and makes ``pairs_per_prompt`` slots per prompt; slots without a
+positive or without a negative are kept but masked (``valid`` is False) so that callers can count
+them.
 """
 
 from __future__ import annotations
@@ -20,78 +25,99 @@ from __future__ import annotations
 import logging
 import random
 import re
+from collections import Counter
 from collections.abc import Sequence
-from decimal import Decimal, InvalidOperation
-from typing import Optional, Protocol, runtime_checkable
+from typing import Literal, Optional
 
+import torch
+
+from cooper_mcore.algo.pairs import (
+    NEGATIVE_PICKS,
+    POSITIVE_PICKS,
+    NegativePick,
+    PositivePick,
+    first_positive_index,
+    select_negatives,
+    select_positives,
+    verdict_codes,
+)
+from cooper_mcore.reward.protocols import (
+    BatchVerifier,
+    ChatBatchClient,
+    GroupAware,
+    NegativeGenerator,
+    RolloutNegatives,
+    VerdictLike,
+)
+from cooper_mcore.reward.rewrites import (
+    REWRITE_KINDS,
+    AnswerPerturbation,
+    ChainRewrite,
+    final_answer_span,
+    number_variants,
+)
 from cooper_mcore.types import PreferencePair, Prompt, RolloutGroup
 
+__all__ = [
+    "ASSISTANT_PROMPTS",
+    "NEGATIVE_KINDS",
+    "AnswerPerturbation",
+    "AssistantUnavailable",
+    "BatchVerifier",
+    "ChainRewrite",
+    "ChatBatchClient",
+    "GroupAware",
+    "LLMAssistant",
+    "NegativeGenerator",
+    "PolicyWrongNegatives",
+    "RandomOtherResponse",
+    "RolloutNegatives",
+    "VerdictLike",
+    "build_pairs",
+    "check_negative_failures",
+    "clean_assistant_output",
+    "final_answer_span",
+    "first_correct",
+    "group_verdicts",
+    "make_negative_generator",
+    "number_variants",
+    "pair_stats",
+    "rewrite_messages",
+    "rollout_scores",
+]
+
 logger = logging.getLogger(__name__)
-
-
-class VerdictLike(Protocol):
-    """What a verifier returns per item: ``correct`` is True, False or None (unverifiable)."""
-
-    @property
-    def correct(self) -> Optional[bool]: ...
-
-
-class BatchVerifier(Protocol):
-    """The part of ``cooper_mcore.reward.verifier.RuleVerifier`` used here."""
-
-    def verify_batch(self, golds: Sequence[str], preds: Sequence[str]) -> Sequence[VerdictLike]:
-        """One verdict per (gold answer, full completion text), gold first."""
-        ...
-
-
-class ChatBatchClient(Protocol):
-    """The part of :class:`cooper_mcore.reward.openai_client.OpenAIChatClient` used here."""
-
-    def chat_batch(self, batch: Sequence[Sequence[dict[str, str]]], temperature: float = 0.7,
-                   max_tokens: int | Sequence[int] = 512) -> list[Optional[str]]:
-        """Contents in order; None for requests that failed after retries."""
-        ...
-
-
-class NegativeGenerator(Protocol):
-    """Writes a verified-wrong negative for each (prompt, correct positive completion).
-
-    Attributes:
-        source: the :attr:`PreferencePair.source` tag of its negatives.
-    """
-
-    source: str
-
-    def generate(self, items: list[tuple[Prompt, str]]) -> list[Optional[str]]:
-        """One negative per item, in order; None where none could be made."""
-        ...
-
-
-@runtime_checkable
-class GroupAware(Protocol):
-    """A generator that draws from the step's rollouts; :func:`build_pairs` hands them over first."""
-
-    def set_groups(self, groups: Sequence[RolloutGroup]) -> None: ...
-
-
-def _is_wrong(outcome: VerdictLike) -> bool:
-    return outcome.correct is False
-
-
-def _new_stats(*keys: str) -> dict[str, int]:
-    return dict.fromkeys(("requested", "accepted", *keys), 0)
 
 
 # ----------------------------------------------------------------------------------------------
 # Assistant LLM
 
 
+AssistantPrompt = Literal["reference", "with_gold"]
+ASSISTANT_PROMPTS: tuple[str, ...] = ("reference", "with_gold")
+
 REWRITE_SYSTEM_PROMPT = (
     "You write realistic flawed solutions to math problems. They are used to train a grader that must learn to "
     "tell correct solutions from convincing wrong ones, so the flaws must be hard to spot."
 )
 
-REWRITE_USER_TEMPLATE = """Below are a math problem and a correct solution to it. Rewrite the solution into one \
+#: the reference implementation's request: the problem and the correct response, no gold answer.
+REFERENCE_USER_TEMPLATE = """Below are a math problem and a correct response to it. Write a completely incorrect \
+but misleading response to the same problem:
+- use flawed reasoning that leads to a wrong final result;
+- keep a similar length, structure and level of detail as the correct response;
+- make every claim look plausible and state it confidently; never hint that anything is wrong;
+- end with the final answer in the same format as the correct response (for example \\boxed{{...}}).
+Output only the incorrect response and its final answer, with no preamble.
+
+Problem:
+{question}
+
+Correct response:
+{solution}"""
+
+#: a variant that also states the gold answer, which the rewrite must avoid.
+WITH_GOLD_USER_TEMPLATE = """Below are a math problem and a correct solution to it. Rewrite the solution into one \
 that is completely wrong but convincing:
 - introduce flawed reasoning (for example a subtle arithmetic slip, a misapplied formula, a wrong case analysis or an \
 unjustified step) that leads to a different, incorrect final result; the correct final answer is {answer}, so your \
@@ -107,18 +133,35 @@ Problem:
 Correct solution:
 {solution}"""
 
+#: kept for callers of the earlier name
+REWRITE_USER_TEMPLATE = WITH_GOLD_USER_TEMPLATE
+
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
 
 
-def rewrite_messages(question: str, solution: str, answer: str) -> list[dict[str, str]]:
+def rewrite_messages(question: str, solution: str, answer: Optional[str] = None,
+                     prompt: AssistantPrompt = "reference") -> list[dict[str, str]]:
     """The chat that asks the assistant for a wrong-but-convincing rewrite of ``solution``.
 
     Args:
         question: the problem statement.
         solution: a correct solution (the positive).
-        answer: the gold answer, which the rewrite must not reach.
+        answer: the gold answer; stated in the request only with ``prompt="with_gold"``.
+        prompt: "reference" (the reference implementation's request: problem and correct response, no
+            gold answer) or "with_gold" (also tells the assistant the answer to avoid).
+
+    Raises:
+        ValueError: unknown ``prompt``, or "with_gold" without ``answer``.
     """
-    user = REWRITE_USER_TEMPLATE.format(question=question.strip(), solution=solution.strip(), answer=answer.strip())
+    if prompt == "reference":
+        user = REFERENCE_USER_TEMPLATE.format(question=question.strip(), solution=solution.strip())
+    elif prompt == "with_gold":
+        if answer is None:
+            raise ValueError("rewrite prompt 'with_gold' needs the gold answer")
+        user = WITH_GOLD_USER_TEMPLATE.format(question=question.strip(), solution=solution.strip(),
+                                              answer=answer.strip())
+    else:
+        raise ValueError(f"unknown assistant prompt {prompt!r}; expected one of {ASSISTANT_PROMPTS}")
     return [{"role": "system", "content": REWRITE_SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
@@ -131,40 +174,48 @@ class LLMAssistant:
     """Assistant-written negatives (Cooper): an instruct LLM rewrites the positive into a wrong one.
 
     Each request asks for ``len(positive.split()) + extra_tokens`` tokens at ``temperature``; a
-    rewrite is kept only when ``verifier.verify_batch([gold], [rewrite])`` says
-    ``correct is False``. Verdicts True and None (unverifiable) reject it.
+    rewrite is kept only when ``verifier.verify_batch([gold], [rewrite])`` (gold first) says
+    ``correct is False``. Verdicts True and None (unverifiable) and empty answers reject it, and the
+    item is asked again in the next round, up to ``rounds`` requests per item (the reference
+    implementation asks up to 3 times). A request that failed after the client's own retries
+    (transport errors, 5xx) is not asked again: the item is marked failed (:attr:`last_failed`).
 
     Args:
         client: an OpenAI-compatible chat client (retries and concurrency are its business).
         verifier: the rule verifier.
         temperature: sampling temperature of the assistant.
         extra_tokens: tokens allowed beyond the positive's word count.
-        rounds: how many times an item whose rewrite was rejected or failed is asked again
-            (1 = once, as in the paper).
+        rounds: requests per item at most, >= 1.
+        prompt: "reference" (default, no gold answer in the request) or "with_gold"
+            (see :func:`rewrite_messages`).
 
     Attributes:
-        stats: cumulative counters: requested, accepted, rejected_correct, rejected_unverifiable,
-            failed_requests, empty.
+        stats: cumulative counters: requested (items), accepted, rejected_correct,
+            rejected_unverifiable, failed_requests, empty, reasked (requests after an item's first).
         last_failed: per item of the last :meth:`generate` call, whether it got no negative
-            because its (last) request failed after the client's retries.
+            because its last request failed after the client's retries.
     """
 
     source = "assistant"
 
     def __init__(self, client: ChatBatchClient, verifier: BatchVerifier, temperature: float = 0.7,
-                 extra_tokens: int = 500, rounds: int = 1):
+                 extra_tokens: int = 500, rounds: int = 3, prompt: AssistantPrompt = "reference"):
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if extra_tokens < 1:
             raise ValueError(f"extra_tokens must be >= 1, got {extra_tokens}")
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
+        if prompt not in ASSISTANT_PROMPTS:
+            raise ValueError(f"unknown assistant prompt {prompt!r}; expected one of {ASSISTANT_PROMPTS}")
         self.client = client
         self.verifier = verifier
         self.temperature = float(temperature)
         self.extra_tokens = int(extra_tokens)
         self.rounds = int(rounds)
-        self.stats = _new_stats("rejected_correct", "rejected_unverifiable", "failed_requests", "empty")
+        self.prompt: AssistantPrompt = prompt
+        self.stats = dict.fromkeys(("requested", "accepted", "rejected_correct", "rejected_unverifiable",
+                                    "failed_requests", "empty", "reasked"), 0)
         self.last_failed: list[bool] = []
 
     def max_tokens_for(self, positive: str) -> int:
@@ -181,10 +232,13 @@ class LLMAssistant:
         out: list[Optional[str]] = [None] * len(items)
         request_failed = [False] * len(items)
         pending = list(range(len(items)))
-        for _ in range(self.rounds):
+        for round_ in range(self.rounds):
             if not pending:
                 break
-            chats = [rewrite_messages(items[i][0].question, items[i][1], items[i][0].answer) for i in pending]
+            if round_:
+                self.stats["reasked"] += len(pending)
+            chats = [rewrite_messages(items[i][0].question, items[i][1], items[i][0].answer, self.prompt)
+                     for i in pending]
             limits = [self.max_tokens_for(items[i][1]) for i in pending]
             texts = self.client.chat_batch(chats, temperature=self.temperature, max_tokens=limits)
             assert len(texts) == len(pending), f"client returned {len(texts)} answers for {len(pending)} chats"
@@ -212,25 +266,50 @@ class LLMAssistant:
                         self.stats["rejected_correct"] += 1
                     else:
                         self.stats["rejected_unverifiable"] += 1
-            pending = [i for i in pending if out[i] is None]
+            pending = [i for i in pending if out[i] is None and not request_failed[i]]
         self.last_failed = [out[i] is None and request_failed[i] for i in range(len(items))]
         logger.debug("assistant negatives: %s", self.stats)
         return out
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU alternatives
+# The step's rollouts
+
+
+def group_verdicts(groups: Sequence[RolloutGroup]) -> torch.Tensor:
+    """Verdict codes ``[P, G]`` (:func:`cooper_mcore.algo.pairs.verdict_codes`) of the groups' samples.
+
+    A sample with blank text counts as unverifiable (it is never a positive nor a negative); ragged
+    groups are padded with unverifiable columns.
+    """
+    return verdict_codes([[s.rule_correct if s.text.strip() else None for s in g.samples] for g in groups])
+
+
+def rollout_scores(groups: Sequence[RolloutGroup]) -> torch.Tensor:
+    """``[P, G]`` float64 of the samples' :attr:`~cooper_mcore.types.Sample.reward`; NaN where unset or padded."""
+    g = max((len(grp.samples) for grp in groups), default=0)
+    out = torch.full((len(groups), g), float("nan"), dtype=torch.float64)
+    for i, grp in enumerate(groups):
+        for j, s in enumerate(grp.samples):
+            if s.reward is not None:
+                out[i, j] = float(s.reward)
+    return out
 
 
 class PolicyWrongNegatives:
-    """A rollout of the same prompt that the rule verifier marked wrong (``rule_correct is False``).
+    """Rollouts of the same prompt that the rule verifier marked wrong (``rule_correct is False``).
 
-    The groups come from :meth:`set_groups` (which :func:`build_pairs` calls each step) or the
-    constructor. Samples with ``rule_correct`` None (unverified) are never used.
+    Which wrong rollouts, by ``negative_pick`` (:func:`cooper_mcore.algo.pairs.select_negatives`):
+    "random" (default), "hardest" (the one the reward model currently scores highest: the exploit
+    the policy is moving towards) or "first". Several pairs of one prompt get distinct negatives.
+    The groups (and the RM scores "hardest" needs) come from :meth:`set_groups`, which
+    :func:`build_pairs` calls each step, or the constructor. Unverified samples (``rule_correct``
+    None) and blank texts are never used.
 
     Args:
         groups: the step's rollout groups, if known now.
-        seed: seed of the choice among several wrong rollouts.
+        seed: seed of the "random" pick.
+        negative_pick: "random", "hardest" or "first".
 
     Attributes:
         stats: cumulative counters: requested, accepted, no_wrong_rollout.
@@ -238,36 +317,78 @@ class PolicyWrongNegatives:
 
     source = "policy"
 
-    def __init__(self, groups: Optional[Sequence[RolloutGroup]] = None, seed: int = 0):
-        self._rng = random.Random(seed)
-        self._wrong: dict[str, list[str]] = {}
-        self.stats = _new_stats("no_wrong_rollout")
+    def __init__(self, groups: Optional[Sequence[RolloutGroup]] = None, seed: int = 0,
+                 negative_pick: NegativePick = "random"):
+        if negative_pick not in NEGATIVE_PICKS:
+            raise ValueError(f"unknown negative_pick {negative_pick!r}; expected one of {NEGATIVE_PICKS}")
+        self.negative_pick: NegativePick = negative_pick
+        self._generator = torch.Generator().manual_seed(seed)
+        self._groups: list[RolloutGroup] = []
+        self._row: dict[str, int] = {}
+        self._verdicts = torch.zeros(0, 0, dtype=torch.int8)
+        self._scores: Optional[torch.Tensor] = None
+        self.stats = dict.fromkeys(("requested", "accepted", "no_wrong_rollout"), 0)
         if groups is not None:
             self.set_groups(groups)
 
-    def set_groups(self, groups: Sequence[RolloutGroup]) -> None:
-        """Use these rollouts from now on (replacing earlier ones)."""
-        wrong: dict[str, list[str]] = {}
-        for g in groups:
-            texts = wrong.setdefault(g.prompt.id, [])
-            texts.extend(s.text for s in g.samples if s.rule_correct is False and s.text.strip())
-        self._wrong = wrong
+    def set_groups(self, groups: Sequence[RolloutGroup], scores: Optional[torch.Tensor] = None) -> None:
+        """Use these rollouts from now on (replacing earlier ones).
+
+        Args:
+            groups: the step's rollout groups.
+            scores: ``[P, G]`` RM scores of their samples (logits or rewards); default: each sample's
+                ``reward`` (needed only by "hardest").
+        """
+        self._groups = list(groups)
+        self._row = {g.prompt.id: i for i, g in enumerate(self._groups)}
+        self._verdicts = group_verdicts(self._groups)
+        self._scores = rollout_scores(self._groups) if scores is None else scores
+
+    def select(self, verdicts: torch.Tensor, scores: Optional[torch.Tensor],
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``k`` distinct wrong rollouts per prompt by ``negative_pick``.
+
+        Args:
+            verdicts: ``[P, G]`` verdict codes.
+            scores: ``[P, G]`` RM scores (for "hardest").
+            k: slots per prompt.
+
+        Returns:
+            ``(index, valid)``, both ``[P, k]`` (see :func:`cooper_mcore.algo.pairs.select_negatives`).
+            The stats count the slots of prompts that have a positive.
+        """
+        index, valid = select_negatives(verdicts, scores, k, self.negative_pick, self._generator)
+        _, has_positive = first_positive_index(verdicts)
+        wanted = valid[has_positive]
+        self.stats["requested"] += wanted.numel()
+        self.stats["accepted"] += int(wanted.sum())
+        self.stats["no_wrong_rollout"] += int((~wanted).sum())
+        return index, valid
 
     def generate(self, items: list[tuple[Prompt, str]]) -> list[Optional[str]]:
-        """A wrong rollout per item, or None if its group has none.
+        """A wrong rollout per item, or None if its group has none left (an item's prompt that appears
+        several times gets distinct rollouts, in pick order).
 
         Raises:
-            ValueError: if an item's prompt is not among the groups given.
+            ValueError: an item's prompt is not among the groups given.
         """
-        self.stats["requested"] += len(items)
-        out: list[Optional[str]] = []
-        for prompt, _positive in items:
-            if prompt.id not in self._wrong:
+        for prompt, _ in items:
+            if prompt.id not in self._row:
                 raise ValueError(f"prompt {prompt.id!r} is not in the rollout groups given to PolicyWrongNegatives "
                                  "(call set_groups with this step's groups)")
-            texts = self._wrong[prompt.id]
-            out.append(self._rng.choice(texts) if texts else None)
-            self.stats["accepted" if texts else "no_wrong_rollout"] += 1
+        self.stats["requested"] += len(items)
+        if not items:
+            return []
+        k = max(Counter(p.id for p, _ in items).values())
+        index, valid = select_negatives(self._verdicts, self._scores, k, self.negative_pick, self._generator)
+        seen: Counter[str] = Counter()
+        out: list[Optional[str]] = []
+        for prompt, _positive in items:
+            row, slot = self._row[prompt.id], seen[prompt.id]
+            seen[prompt.id] += 1
+            ok = bool(valid[row, slot])
+            out.append(self._groups[row].samples[int(index[row, slot])].text if ok else None)
+            self.stats["accepted" if ok else "no_wrong_rollout"] += 1
         return out
 
 
@@ -295,12 +416,13 @@ class RandomOtherResponse:
         self._rng = random.Random(seed)
         self.verifier = verifier
         self._pool: Optional[list[tuple[str, str]]] = None
-        self.stats = _new_stats("no_other_prompt", "rejected_correct", "rejected_unverifiable")
+        self.stats = dict.fromkeys(("requested", "accepted", "no_other_prompt", "rejected_correct",
+                                    "rejected_unverifiable"), 0)
         if groups is not None:
             self.set_groups(groups)
 
-    def set_groups(self, groups: Sequence[RolloutGroup]) -> None:
-        """Draw from these rollouts from now on."""
+    def set_groups(self, groups: Sequence[RolloutGroup], scores: Optional[torch.Tensor] = None) -> None:
+        """Draw from these rollouts from now on (``scores`` is not used)."""
         self._pool = [(g.prompt.id, s.text) for g in groups for s in g.samples if s.text.strip()]
 
     def generate(self, items: list[tuple[Prompt, str]]) -> list[Optional[str]]:
@@ -325,189 +447,24 @@ class RandomOtherResponse:
         return out
 
 
-_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-_LETTER = re.compile(r"^\s*\(?([A-J])\)?\s*$")
-
-
-def _boxed_span(text: str) -> Optional[tuple[int, int]]:
-    """The content span of the last ``\\boxed{...}`` or ``\\fbox{...}`` with balanced braces."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for j in range(start, len(text)):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    return start, j
-    return None
-
-
-def final_answer_span(text: str) -> Optional[tuple[int, int]]:
-    """Where the final answer of a completion sits: ``(start, end)`` character offsets, or None.
-
-    The content of the last ``\\boxed{...}``; else the rest of the line after the last ``####``;
-    else the last number in the text.
-    """
-    span = _boxed_span(text)
-    if span is not None:
-        return span
-    pos = text.rfind("####")
-    if pos >= 0:
-        start = pos + 4
-        end = text.find("\n", start)
-        end = len(text) if end < 0 else end
-        content = text[start:end]
-        lead = len(content) - len(content.lstrip())
-        if content.strip():
-            return start + lead, start + len(content.rstrip())
-    numbers = list(_NUMBER.finditer(text))
-    if numbers:
-        return numbers[-1].span()
-    return None
-
-
-def _format_number(value: Decimal, like: str) -> str:
-    return format(value, ",f" if "," in like else "f")
-
-
-def number_variants(token: str, rng: random.Random, allow_sign_change: bool = True) -> list[str]:
-    """Plausible wrong numbers near ``token`` (a decimal numeral, maybe with sign and thousands commas).
-
-    Off by ±1, ±2 and ±10, doubled, sign-flipped, or with two adjacent digits swapped; shuffled by
-    ``rng``; never ``token``'s own value.
-
-    Args:
-        token: the number as written.
-        rng: source of the shuffle.
-        allow_sign_change: if False, only variants of the same sign (zero excluded), for numbers
-            inside a larger expression such as ``\\frac{3}{4}``.
-    """
-    try:
-        value = Decimal(token.replace(",", ""))
-    except InvalidOperation as e:
-        raise ValueError(f"not a number: {token!r}") from e
-    candidates = [value + d for d in (1, -1, 2, -2, 10, -10)] + [value * 2]
-    if value != 0:
-        candidates.append(-value)
-    digits = token.lstrip("-")
-    swaps = [i for i in range(len(digits) - 1)
-             if digits[i].isdigit() and digits[i + 1].isdigit() and digits[i] != digits[i + 1]
-             and not (i == 0 and digits[1] == "0")]
-    if swaps:
-        i = rng.choice(swaps)
-        swapped = digits[:i] + digits[i + 1] + digits[i] + digits[i + 2:]
-        candidates.append(Decimal(("-" if token.startswith("-") else "") + swapped.replace(",", "")))
-    if not allow_sign_change:
-        candidates = [c for c in candidates if c != 0 and (c < 0) == (value < 0)]
-    seen = {value}
-    out = []
-    for c in candidates:
-        if c not in seen:
-            seen.add(c)
-            out.append(_format_number(c, token))
-    rng.shuffle(out)
-    return out
-
-
-class AnswerPerturbation:
-    """The positive with its final answer changed to a nearby wrong number, verified wrong.
-
-    The final answer is found by :func:`final_answer_span`; the last number inside it is
-    replaced by a variant from :func:`number_variants` (a single choice letter A-J by another
-    letter). When the whole answer is that number, its other stand-alone occurrences on the same
-    line and the line before change too ("9 * 2 = 18.\\n#### 18" becomes "9 * 2 = 19.\\n#### 19"), so
-    that the negative is a slip rather than a contradiction. Up to ``num_candidates`` variants per
-    item go to the verifier in one batch; the first verified wrong is kept.
-
-    Args:
-        verifier: the rule verifier.
-        seed: seed of the choice of variants.
-        num_candidates: variants tried per item.
-
-    Attributes:
-        stats: cumulative counters: requested, accepted, no_answer, rejected (no variant verified
-            wrong).
-    """
-
-    source = "perturb"
-
-    def __init__(self, verifier: BatchVerifier, seed: int = 0, num_candidates: int = 3):
-        if num_candidates < 1:
-            raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
-        self.verifier = verifier
-        self.num_candidates = int(num_candidates)
-        self._rng = random.Random(seed)
-        self.stats = _new_stats("no_answer", "rejected")
-
-    def candidates(self, text: str) -> list[str]:
-        """Up to ``num_candidates`` copies of ``text`` with the final answer changed (unverified)."""
-        span = final_answer_span(text)
-        if span is None:
-            return []
-        start, end = span
-        content = text[start:end]
-        letter = _LETTER.match(content)
-        if letter is not None:
-            old = letter.group(1)
-            choices = [c for c in "ABCDE" if c != old] if old in "ABCDE" else [c for c in "ABCDEFGHIJ" if c != old]
-            self._rng.shuffle(choices)
-            a, b = letter.span(1)
-            return [text[:start] + content[:a] + c + content[b:] + text[end:]
-                    for c in choices[: self.num_candidates]]
-        numbers = list(_NUMBER.finditer(content))
-        if not numbers:
-            return []
-        last = numbers[-1]
-        token = last.group(0)
-        whole = content.strip() == token
-        line_start = text.rfind("\n", 0, start) + 1
-        region_start = text[:line_start].rstrip().rfind("\n") + 1
-        line_end = text.find("\n", end)
-        line_end = len(text) if line_end < 0 else line_end
-        same = re.compile(r"(?<![\d.,])" + re.escape(token) + r"(?![\d]|[.,]\d)")
-        out = []
-        for variant in number_variants(token, self._rng, allow_sign_change=whole)[: self.num_candidates]:
-            new_content = content[: last.start()] + variant + content[last.end():]
-            if whole:
-                before = same.sub(variant, text[region_start:start])
-                after = same.sub(variant, text[end:line_end])
-                out.append(text[:region_start] + before + new_content + after + text[line_end:])
-            else:
-                out.append(text[:start] + new_content + text[end:])
-        return out
-
-    def generate(self, items: list[tuple[Prompt, str]]) -> list[Optional[str]]:
-        """A verified-wrong perturbation of each positive, or None."""
-        self.stats["requested"] += len(items)
-        per_item = [self.candidates(text) for _, text in items]
-        golds = [items[i][0].answer for i, cands in enumerate(per_item) for _ in cands]
-        flat = [c for cands in per_item for c in cands]
-        verdicts = list(self.verifier.verify_batch(golds, flat)) if flat else []
-        assert len(verdicts) == len(flat), "verifier returned the wrong number of verdicts"
-        out: list[Optional[str]] = []
-        k = 0
-        for cands in per_item:
-            chosen = next((c for c, v in zip(cands, verdicts[k:k + len(cands)]) if _is_wrong(v)), None)
-            k += len(cands)
-            out.append(chosen)
-            self.stats["accepted" if chosen is not None else "no_answer" if not cands else "rejected"] += 1
-        return out
-
-
-NEGATIVE_KINDS = ("assistant", "policy", "perturb", "random")
+NEGATIVE_KINDS = ("assistant", "policy", "rewrite", "perturb", "random")
 
 
 def make_negative_generator(kind: str, verifier: BatchVerifier, client: Optional[ChatBatchClient] = None,
-                            seed: int = 0) -> NegativeGenerator:
+                            seed: int = 0, *, negative_pick: NegativePick = "random", assistant_rounds: int = 3,
+                            assistant_prompt: AssistantPrompt = "reference",
+                            rewrite_kinds: Sequence[str] = REWRITE_KINDS) -> NegativeGenerator:
     """The generator for a configuration's ``kind`` (one of :data:`NEGATIVE_KINDS`).
 
     Args:
-        kind: "assistant" (needs ``client``), "policy", "perturb" or "random".
+        kind: "assistant" (needs ``client``), "policy", "rewrite", "perturb" or "random".
         verifier: the rule verifier ("random" uses it to drop draws that happen to be correct).
         client: the assistant's chat client.
         seed: seed of the CPU generators' choices.
+        negative_pick: "policy": which wrong rollouts ("random", "hardest", "first").
+        assistant_rounds: "assistant": requests per item at most (3 as the reference).
+        assistant_prompt: "assistant": "reference" (no gold answer in the request) or "with_gold".
+        rewrite_kinds: "rewrite": the rewrite kinds to use (see :class:`ChainRewrite`).
 
     Raises:
         ValueError: for an unknown kind, or "assistant" without a client.
@@ -515,9 +472,11 @@ def make_negative_generator(kind: str, verifier: BatchVerifier, client: Optional
     if kind == "assistant":
         if client is None:
             raise ValueError("negatives kind 'assistant' needs a chat client (an assistant LLM server URL)")
-        return LLMAssistant(client, verifier)
+        return LLMAssistant(client, verifier, rounds=assistant_rounds, prompt=assistant_prompt)
     if kind == "policy":
-        return PolicyWrongNegatives(seed=seed)
+        return PolicyWrongNegatives(seed=seed, negative_pick=negative_pick)
+    if kind == "rewrite":
+        return ChainRewrite(verifier, seed=seed, kinds=rewrite_kinds)
     if kind == "perturb":
         return AnswerPerturbation(verifier, seed=seed)
     if kind == "random":
@@ -530,40 +489,105 @@ def make_negative_generator(kind: str, verifier: BatchVerifier, client: Optional
 
 
 def first_correct(group: RolloutGroup) -> Optional[str]:
-    """The text of the group's first sample with ``rule_correct is True``, or None."""
-    return next((s.text for s in group.samples if s.rule_correct is True), None)
+    """The text of the group's first sample with ``rule_correct is True`` (and non-blank text), or None."""
+    index, has = first_positive_index(group_verdicts([group]))
+    return group.samples[int(index[0])].text if bool(has[0]) else None
 
 
-def build_pairs(groups: Sequence[RolloutGroup], negatives: NegativeGenerator) -> list[PreferencePair]:
-    """One preference pair per group, in order.
+def build_pairs(
+    groups: Sequence[RolloutGroup],
+    negatives: NegativeGenerator,
+    scores: Optional[torch.Tensor] = None,
+    *,
+    pairs_per_prompt: int = 1,
+    positive_pick: PositivePick = "first",
+    seed: int = 0,
+) -> list[PreferencePair]:
+    """``pairs_per_prompt`` preference-pair slots per group, group by group (slot-minor order).
 
-    The chosen side is the first sample the rule verifier marked correct; the rejected side comes
-    from ``negatives`` (one ``generate`` call for all groups with a positive; a generator with
-    ``set_groups`` receives ``groups`` first). A group without a positive gives
-    ``PreferencePair(prompt, None, None)``; one whose negative could not be made keeps its chosen
-    side with ``rejected`` None. Both are masked (``valid`` is False).
+    Positives are rule-correct rollouts picked by :func:`cooper_mcore.algo.pairs.select_positives`
+    (``positive_pick``: "first" as the reference, "hardest" the lowest-scored, "random"); when a
+    group has fewer positives than slots they repeat. Negatives:
+
+    * a :class:`~cooper_mcore.reward.protocols.RolloutNegatives` generator
+      (:class:`PolicyWrongNegatives`) picks distinct wrong rollouts of the same group per slot
+      (``select``), so a group gets ``min(pairs_per_prompt, #wrong)`` valid pairs;
+    * any other generator writes one negative per slot that has a positive (one ``generate`` call
+      for all of them; the same positive may be rewritten several times).
+
+    A generator with ``set_groups`` receives ``groups`` and the scores first. A slot of a group
+    without a positive is ``PreferencePair(prompt, None, None)``; one whose negative could not be
+    made keeps its chosen side with ``rejected`` None. Both are masked (``valid`` is False).
 
     Args:
         groups: the step's rollout groups (samples already verified).
         negatives: the negative generator.
+        scores: ``[P, G]`` the current RM's scores of the rollouts (logits or rewards: only their order
+            matters), for the "hardest" picks; default: each sample's ``reward`` (NaN where unset).
+        pairs_per_prompt: slots per group, >= 1.
+        positive_pick: "first", "hardest" or "random".
+        seed: seed of the "random" positive pick.
+
+    Raises:
+        ValueError: bad ``pairs_per_prompt``, ``positive_pick`` or ``scores`` shape, a "hardest" pick
+            without finite scores, or a generator that returns the wrong number of negatives.
     """
+    if pairs_per_prompt < 1:
+        raise ValueError(f"pairs_per_prompt must be >= 1, got {pairs_per_prompt}")
+    if positive_pick not in POSITIVE_PICKS:
+        raise ValueError(f"unknown positive_pick {positive_pick!r}; expected one of {POSITIVE_PICKS}")
+    k = pairs_per_prompt
+    verdicts = group_verdicts(groups)
+    if scores is None:
+        scores = rollout_scores(groups)
+    elif tuple(scores.shape) != tuple(verdicts.shape):
+        raise ValueError(f"scores must be [num_groups, G] = {tuple(verdicts.shape)}, got {tuple(scores.shape)}")
     if isinstance(negatives, GroupAware):
-        negatives.set_groups(groups)
-    positives = [first_correct(g) for g in groups]
-    items = [(g.prompt, p) for g, p in zip(groups, positives) if p is not None]
+        negatives.set_groups(groups, scores)
+    if not groups:
+        return []
+    pos_index, has_positive = select_positives(verdicts, scores, k, positive_pick,
+                                               torch.Generator().manual_seed(seed))
+    slots = [(i, j) for i in range(len(groups)) for j in range(k)]
+
+    def chosen(i: int, j: int) -> tuple[str, int]:
+        col = int(pos_index[i, j])
+        return groups[i].samples[col].text, col
+
+    pairs: list[PreferencePair] = []
+    source = getattr(negatives, "source", "")
+    if isinstance(negatives, RolloutNegatives):
+        neg_index, neg_valid = negatives.select(verdicts, scores, k)
+        for i, j in slots:
+            if not has_positive[i]:
+                pairs.append(PreferencePair(groups[i].prompt, None, None))
+                continue
+            text, col = chosen(i, j)
+            if neg_valid[i, j]:
+                neg_col = int(neg_index[i, j])
+                pairs.append(PreferencePair(groups[i].prompt, text, groups[i].samples[neg_col].text, source,
+                                            chosen_index=col, rejected_index=neg_col))
+            else:
+                pairs.append(PreferencePair(groups[i].prompt, text, None, chosen_index=col))
+        return pairs
+
+    wanted = [(i, j) for i, j in slots if has_positive[i]]
+    items = [(groups[i].prompt, chosen(i, j)[0]) for i, j in wanted]
     rejected = negatives.generate(items) if items else []
     if len(rejected) != len(items):
         raise ValueError(f"{type(negatives).__name__}.generate returned {len(rejected)} negatives for "
                          f"{len(items)} items")
     failed = list(getattr(negatives, "last_failed", None) or [False] * len(items))
     assert len(failed) == len(items), "last_failed does not match the items"
-    it, it_failed = iter(rejected), iter(failed)
-    source = getattr(negatives, "source", "")
-    pairs = []
-    for g, positive in zip(groups, positives):
-        neg = next(it) if positive is not None else None
-        fail = next(it_failed) if positive is not None else False
-        pairs.append(PreferencePair(g.prompt, positive, neg, source if neg is not None else "", failed=fail))
+    it = iter(zip(rejected, failed))
+    for i, j in slots:
+        if not has_positive[i]:
+            pairs.append(PreferencePair(groups[i].prompt, None, None))
+            continue
+        neg, fail = next(it)
+        text, col = chosen(i, j)
+        pairs.append(PreferencePair(groups[i].prompt, text, neg, source if neg is not None else "", failed=fail,
+                                    chosen_index=col))
     return pairs
 
 

@@ -112,10 +112,12 @@ def test_assistant_through_server_keeps_only_verified_wrong():
         gen = LLMAssistant(client, verifier)
         out = gen.generate(items)
     assert out == [CANNED["Q-wrong"], None, None, "So 2 + 2 = 5 and \\boxed{5}."]
-    assert gen.stats == {"requested": 4, "accepted": 2, "rejected_correct": 1, "rejected_unverifiable": 1,
-                         "failed_requests": 0, "empty": 0}
+    # the default is the reference's 3 requests per prompt: the two rejected items are asked twice more
+    assert gen.stats == {"requested": 4, "accepted": 2, "rejected_correct": 3, "rejected_unverifiable": 3,
+                         "failed_requests": 0, "empty": 0, "reasked": 4}
     assert verifier.calls[0][0] == ["4"] * 4  # gold first
-    assert len(srv.requests) == 4
+    assert [len(c[0]) for c in verifier.calls] == [4, 2, 2]
+    assert len(srv.requests) == 4 + 2 + 2
     for req in srv.requests:
         body = req.body
         assert body["model"] == "assistant-model" and body["temperature"] == 0.7
@@ -126,13 +128,17 @@ def test_assistant_through_server_keeps_only_verified_wrong():
 
 def test_assistant_failed_requests_counted_and_max_tokens_per_item():
     verifier = FakeVerifier()
-    client = ScriptedClient([None, "", "so \\boxed{3}"])
+    # round 1: a fails after the client's retries, b answers nothing, c is accepted; round 2 asks b only
+    client = ScriptedClient([None, "", "so \\boxed{3}"], ["so \\boxed{7}"])
     gen = LLMAssistant(client, verifier, temperature=0.5, extra_tokens=100)
     items = [(prompt("a"), "one two three"), (prompt("b"), "x"), (prompt("c"), "1 2 3 4 5 6")]
-    assert gen.generate(items) == [None, None, "so \\boxed{3}"]
-    assert gen.stats["failed_requests"] == 1 and gen.stats["empty"] == 1 and gen.stats["accepted"] == 1
+    assert gen.generate(items) == [None, "so \\boxed{7}", "so \\boxed{3}"]
+    assert gen.last_failed == [True, False, False]
+    assert gen.stats["failed_requests"] == 1 and gen.stats["empty"] == 1 and gen.stats["accepted"] == 2
+    assert gen.stats["reasked"] == 1 and len(client.calls) == 2
     _, temperature, limits = client.calls[0]
     assert temperature == 0.5 and limits == [103, 101, 106]
+    assert client.calls[1][2] == [101]
 
 
 def test_assistant_rounds_reask_rejected_items_only():
@@ -394,7 +400,7 @@ def test_real_verifier_filters_assistant_and_perturbation(rule_verifier):
         gen = LLMAssistant(client, rule_verifier)
         out = gen.generate(items)
     assert out == [CANNED["Q-wrong"], None, "So 2 + 2 = 5 and \\boxed{5}."]
-    assert gen.stats["rejected_correct"] == 1
+    assert gen.stats["rejected_correct"] == 3  # asked 3 times (the default rounds), correct each time
 
     texts = [("\\boxed{4}", "4"), ("So she earns 9 * 2 = 18 dollars.\n#### 18", "18"),
              ("Hence $x = \\boxed{\\frac{3}{4}}$.", "\\frac{3}{4}"), ("The answer is \\boxed{0.5}", "1/2")]
