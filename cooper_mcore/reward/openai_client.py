@@ -7,6 +7,10 @@ exponential backoff, and runs batches concurrently under a bound on in-flight re
 
 The API key is read from an environment variable (``OPENAI_API_KEY`` unless told otherwise), sent
 as ``Authorization: Bearer ...`` and never written to logs, exceptions or ``repr``.
+
+:func:`check_endpoint` (or :meth:`OpenAIChatClient.check_ready`) asks a server once, with a short
+timeout and no retries, whether it answers and serves the model, so that a run can refuse to start
+instead of masking every request's failure later.
 """
 
 from __future__ import annotations
@@ -74,6 +78,32 @@ def chat_completions_url(base_url: str) -> str:
     return base + "/v1/chat/completions"
 
 
+def models_url(base_url: str) -> str:
+    """The model-list endpoint (``.../v1/models``) of the server behind ``base_url``.
+
+    Raises:
+        ValueError: if ``base_url`` is not an http(s) URL.
+    """
+    return chat_completions_url(base_url)[: -len("/chat/completions")] + "/models"
+
+
+def check_endpoint(base_url: str, model: str, api_key_env: Optional[str] = "OPENAI_API_KEY",
+                   timeout_s: float = 10.0, hint: str = "") -> str:
+    """Check once that an OpenAI-compatible server answers at ``base_url`` and serves ``model``.
+
+    See :meth:`OpenAIChatClient.check_ready` (this builds a client and calls it).
+
+    Returns:
+        ``"models"`` or ``"chat"``: how the server was checked.
+
+    Raises:
+        ValueError: the server does not answer, rejects the key, or does not serve ``model``; the
+            message names the URL, the cause and what to do (``hint`` is appended).
+    """
+    with OpenAIChatClient(base_url, model, api_key_env=api_key_env, timeout_s=timeout_s, max_retries=0) as client:
+        return client.check_ready(timeout_s=timeout_s, hint=hint)
+
+
 def _retry_after_s(resp: requests.Response) -> Optional[float]:
     """The server's ``Retry-After`` in seconds, if given as a number."""
     value = resp.headers.get("Retry-After")
@@ -81,6 +111,22 @@ def _retry_after_s(resp: requests.Response) -> Optional[float]:
         return max(0.0, float(value)) if value is not None else None
     except ValueError:
         return None
+
+
+def _cause(e: requests.RequestException, timeout_s: float) -> str:
+    if isinstance(e, requests.Timeout):
+        return f"no answer within {timeout_s:g} s"
+    return f"{type(e).__name__}: {e}"
+
+
+def _model_ids(resp: requests.Response) -> Optional[set[str]]:
+    """The ids of an OpenAI model list (``{"data": [{"id": ...}, ...]}``); None if it is not one."""
+    try:
+        data = resp.json()["data"]
+        ids = {m["id"] for m in data}
+    except (ValueError, KeyError, TypeError):
+        return None
+    return ids if all(isinstance(i, str) for i in ids) else None
 
 
 class OpenAIChatClient:
@@ -199,6 +245,63 @@ class OpenAIChatClient:
             raise
         self._count("succeeded")
         return text
+
+    def check_ready(self, timeout_s: float = 10.0, hint: str = "") -> str:
+        """Ask the server once (no retries) whether it answers and serves :attr:`model`.
+
+        ``GET .../v1/models`` first: if it lists model ids, :attr:`model` must be one of them.
+        A server without that route (HTTP 404, 405 or 501) is sent one chat completion of one
+        token instead, which must succeed. Meant to run once before training starts.
+
+        Args:
+            timeout_s: per-request timeout (connect and read), in seconds.
+            hint: appended to the error message (what the caller's user should do).
+
+        Returns:
+            ``"models"`` (the model list names the model) or ``"chat"`` (a 1-token completion
+            came back).
+
+        Raises:
+            ValueError: no connection or no answer within ``timeout_s``, HTTP 401/403 (the key),
+                the model not served, or any other failure; the message names the URL.
+        """
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        todo = " " + hint if hint else ""
+        url = models_url(self.url)
+        try:
+            with self._session().get(url, headers=self._headers, timeout=timeout_s) as resp:
+                status, body = resp.status_code, resp.text[:_BODY_SNIPPET]
+                listed = _model_ids(resp) if status == 200 else None
+        except requests.RequestException as e:
+            raise ValueError(self._redact(
+                f"OpenAI-compatible endpoint {url} does not answer ({_cause(e, timeout_s)}): is the server "
+                f"running and the URL right?{todo}")) from None
+        if status in (401, 403):
+            raise ValueError(f"{url} refused the request (HTTP {status}): check the API key in "
+                             f"${self.api_key_env or 'OPENAI_API_KEY'}.{todo}")
+        if listed is not None:
+            if self.model not in listed:
+                raise ValueError(f"{url} serves {sorted(listed)[:20]}, not model {self.model!r}: set the "
+                                 f"served name (SGLang: --served-model-name) or the model name to match.{todo}")
+            return "models"
+        if status not in (200, 404, 405, 501):
+            raise ValueError(self._redact(f"{url} answered HTTP {status}: {body!r}.{todo}"))
+        payload = self._payload([{"role": "user", "content": "Say OK."}], 0.0, 1)
+        try:
+            with self._session().post(self.url, json=payload, headers=self._headers, timeout=timeout_s) as resp:
+                if resp.status_code != 200:
+                    raise ValueError(self._redact(
+                        f"a 1-token chat completion for model {self.model!r} at {self.url} failed with HTTP "
+                        f"{resp.status_code}: {resp.text[:_BODY_SNIPPET]!r}.{todo}"))
+                self._content(resp, 1)
+        except requests.RequestException as e:
+            raise ValueError(self._redact(
+                f"OpenAI-compatible endpoint {self.url} does not answer ({_cause(e, timeout_s)}): is the server "
+                f"running and the URL right?{todo}")) from None
+        except ChatRequestError as e:
+            raise ValueError(f"{e}.{todo}") from None
+        return "chat"
 
     def chat_batch(self, batch: Sequence[Messages], temperature: float = 0.7,
                    max_tokens: Union[int, Sequence[int]] = 512) -> list[Optional[str]]:
