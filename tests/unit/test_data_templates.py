@@ -8,6 +8,7 @@ from cooper_mcore.data.templates import (
     RM_TEMPLATE,
     apply_prompt_template,
     rm_input,
+    rm_question,
     template_prompts,
     truncate_completion,
 )
@@ -98,3 +99,30 @@ def test_truncation_boundary_1500_vs_1501():
     cut = truncate_completion(digits)
     assert len(cut) == 1500
     assert cut[:500] == digits[:500] and cut[500:] == digits[3000:]
+
+
+def test_reference_answer_is_truncated_like_the_completion():
+    long_ref = "R" * 500 + "X" + "S" * 1000  # 1501 characters: the X is cut
+    assert rm_input("q", long_ref, "c") == (
+        "<question>q</question>\n<reference_answer>" + "R" * 500 + "S" * 1000
+        + "</reference_answer>\n<completion>c</completion>"
+    )
+    # the earlier behaviour (completion only) stays reachable
+    assert "X" in rm_input("q", long_ref, "c", truncate_reference=False)
+    # no truncation at all
+    assert "X" in rm_input("q", long_ref, "c", truncate=False)
+    assert rm_input("q", "r" * 1500, "c") == rm_input("q", "r" * 1500, "c", truncate_reference=False)
+
+
+def test_rm_question_is_the_policy_prompt_without_chat_template():
+    template = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
+    expected_q = "What is 2+2?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    assert rm_question("What is 2+2?", template) == expected_q
+    assert rm_question("What is 2+2?") == "What is 2+2?"
+    assert rm_input("What is 2+2?", "4", "\\boxed{4}", question_template=template) == (
+        "<question>" + expected_q + "</question>\n<reference_answer>4</reference_answer>\n"
+        "<completion>\\boxed{4}</completion>"
+    )
+    assert rm_input("What is 2+2?", "4", "c") == rm_input("What is 2+2?", "4", "c", question_template=None)
+    with pytest.raises(ValueError, match="placeholder"):
+        rm_input("q", "r", "c", question_template="no placeholder")

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+import torch
 
 from cooper_mcore.reward.negatives import (
+    NEGATIVE_KINDS,
     AnswerPerturbation,
     LLMAssistant,
     PolicyWrongNegatives,
@@ -18,6 +20,7 @@ from cooper_mcore.reward.negatives import (
     build_pairs,
     clean_assistant_output,
     final_answer_span,
+    first_correct,
     make_negative_generator,
     number_variants,
     pair_stats,
@@ -28,6 +31,7 @@ from cooper_mcore.types import Prompt, RolloutGroup, Sample
 from tests.chat_server import ChatServer
 
 pytestmark = pytest.mark.timeout(60)
+NAN = float("nan")
 
 
 @dataclass
@@ -164,6 +168,40 @@ def test_assistant_argument_checks():
         LLMAssistant(ScriptedClient(), FakeVerifier(), extra_tokens=0)
     with pytest.raises(ValueError, match="rounds"):
         LLMAssistant(ScriptedClient(), FakeVerifier(), rounds=0)
+    with pytest.raises(ValueError, match="'socratic'"):
+        LLMAssistant(ScriptedClient(), FakeVerifier(), prompt="socratic")
+
+
+def test_reference_prompt_has_no_gold_answer():
+    question, solution = "Tom has 17 apples and buys 25 more. How many?", "17 + 25 = 42, so \\boxed{42}"
+    ref = rewrite_messages(question, solution, "7311")  # a gold that appears nowhere else
+    user = ref[1]["content"]
+    assert question in user and solution in user and "7311" not in user
+    assert "completely incorrect" in user and "misleading" in user
+    assert rewrite_messages(question, solution) == ref  # the answer is not needed
+    gold = rewrite_messages(question, solution, "7311", prompt="with_gold")[1]["content"]
+    assert "the correct final answer is 7311" in gold and solution in gold
+    with pytest.raises(ValueError, match="gold answer"):
+        rewrite_messages(question, solution, prompt="with_gold")
+
+
+def test_assistant_defaults_to_reference_prompt_and_three_rounds():
+    # a rewrite that stays correct is asked again, up to 3 requests in all
+    client = ScriptedClient(["\\boxed{4}"], ["\\boxed{4}"], ["still \\boxed{4}"])
+    gen = LLMAssistant(client, FakeVerifier())
+    assert gen.rounds == 3 and gen.prompt == "reference"
+    assert gen.generate([(prompt("a", "4"), POSITIVE)]) == [None]
+    assert len(client.calls) == 3 and gen.stats["rejected_correct"] == 3 and gen.stats["reasked"] == 2
+    assert gen.last_failed == [False]  # rejected, not failed: no stop under on_assistant_failure=stop
+    assert all("correct final answer is" not in c[0][0][1]["content"] for c in client.calls)
+    # the third round's wrong rewrite is kept
+    client = ScriptedClient(["\\boxed{4}"], ["\\boxed{4}"], ["so \\boxed{5}"])
+    assert LLMAssistant(client, FakeVerifier()).generate([(prompt("a", "4"), POSITIVE)]) == ["so \\boxed{5}"]
+    # the variant with the gold answer, one round
+    client = ScriptedClient(["\\boxed{4}"])
+    gen = LLMAssistant(client, FakeVerifier(), rounds=1, prompt="with_gold")
+    assert gen.generate([(prompt("a", "4"), POSITIVE)]) == [None] and len(client.calls) == 1
+    assert "the correct final answer is 4" in client.calls[0][0][0][1]["content"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,6 +311,30 @@ def test_policy_wrong_negatives():
     assert [gen1.generate(items)[0] for _ in range(10)] == [gen2.generate(items)[0] for _ in range(10)]
 
 
+def scored_group(pid: str, *samples: tuple[str, Optional[bool], float]) -> RolloutGroup:
+    return RolloutGroup(prompt(pid), [Sample(pid, [], text, rule_correct=c, reward=r) for text, c, r in samples])
+
+
+def test_policy_wrong_negatives_hardest_and_first():
+    # wrong rollouts scored 0.3, 0.8, 0.6 by the RM; the unverified one scores highest and is never used
+    g = scored_group("a", ("right", True, 0.9), ("w1", False, 0.3), ("w2", False, 0.8), ("u", None, 0.99),
+                     ("w3", False, 0.6))
+    items = [(g.prompt, "right")] * 4
+    hardest = PolicyWrongNegatives([g], negative_pick="hardest")
+    assert hardest.generate(items) == ["w2", "w3", "w1", None]  # distinct, highest score first
+    assert hardest.stats == {"requested": 4, "accepted": 3, "no_wrong_rollout": 1}
+    assert PolicyWrongNegatives([g], negative_pick="first").generate(items[:2]) == ["w1", "w2"]
+    # scores given to set_groups override Sample.reward
+    gen = PolicyWrongNegatives(negative_pick="hardest")
+    gen.set_groups([g], torch.tensor([[0.0, 5.0, 1.0, 0.0, 2.0]]))
+    assert gen.generate(items[:1]) == ["w1"]
+    with pytest.raises(ValueError, match="unknown negative_pick"):
+        PolicyWrongNegatives(negative_pick="easiest")
+    unscored = group("b", ("right", True), ("bad", False))
+    with pytest.raises(ValueError, match="needs a finite score"):
+        PolicyWrongNegatives([unscored], negative_pick="hardest").generate([(unscored.prompt, "right")])
+
+
 def test_random_other_response_from_items_and_groups():
     items = [(prompt(p), f"answer of {p}") for p in "abcd"]
     out = RandomOtherResponse(seed=3).generate(items)
@@ -346,6 +408,60 @@ def test_build_pairs_hands_groups_to_policy_generator():
     assert [(p.rejected, p.source, p.valid) for p in pairs] == [("bad-b", "policy", True)]
 
 
+def test_build_pairs_k_pairs_hardest_policy_negatives():
+    a = scored_group("a", ("ra1", True, 0.7), ("wa1", False, 0.2), ("ra2", True, 0.4), ("wa2", False, 0.9),
+                     ("wa3", False, 0.5))
+    b = scored_group("b", ("wb1", False, 0.1), ("wb2", False, 0.3))  # no positive
+    c = scored_group("c", ("rc1", True, 0.6), ("wc1", False, 0.0), ("uc", None, 0.0))
+    gen = PolicyWrongNegatives(negative_pick="hardest")
+    pairs = build_pairs([a, b, c], gen, pairs_per_prompt=2, positive_pick="hardest")
+    assert [(p.prompt.id, p.chosen, p.rejected, p.chosen_index, p.rejected_index, p.valid) for p in pairs] == [
+        ("a", "ra2", "wa2", 2, 3, True),  # lowest-scored positive vs highest-scored negative
+        ("a", "ra1", "wa3", 0, 4, True),
+        ("b", None, None, None, None, False),
+        ("b", None, None, None, None, False),
+        ("c", "rc1", "wc1", 0, 1, True),
+        ("c", "rc1", None, 0, None, False),  # one wrong rollout: the second slot is masked
+    ]
+    assert {p.source for p in pairs if p.valid} == {"policy"}
+    assert pair_stats(pairs) == {"total": 6, "valid": 3, "no_positive": 2, "no_negative": 1, "failed": 0}
+    assert gen.stats == {"requested": 4, "accepted": 3, "no_wrong_rollout": 1}
+    # RM scores passed explicitly (e.g. the logits) take precedence over Sample.reward
+    logits = torch.tensor([[0.0, 3.0, -1.0, 0.0, 0.0], [0.0, 0.0, NAN, NAN, NAN], [0.0, 0.0, 0.0, NAN, NAN]])
+    pairs = build_pairs([a, b, c], PolicyWrongNegatives(negative_pick="hardest"), logits, positive_pick="hardest")
+    assert [(p.chosen, p.rejected) for p in pairs] == [("ra2", "wa1"), (None, None), ("rc1", "wc1")]
+
+
+def test_build_pairs_k_pairs_with_written_negatives_and_picks():
+    a = scored_group("a", ("wrong", False, 0.9), ("r1", True, 0.8), ("r2", True, 0.1))
+    b = scored_group("b", ("bad", False, 0.5))
+    gen = RecordingGenerator(["n1", "n2", "n3"])
+    pairs = build_pairs([a, b], gen, pairs_per_prompt=3)  # "first": r1, r2, then r1 again
+    assert [(p.id, t) for p, t in gen.items] == [("a", "r1"), ("a", "r2"), ("a", "r1")]
+    assert [(p.chosen, p.rejected, p.chosen_index, p.valid) for p in pairs] == [
+        ("r1", "n1", 1, True), ("r2", "n2", 2, True), ("r1", "n3", 1, True),
+        (None, None, None, False), (None, None, None, False), (None, None, None, False)]
+    gen = RecordingGenerator(["n"])
+    build_pairs([a], gen, positive_pick="hardest")
+    assert gen.items[0][1] == "r2"
+    picks = {build_pairs([a], RecordingGenerator(["n"]), positive_pick="random", seed=s)[0].chosen for s in range(20)}
+    assert picks == {"r1", "r2"}
+    with pytest.raises(ValueError, match="scores must be"):
+        build_pairs([a], gen, torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="pairs_per_prompt"):
+        build_pairs([a], gen, pairs_per_prompt=0)
+    with pytest.raises(ValueError, match="positive_pick"):
+        build_pairs([a], gen, positive_pick="easiest")
+    with pytest.raises(ValueError, match="needs a finite score"):
+        build_pairs([group("c", ("right", True))], gen, positive_pick="hardest")
+
+
+def test_first_correct_goes_through_algo_and_skips_blank():
+    g = group("a", ("  ", True), ("bad", False), ("good", True))
+    assert first_correct(g) == "good"
+    assert first_correct(group("b", ("bad", False), ("?", None))) is None
+
+
 class MathVerifyVerifier:
     """math-verify directly (what the rule verifier is built on), gold first."""
 
@@ -368,11 +484,17 @@ def test_perturbations_are_wrong_for_math_verify():
 
 def test_make_negative_generator():
     v = FakeVerifier()
-    kinds = {k: make_negative_generator(k, v, client=ScriptedClient()) for k in ("assistant", "policy", "perturb",
-                                                                                 "random")}
+    kinds = {k: make_negative_generator(k, v, client=ScriptedClient()) for k in NEGATIVE_KINDS}
     assert {k: type(g).__name__ for k, g in kinds.items()} == {
         "assistant": "LLMAssistant", "policy": "PolicyWrongNegatives", "perturb": "AnswerPerturbation",
-        "random": "RandomOtherResponse"}
+        "rewrite": "ChainRewrite", "random": "RandomOtherResponse"}
+    assert (kinds["assistant"].rounds, kinds["assistant"].prompt) == (3, "reference")
+    assert kinds["policy"].negative_pick == "random"
+    custom = make_negative_generator("assistant", v, client=ScriptedClient(), assistant_rounds=1,
+                                     assistant_prompt="with_gold")
+    assert (custom.rounds, custom.prompt) == (1, "with_gold")
+    assert make_negative_generator("policy", v, negative_pick="hardest").negative_pick == "hardest"
+    assert make_negative_generator("rewrite", v, rewrite_kinds=("copy",)).kinds == ("copy",)
     assert all(g.source == k for k, g in kinds.items())
     with pytest.raises(ValueError, match="client"):
         make_negative_generator("assistant", v)
