@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 PIP := $(VPY) -m pip install -q --progress-bar off
 
-.PHONY: venv demo test test-fast lint bench clean
+.PHONY: venv demo test test-fast test-sglang lint bench clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,25 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m ruff check cooper_mcore tools tests benchmarks
 	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+# The real-SGLang tier (tests/sglang, docs/sglang.md): its own venv with sglang 0.5.23 and the
+# torch 2.14.1 it pins (~11 GB, a few minutes), kept apart from .venv; its pins replace
+# constraints-cpu.txt. SGLang runs there on its CPU backend with a test-only sgl_kernel stand-in.
+SGL_VENV := .venv-sglang
+SGL_PY := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.installed
+SGL_PIP := PIP_CONSTRAINT=$(CURDIR)/tests/sglang/constraints.txt $(SGL_PY) -m pip install -q --progress-bar off
+
+$(SGL_STAMP): setup.py tests/sglang/constraints.txt
+	$(PY) -m venv $(SGL_VENV)
+	$(SGL_PIP) --upgrade pip setuptools wheel
+	$(SGL_PIP) "sglang==0.5.23"
+	$(SGL_PIP) -e ".[dev]"
+	$(SGL_PY) -c "import torch, sglang, megatron.core, transformers, cooper_mcore; assert torch.__version__.startswith('2.14.1'), torch.__version__"
+	touch $(SGL_STAMP)
+
+test-sglang: $(SGL_STAMP)
+	$(SGL_PY) -m pytest -q -p no:cacheprovider -m sglang tests/sglang
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not multiproc" tests

@@ -12,6 +12,7 @@ inside the ``begin_weight_update`` / ``end_weight_update`` session SGLang 0.5.23
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import logging
 import os
@@ -27,6 +28,7 @@ from typing import Any, Optional
 
 import requests
 import torch
+import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions on ForkingPickler)
 
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
@@ -39,16 +41,18 @@ SGLANG_VERSION = "0.5.23"  # the release this module was written against (its Py
 SERVER_ARG_NAMES = frozenset({
     "model_path", "tokenizer_path", "tp_size", "dtype", "mem_fraction_static", "enable_memory_saver",
     "enable_weights_cpu_backup", "random_seed", "skip_tokenizer_init", "trust_remote_code",
-    "context_length", "max_running_requests", "base_gpu_id", "enable_deterministic_inference",
-    "host", "port", "log_level",
+    "context_length", "max_running_requests", "max_total_tokens", "base_gpu_id", "enable_deterministic_inference",
+    "host", "port", "nccl_port", "log_level", "device", "attention_backend", "disable_cuda_graph",
 })
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # ServerArgs.dtype choices
+DEVICES = ("cuda", "cpu")
 # request sampling_params keys this module sends (SGLang's /generate rejects unknown keys)
 SAMPLING_PARAM_NAMES = frozenset({"max_new_tokens", "temperature", "top_p", "stop", "sampling_seed"})
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang.srt.constants.GPU_MEMORY_TYPE_*
 LOAD_FORMAT = "flattened_bucket"
 
 _RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+_CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"  # sglang.srt.utils.is_cpu(): SGLang's CPU backend
 _BIG_SEED = 2**63
 
 
@@ -60,13 +64,29 @@ class SGLangConfig:
     Attributes:
         model_path / tp_size / dtype / mem_fraction_static / random_seed / ...: the ``ServerArgs``
             fields of the same names (:data:`SERVER_ARG_NAMES`; ``dtype`` in :data:`DTYPE_CHOICES`).
-        enable_memory_saver: needed for :meth:`SGLangEngine.release_memory` to free anything.
+        device: ``"cuda"``, or ``"cpu"`` for SGLang's CPU backend (``SGLANG_USE_CPU_ENGINE=1``, the
+            ``torch_native`` attention backend unless ``attention_backend`` says otherwise, CUDA graphs
+            off, no memory saver; pass ``max_total_tokens``, else SGLang sizes its KV cache from the
+            host's memory).
+        attention_backend: SGLang's attention backend (None: SGLang's choice; ``torch_native`` on CPU).
+        disable_cuda_graph: turn CUDA graphs off (always off on CPU).
+        max_total_tokens: size of the KV-cache pool in tokens (None: from ``mem_fraction_static``).
+        enable_memory_saver: needed for :meth:`SGLangEngine.release_memory` to free anything (None:
+            on for CUDA, off on CPU, where SGLang cannot release memory).
         enable_weights_cpu_backup: keep the weights in CPU memory while released (otherwise they
             must be re-sent with ``update_weights`` after resuming them).
         skip_tokenizer_init: token-id prompts only; outputs carry no text.
         enable_deterministic_inference: SGLang honours per-request seeds only in this mode.
         raw_logprobs: log-probabilities of the unscaled distribution (temperature 1, as the trainer
             computes them) via ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; else after temperature scaling.
+        port: the server's HTTP port; SGLang derives further ports from it (``port + 233`` with
+            DP attention, ``port + 10000`` for gRPC). None: ``base_port + local_rank * port_stride``,
+            so that the engines of one node never share ports.
+        nccl_port: SGLang's torch.distributed port. None: ``port + 1`` (SGLang itself would pick a
+            free port at random, racing with the other engines of the node).
+        base_port / port_stride: the ports of local rank ``r``'s engine start at
+            ``base_port + r * port_stride``.
+        local_rank: this process's rank on its node (None: ``$LOCAL_RANK``, else 0).
         extra_server_args: further ``ServerArgs`` fields, checked against the installed SGLang.
     """
 
@@ -74,8 +94,12 @@ class SGLangConfig:
     tokenizer_path: Optional[str] = None
     tp_size: int = 1
     dtype: str = "bfloat16"
+    device: str = "cuda"
+    attention_backend: Optional[str] = None
+    disable_cuda_graph: bool = False
     mem_fraction_static: float = 0.5
-    enable_memory_saver: bool = True
+    max_total_tokens: Optional[int] = None
+    enable_memory_saver: Optional[bool] = None
     enable_weights_cpu_backup: bool = False
     random_seed: int = 0
     skip_tokenizer_init: bool = False
@@ -86,32 +110,122 @@ class SGLangConfig:
     enable_deterministic_inference: bool = False
     raw_logprobs: bool = True
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: Optional[int] = None
+    nccl_port: Optional[int] = None
+    base_port: int = 30000
+    port_stride: int = 10
+    local_rank: Optional[int] = None
     log_level: str = "error"
     extra_server_args: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def cpu(cls, model_path: str, **overrides: Any) -> SGLangConfig:
+        """A config for SGLang's CPU backend (fp32, a 4096-token KV cache); ``overrides`` set other fields."""
+        fields = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, "mem_fraction_static": 0.05}
+        fields.update(overrides)
+        return cls(model_path=model_path, **fields)
+
+    def resolved_local_rank(self) -> int:
+        """``local_rank``, else ``$LOCAL_RANK``, else 0."""
+        if self.local_rank is not None:
+            return self.local_rank
+        raw = os.environ.get("LOCAL_RANK", "0")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
+
+    def resolved_port(self) -> int:
+        """The HTTP port: ``port``, else ``base_port + local_rank * port_stride``."""
+        return self.port if self.port is not None else self.base_port + self.resolved_local_rank() * self.port_stride
+
+    def resolved_nccl_port(self) -> int:
+        """SGLang's torch.distributed port: ``nccl_port``, else ``port + 1``."""
+        return self.nccl_port if self.nccl_port is not None else self.resolved_port() + 1
+
+    def memory_saver(self) -> bool:
+        """Whether SGLang's memory saver is on (``enable_memory_saver``, else on for CUDA only)."""
+        return self.device == "cuda" if self.enable_memory_saver is None else self.enable_memory_saver
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment variables the SGLang processes need for this config."""
+        env = {}
+        if self.raw_logprobs:
+            env[_RAW_LOGPROB_ENV] = "1"
+        if self.device == "cpu":
+            env[_CPU_ENGINE_ENV] = "1"
+        return env
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
+        port, nccl_port = self.resolved_port(), self.resolved_nccl_port()
         for ok, problem in ((bool(self.model_path), "model_path is empty"),
                             (self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}"),
                             (self.dtype in DTYPE_CHOICES, f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}"),
+                            (self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}"),
                             (0 < self.mem_fraction_static < 1,
                              f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"),
-                            (0 < self.port < 65536, f"port must be in 1..65535, got {self.port}"),
+                            (self.max_total_tokens is None or self.max_total_tokens > 0,
+                             f"max_total_tokens must be > 0, got {self.max_total_tokens}"),
+                            (self.port_stride >= 2, f"port_stride must be >= 2 (HTTP and NCCL ports), got "
+                                                    f"{self.port_stride}"),
+                            (self.resolved_local_rank() >= 0, f"local_rank must be >= 0, got "
+                                                              f"{self.resolved_local_rank()}"),
+                            (0 < port < 65536, f"port must be in 1..65535, got {port}"),
+                            (0 < nccl_port < 65536, f"nccl_port must be in 1..65535, got {nccl_port}"),
+                            (nccl_port != port, f"nccl_port must differ from port ({port})"),
+                            (not (self.device == "cpu" and self.memory_saver()),
+                             "enable_memory_saver needs device='cuda' (SGLang cannot release memory on CPU)"),
                             (self.base_gpu_id >= 0, f"base_gpu_id must be >= 0, got {self.base_gpu_id}")):
             if not ok:
                 raise ValueError(f"SGLangConfig.{problem}")
 
     def server_args(self) -> dict[str, Any]:
-        """``ServerArgs`` keyword arguments (``None`` values left to SGLang's defaults)."""
+        """``ServerArgs`` keyword arguments (``None`` values left to SGLang's defaults); the ports are
+        always set explicitly (:meth:`resolved_port`, :meth:`resolved_nccl_port`)."""
         self.validate()
         args: dict[str, Any] = {name: getattr(self, name) for name in sorted(SERVER_ARG_NAMES)}
+        args.update(port=self.resolved_port(), nccl_port=self.resolved_nccl_port(),
+                    enable_memory_saver=self.memory_saver())
+        if self.device == "cpu":
+            args.update(disable_cuda_graph=True, attention_backend=self.attention_backend or "torch_native")
+            del args["base_gpu_id"]
         args = {k: v for k, v in args.items() if v is not None}
         clash = sorted(set(self.extra_server_args) & SERVER_ARG_NAMES)
         if clash:
             raise ValueError(f"SGLangConfig.extra_server_args sets {clash}: use the config fields of that name")
         args.update(self.extra_server_args)
         return args
+
+
+@contextlib.contextmanager
+def preserve_root_logging() -> Iterator[None]:
+    """Restore the root logger's handlers, level and filters, and every logger's ``disabled`` flag,
+    after the block (which may run ``logging.basicConfig(force=True)`` or ``dictConfig``).
+
+    The root handlers are detached during the block, so a forced ``basicConfig`` does not close
+    them (a closed file handler loses its place in logging's shutdown flush); handlers the block
+    installed on the root logger are removed and closed afterwards.
+    """
+    root = logging.getLogger()
+    handlers, level, filters = list(root.handlers), root.level, list(root.filters)
+    disabled = {name: lg.disabled for name, lg in logging.Logger.manager.loggerDict.items()
+                if isinstance(lg, logging.Logger)}
+    for h in handlers:
+        root.removeHandler(h)
+    try:
+        yield
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+            h.close()
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+        root.filters[:] = filters
+        for name, lg in logging.Logger.manager.loggerDict.items():
+            if isinstance(lg, logging.Logger):
+                lg.disabled = disabled.get(name, False)
 
 
 def installed_server_arg_names() -> frozenset[str]:
@@ -255,12 +369,49 @@ def sglang_bucket_payload(bucket: FlatBucket) -> dict[str, Any]:
 
 def serialize_for_sglang(obj: Any, as_base64: bool) -> Any:
     """Pickle ``obj`` as SGLang's ``MultiprocessingSerializer`` does (``ForkingPickler``; tensors are
-    shared, not copied), as bytes or as a base64 string for JSON."""
+    shared, not copied), as bytes or as a base64 string for JSON.
+
+    CUDA tensors travel as CUDA-IPC handles. CPU tensors are moved to shared memory and travel by
+    file name (torch's ``file_system`` sharing strategy, for this call only): the default
+    file-descriptor strategy hands descriptors over a socket authenticated with the
+    multiprocessing authkey, which only this process's own children share, so a server launched
+    apart (``launch``, ``connect``) or a payload made by another trainer rank could not open them.
+    """
     _patch_torch_reductions()
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buf).dump(obj)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
     data = buf.getvalue()
     return base64.b64encode(data).decode("ascii") if as_base64 else data
+
+
+def rank_payload(bucket: Sequence[tuple[str, torch.Tensor]], as_base64: bool) -> Any:
+    """The payload one SGLang TP rank loads for ``bucket`` (full Hugging Face tensors, one device):
+    flattened (:func:`flatten_bucket`), wrapped (:func:`sglang_bucket_payload`) and pickled with
+    shared tensors (:func:`serialize_for_sglang`). The tensors must stay alive until SGLang has
+    loaded it."""
+    return serialize_for_sglang(sglang_bucket_payload(flatten_bucket(bucket)), as_base64)
+
+
+def gather_rank_payloads(payload: Any, group: Optional[dist.ProcessGroup] = None, dst: int = 0) -> Optional[list[Any]]:
+    """Collect one payload from every rank of ``group`` on its rank ``dst`` (collective).
+
+    With the trainer's TP group and an engine whose TP ranks sit on the same GPUs in the same
+    order, SGLang's TP rank ``i`` then reads its weights from trainer TP rank ``i``'s own GPU
+    (``update_weights_from_payloads``) instead of every SGLang rank reading the leader's GPU.
+    Only the pickled handles travel (a few hundred bytes per bucket), not the tensors.
+
+    Returns:
+        The payloads in group-rank order on ``dst``, None elsewhere.
+    """
+    gathered: Optional[list[Any]] = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
+    dist.gather_object(payload, gathered, dst=dist.get_global_rank(group, dst) if group is not None else dst,
+                       group=group)
+    return gathered
 
 
 _patched: list[bool] = []
@@ -436,15 +587,18 @@ class SGLangEngine:
     """
 
     def __init__(self, engine: Any = None, client: Optional[SGLangHTTPClient] = None, tp_size: int = 1,
-                 process: Optional[subprocess.Popen] = None) -> None:
+                 process: Optional[subprocess.Popen] = None, device: str = "cuda") -> None:
         if (engine is None) == (client is None):
             raise ValueError("SGLangEngine needs exactly one of engine= (offline) or client= (HTTP)")
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        if device not in DEVICES:
+            raise ValueError(f"SGLangEngine device must be one of {DEVICES}, got {device!r}")
         self._engine = engine
         self._client = client
         self._process = process
         self.tp_size = tp_size
+        self.device = device
         self.weight_version = 0
         self._released: list[str] = []
         self._closed = False
@@ -452,30 +606,35 @@ class SGLangEngine:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def offline(cls, config: SGLangConfig) -> SGLangEngine:
-        """Start ``sglang.Engine`` in this process (colocated with the trainer)."""
+        """Start ``sglang.Engine`` in this process (colocated with the trainer).
+
+        The root logger's handlers, level and filters (and which loggers are disabled) are kept:
+        building the engine runs SGLang's ``configure_logger``, whose ``logging.basicConfig(force=True,
+        level=log_level)`` would otherwise remove the trainer's handlers and silence its INFO and
+        WARNING lines.
+        """
         args = config.server_args()
-        if config.raw_logprobs:
-            os.environ[_RAW_LOGPROB_ENV] = "1"  # read by the scheduler subprocesses it spawns
+        os.environ.update(config.engine_env())  # read by the scheduler subprocesses it spawns
         import sglang
 
         _warn_version(getattr(sglang, "__version__", None), "this process")
         check_server_arg_names(args, installed_server_arg_names())
         logger.info("starting sglang.Engine: %s", args)
-        return cls(engine=sglang.Engine(**args), tp_size=config.tp_size)
+        with preserve_root_logging():
+            engine = sglang.Engine(**args)
+        return cls(engine=engine, tp_size=config.tp_size, device=config.device)
 
     @classmethod
     def launch(cls, config: SGLangConfig, ready_timeout_s: float = 900.0, python: str = sys.executable,
                **client_kwargs: Any) -> SGLangEngine:
         """Launch ``python -m sglang.launch_server`` for ``config`` and wait until it is healthy."""
         cmd = server_command(config, python)
-        env = dict(os.environ)
-        if config.raw_logprobs:
-            env[_RAW_LOGPROB_ENV] = "1"
+        env = {**os.environ, **config.engine_env()}
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-        client = SGLangHTTPClient(f"http://{host}:{config.port}", **client_kwargs)
+        client = SGLangHTTPClient(f"http://{host}:{config.resolved_port()}", **client_kwargs)
         logger.info("launching SGLang server: %s", " ".join(cmd))
         process = subprocess.Popen(cmd, env=env, start_new_session=True)
-        engine = cls(client=client, tp_size=config.tp_size, process=process)
+        engine = cls(client=client, tp_size=config.tp_size, process=process, device=config.device)
         try:
             engine.wait_until_ready(ready_timeout_s)
         except BaseException:
@@ -484,9 +643,10 @@ class SGLangEngine:
         return engine
 
     @classmethod
-    def connect(cls, url: str, tp_size: Optional[int] = None, ready_timeout_s: float = 0.0,
+    def connect(cls, url: str, tp_size: Optional[int] = None, ready_timeout_s: float = 0.0, device: str = "cuda",
                 **client_kwargs: Any) -> SGLangEngine:
-        """Attach to a running SGLang server (its TP size is read from ``/server_info`` if not given)."""
+        """Attach to a running SGLang server (its TP size is read from ``/server_info`` if not given;
+        ``device="cpu"`` for a server on SGLang's CPU backend)."""
         client = SGLangHTTPClient(url, **client_kwargs)
         if ready_timeout_s > 0:
             client.wait_until_ready(ready_timeout_s)
@@ -497,7 +657,7 @@ class SGLangEngine:
             if not isinstance(info.get("tp_size"), int):
                 raise ValueError(f"/server_info of {client.base_url} has no tp_size; pass tp_size=")
             tp_size = info["tp_size"]
-        return cls(client=client, tp_size=tp_size)
+        return cls(client=client, tp_size=tp_size, device=device)
 
     def _live(self, op: str) -> None:
         if self._closed:
@@ -545,18 +705,36 @@ class SGLangEngine:
     # -- weights -----------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
         """One ``update_weights_from_tensor`` call per bucket inside one weight-update session, the
-        cache flushed with the last; then ``weight_version = version``. Tensors must stay valid until
-        this returns (the server reads them through CUDA IPC)."""
+        cache flushed with the last; then ``weight_version = version``. Every SGLang TP rank gets a
+        payload of the same tensors (this process's; over CUDA IPC from its GPU). Tensors must stay
+        valid until this returns."""
+        as_base64 = self._client is not None
+
+        def payloads() -> Iterator[list[Any]]:
+            for bucket in buckets:
+                blob = rank_payload(bucket, as_base64)
+                yield [blob] * self.tp_size  # each rank unpickles its own entry once: one blob serves all
+
+        self.update_weights_from_payloads(payloads(), version)
+
+    def update_weights_from_payloads(self, payloads: Iterable[Sequence[Any]], version: int) -> None:
+        """Like :meth:`update_weights` with the payloads already made: per bucket, one payload per
+        SGLang TP rank (:func:`rank_payload`, raw bytes offline, base64 over HTTP); SGLang's TP rank
+        ``i`` loads entry ``i`` only, so each can come from a different trainer rank's device
+        (:func:`gather_rank_payloads`). Every payload holds the full (unsharded) Hugging Face
+        tensors of the bucket: SGLang's ``load_weights`` cuts each rank's shard out of them."""
         self._live("update_weights")
         self._call("begin_weight_update", {"selector": "all"})
         count = 0
         try:
-            for bucket, last in _with_last(buckets):
-                payload = sglang_bucket_payload(flatten_bucket(bucket))
-                blobs = [serialize_for_sglang(payload, self._client is not None) for _ in range(self.tp_size)]
+            for blobs, last in _with_last(payloads):
+                blobs = list(blobs)
+                if len(blobs) != self.tp_size:
+                    raise ValueError(f"SGLangEngine.update_weights: {len(blobs)} payloads for a bucket, expected "
+                                     f"one per TP rank ({self.tp_size})")
                 self._update_bucket(blobs, last, version)
                 count += 1
-                del payload, blobs
+                del blobs
             if count == 0:
                 raise ValueError("SGLangEngine.update_weights: no buckets")
         except BaseException:
@@ -590,11 +768,16 @@ class SGLangEngine:
     # -- memory and cache --------------------------------------------------------------------
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
         """Free GPU memory (default: weights, KV cache, CUDA graphs; needs ``enable_memory_saver``).
-        Without ``enable_weights_cpu_backup`` released weights must be re-sent after resuming."""
+        Without ``enable_weights_cpu_backup`` released weights must be re-sent after resuming.
+
+        On a CPU engine SGLang cannot release memory (its scheduler calls CUDA synchronize and
+        dies), so nothing is sent: the tags are only marked, and :meth:`generate` still refuses
+        until they are resumed."""
         self._live("release_memory")
         todo = [t for t in self._tags(tags) if t not in self._released]
         if todo:
-            self._call("release_memory_occupation", {"tags": todo})
+            if self.device != "cpu":
+                self._call("release_memory_occupation", {"tags": todo})
             self._released += todo
 
     def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
@@ -603,7 +786,8 @@ class SGLangEngine:
         self._live("resume_memory")
         todo = [t for t in self._tags(tags) if t in self._released]
         if todo:
-            self._call("resume_memory_occupation", {"tags": todo})
+            if self.device != "cpu":
+                self._call("resume_memory_occupation", {"tags": todo})
             self._released = [t for t in self._released if t not in todo]
 
     @staticmethod
