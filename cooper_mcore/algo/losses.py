@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cooper_mcore.algo.rewards import reward_from_logits
-
 __all__ = [
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
@@ -25,7 +23,6 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "policy_loss",
-    "reward_from_logits",
     "rm_bce_loss",
     "rm_pair_losses",
     "rm_pairwise_loss",

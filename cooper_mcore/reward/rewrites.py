@@ -283,7 +283,8 @@ class ChainRewrite:
 
     Attributes:
         stats: cumulative counters: requested, accepted, no_answer (no final answer, or no kind
-            applies), rejected (no candidate verified wrong), not_a_chain, and ``accepted_<kind>``.
+            applies), rejected (no candidate verified wrong), not_a_chain (texts given to
+            :meth:`candidates` that are not a clean chain), and ``accepted_<kind>``.
     """
 
     source = "rewrite"
@@ -304,15 +305,16 @@ class ChainRewrite:
 
     def rewrite(self, text: str, kind: str) -> Optional[str]:
         """One unverified rewrite of ``text`` of the given kind, or None if the kind does not apply."""
-        parsed = parse_chain(text)
+        return self._rewrite(text, kind, parse_chain(text))
+
+    def _rewrite(self, text: str, kind: str, parsed: Optional[tuple[list[_Step], tuple[int, int]]]) -> Optional[str]:
         if kind == "final":
             span = final_answer_span(text)
             if span is None:
                 return None
-            token = text[span[0]:span[1]].strip()
             try:
-                variants = number_variants(token, self._rng)
-            except ValueError:
+                variants = number_variants(text[span[0]:span[1]].strip(), self._rng)
+            except ValueError:  # not a number (e.g. a choice letter)
                 return None
             return _replace(text, [(span, variants[0])]) if variants else None
         if parsed is None:
@@ -334,13 +336,16 @@ class ChainRewrite:
 
     def candidates(self, text: str) -> list[tuple[str, str]]:
         """Up to ``num_candidates`` distinct ``(kind, rewrite)`` of ``text`` (unverified)."""
+        parsed = parse_chain(text)
+        if parsed is None:
+            self.stats["not_a_chain"] += 1
         start = self._rng.randrange(len(self.kinds))
         out: list[tuple[str, str]] = []
         for c in range(self.num_candidates * len(self.kinds)):
             if len(out) == self.num_candidates:
                 break
             kind = self.kinds[(start + c) % len(self.kinds)]
-            new = self.rewrite(text, kind)
+            new = self._rewrite(text, kind, parsed)
             if new is not None and new != text and all(new != t for _, t in out):
                 out.append((kind, new))
         return out
@@ -349,7 +354,6 @@ class ChainRewrite:
         """A verified-wrong rewrite of each positive, or None."""
         self.stats["requested"] += len(items)
         per_item = [self.candidates(text) for _, text in items]
-        self.stats["not_a_chain"] += sum(parse_chain(text) is None for _, text in items)
         chosen = _first_verified_wrong(self.verifier, [p.answer for p, _ in items],
                                        [[t for _, t in cands] for cands in per_item])
         out: list[Optional[str]] = []
