@@ -21,9 +21,11 @@ does (``train/run_setup.py``, ``train/cooper.py``, ``train/megatron_setup.py``):
   pipeline stage 0) takes ``rollout.sglang_mem_fraction`` of the memory that is free when it
   starts, and sizes its KV pool as that minus its weights (sglang's KV-cache configurator). The
   trainer starts it after building the models, so the pool is sized with the whole training
-  state resident; offloading later frees memory but does not grow the pool. While released
-  (``offload.release_engine``) it holds nothing; it is resumed, KV pool included, for rollouts
-  and for every weight sync.
+  state resident; offloading later frees memory but does not grow the pool. Beyond the fraction
+  it uses a workspace for activations and CUDA graphs, counted as SGLang itself estimates it at
+  its defaults for the GPU (:func:`sglang_workspace_bytes`). While released
+  (``offload.release_engine``) it holds nothing; it is resumed, KV pool and CUDA graphs included,
+  for rollouts and for every weight sync.
 * The HF engine: the whole model in the model dtype on the group leader's GPU, plus the KV cache
   of up to :data:`HF_ENGINE_BATCH` sequences generated together; moved to host memory while
   released.
@@ -46,8 +48,21 @@ does (``train/run_setup.py``, ``train/cooper.py``, ``train/megatron_setup.py``):
 * Sequences are counted at their maximum length ``prompt_tokens + rollout.max_new_tokens``
   (rounded up to 8, as the trainer pads); RM inputs at that length too, capped at the RM's
   ``max_position_embeddings``.
-* A flat ``overhead_gib`` per GPU stands for CUDA contexts (trainer and engine processes), NCCL
-  buffers, SGLang's CUDA graphs and allocator fragmentation.
+* A colocated assistant (``rm.negatives: assistant`` with ``rm.assistant_url`` on this host, as the
+  presets are written): ``examples/launch_multinode.sh`` starts one SGLang server per node before
+  training, with ``ASSISTANT_TP`` GPUs per replica and one replica per GPU group, so every GPU holds
+  one assistant TP rank for the whole run: ``--mem-fraction-static`` x the memory free when it
+  starts (all but its own CUDA context) for its weights and KV pool (SGLang 0.5.23 sizes the pool
+  as that minus the weights, and refuses to start when nothing is left), plus the workspace SGLang
+  itself estimates for activations and CUDA graphs at the launcher's ``--chunked-prefill-size`` and
+  ``--max-running-requests`` (:func:`sglang_workspace_bytes`). Its shape is taken to be the
+  policy's (the presets serve the same-size instruct model) and its TP the preset's
+  ``parallel.tp`` (the launcher's default); :func:`assistant_mem_fraction` gives the fraction the
+  launcher uses.
+* CUDA contexts are counted per process and GPU (``context_gib``, measured): the trainer process
+  on every GPU, the policy's SGLang engine on the GPUs of pipeline stage 0, the colocated assistant
+  on every GPU. A flat ``overhead_gib`` per GPU stands for NCCL buffers, the rollout engine's CUDA
+  graphs and allocator fragmentation.
 
 Offload settings act on the rollout phase only (the trainer offloads around rollouts and
 onloads right after), ``release_engine`` on every other phase. These are estimates: they have
@@ -59,8 +74,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+import urllib.parse
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional, Union
 
 from cooper_mcore.config import CooperConfig, OffloadConfig
 from cooper_mcore.models.arch import ArchSpec
@@ -70,10 +87,43 @@ PHASES = ("rollout", "rm_score", "logprobs", "policy_update", "rm_update", "weig
 OFFLOAD_FLAGS = ("policy_params", "policy_grads", "policy_optimizer", "rm_params", "rm_grads", "rm_optimizer",
                  "release_engine")
 COMPONENTS = ("policy_params", "policy_grads", "policy_optimizer", "rm_params", "rm_grads", "rm_optimizer",
-              "engine_weights", "engine_kv", "activations", "logits", "buffers", "overhead")
+              "engine_weights", "engine_kv", "engine_workspace", "assistant_weights", "assistant_kv",
+              "assistant_workspace", "activations", "logits", "buffers", "contexts", "overhead")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 HF_ENGINE_BATCH = 64  # HFEngine's default max_batch_size (sequences generated together)
 STATE = ("params", "grads", "optimizer")
+
+CUDA_CONTEXT_GIB = 0.75
+"""One process's CUDA context on one GPU, cuBLAS initialised: 736 MiB (618 MiB before the first
+matmul) measured with nvidia-smi for torch 2.11+cu130 on an H100 80GB HBM3, driver 580.159."""
+H100_80GB_GIB = 79.18
+"""What ``torch.cuda.mem_get_info()`` reports as the total memory of an H100 80GB HBM3 (measured)."""
+ASSISTANT_KV_TOKENS = 65_536
+"""KV tokens a colocated assistant's pool is sized for: 32 rewrites of 2048 tokens at once (more queue)."""
+ASSISTANT_REQUEST_TOKENS = 2_048
+"""One rewrite request: the question and a correct solution (<= 512 + template) plus its length + 500 new
+tokens (reward/negatives.py), rounded up. A pool below one request cannot serve it."""
+ASSISTANT_CHUNKED_PREFILL = 2_048  # the launcher's --chunked-prefill-size for the assistant
+ASSISTANT_MAX_RUNNING = 64  # the launcher's --max-running-requests (caps the decode CUDA graphs' batch size)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class AssistantSpec:
+    """A colocated assistant server: SGLang on every GPU of each node, ``tp`` GPUs per replica.
+
+    Attributes:
+        arch: the served model's shape.
+        tp: GPUs per replica (``ASSISTANT_TP``); ``gpus_per_node / tp`` replicas per node.
+        mem_fraction: ``--mem-fraction-static`` (``ASSISTANT_MEM_FRACTION``); None: the fraction
+            :func:`assistant_mem_fraction` derives, as the launcher does.
+        dtype_bytes: bytes per weight and KV element as served (bf16: 2).
+    """
+
+    arch: ArchSpec
+    tp: int = 1
+    mem_fraction: Optional[float] = None
+    dtype_bytes: int = 2
 
 
 @dataclass(frozen=True)
@@ -84,10 +134,13 @@ class PlanOptions:
         gpus_per_node / nodes: the cluster; the world size is their product.
         gpu_memory_gib: memory of one GPU.
         prompt_tokens: the longest prompt, in tokens.
-        overhead_gib: flat per-GPU allowance (CUDA contexts, NCCL, CUDA graphs, fragmentation).
+        overhead_gib: flat per-GPU allowance (NCCL buffers, the engine's CUDA graphs, fragmentation).
         recompute: plan as if full activation recomputation were on (the trainer does not
             turn it on yet).
         distributed_optimizer: shard Adam over data-parallel ranks (the trainer always does).
+        context_gib: one process's CUDA context on one GPU (:data:`CUDA_CONTEXT_GIB`).
+        assistant: the colocated assistant; "auto": the one :func:`colocated_assistant` infers
+            from the config; "none": none counted.
     """
 
     gpus_per_node: int
@@ -97,6 +150,8 @@ class PlanOptions:
     overhead_gib: float = 2.0
     recompute: bool = False
     distributed_optimizer: bool = True
+    context_gib: float = CUDA_CONTEXT_GIB
+    assistant: Union[AssistantSpec, Literal["auto", "none"]] = "auto"
 
     @property
     def world_size(self) -> int:
@@ -147,6 +202,29 @@ class EngineInfo:
 
 
 @dataclass
+class AssistantInfo:
+    """The colocated assistant on each GPU.
+
+    Attributes:
+        tp / replicas: GPUs per replica and replicas per node.
+        mem_fraction: its ``--mem-fraction-static``.
+        min_fraction: the smallest fraction whose KV pool holds one request.
+        weights / kv_pool / workspace: bytes per GPU (workspace: activations and CUDA graphs).
+        kv_bytes_per_token / tokens_at_once: KV bytes per token per GPU, tokens the pool holds.
+    """
+
+    tp: int
+    replicas: int
+    mem_fraction: float
+    min_fraction: float
+    weights: int
+    kv_pool: int
+    workspace: int
+    kv_bytes_per_token: int
+    tokens_at_once: int
+
+
+@dataclass
 class Evaluation:
     """Memory of every phase for one set of offload settings."""
 
@@ -177,6 +255,8 @@ class Plan:
     given: Evaluation
     effects: dict[str, tuple[Evaluation, Evaluation]]  # flag -> (off, on), other flags as given
     recommended: Optional[Evaluation]  # None: nothing fits
+    assistant: Optional[AssistantInfo] = None  # the colocated assistant counted, if any
+    notes: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -281,6 +361,77 @@ def logits_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int, train: 
     return tokens * arch.vocab_size // tp * per
 
 
+def sglang_workspace_bytes(tp: int, chunked_prefill: int = ASSISTANT_CHUNKED_PREFILL,
+                           max_running: int = ASSISTANT_MAX_RUNNING) -> int:
+    """Memory an SGLang server uses beyond its static fraction (activations, CUDA graphs, metadata),
+    as SGLang 0.5.23 estimates it to choose its default ``--mem-fraction-static``
+    (``arg_groups/memory_hook.py``): 512 MiB + 1.5 MiB per chunked-prefill token (at least 2048)
+    + TP/8 GiB + 2 MiB per decode CUDA-graph batch size (capped by ``--max-running-requests``)."""
+    mib = 512 + 1.5 * max(chunked_prefill, 2048) + tp / 8 * 1024 + 2 * max_running
+    return int(mib * 2**20)
+
+
+def sglang_default_limits(gpu_memory_gib: float, tp: int) -> tuple[int, int]:
+    """SGLang 0.5.23's default chunked-prefill size and largest decode CUDA-graph batch for a GPU
+    of this size (``arg_groups/memory_hook.py``)."""
+    if gpu_memory_gib < 20:
+        return 2048, 8
+    if gpu_memory_gib < 60:
+        return 4096, (48 if gpu_memory_gib < 35 else 32) if tp < 4 else 160
+    if gpu_memory_gib < 160:
+        return 8192, 256 if tp < 4 else 512
+    return 16384, 512
+
+
+def assistant_weights_bytes(arch: ArchSpec, tp: int, dtype_bytes: int = 2) -> int:
+    """Weight bytes of one assistant TP rank (vocabulary and linear layers split ``tp`` ways)."""
+    return stage_numel(arch, tp, 1, 0) * dtype_bytes
+
+
+def _check_assistant(arch: ArchSpec, tp: int, gpus_per_node: int) -> None:
+    if tp < 1 or gpus_per_node % tp:
+        raise ValueError(f"ASSISTANT_TP={tp} must divide the {gpus_per_node} GPUs of a node")
+    if arch.num_attention_heads % tp:
+        raise ValueError(f"ASSISTANT_TP={tp} does not divide the assistant's {arch.num_attention_heads} "
+                         f"attention heads")
+
+
+def assistant_mem_fraction(arch: ArchSpec, tp: int, gpu_memory_gib: float, dtype_bytes: int = 2,
+                           kv_tokens: int = ASSISTANT_KV_TOKENS, context_gib: float = CUDA_CONTEXT_GIB) -> float:
+    """The ``--mem-fraction-static`` for a colocated assistant: its weights on one GPU plus a KV pool
+    of ``kv_tokens`` tokens, over the memory free when it starts (all but its CUDA context),
+    rounded up to a hundredth.
+
+    Raises:
+        ValueError: the weights and pool do not fit on one GPU (naming the sizes).
+    """
+    need = assistant_weights_bytes(arch, tp, dtype_bytes) + kv_tokens * kv_bytes_per_token(arch, dtype_bytes, tp)
+    free = (gpu_memory_gib - context_gib) * GIB
+    if need >= free:
+        raise ValueError(f"the assistant's weights and a {kv_tokens}-token KV pool need {need / GIB:.2f} GiB per GPU "
+                         f"at ASSISTANT_TP={tp}, more than the {free / GIB:.2f} GiB free: raise ASSISTANT_TP")
+    return math.ceil(round(need / free * 100, 6)) / 100
+
+
+def colocated_assistant(cfg: CooperConfig, policy: ArchSpec) -> tuple[Optional[AssistantSpec], list[str]]:
+    """The assistant the launchers start next to training for ``cfg``, and notes on what was assumed.
+
+    One is colocated when the RM's negatives come from an assistant (``reward.mode: cooper``,
+    ``rm.negatives: assistant``) at an address on this host; it is taken to have the policy's
+    shape and the preset's ``parallel.tp`` (``examples/launch_multinode.sh``'s defaults).
+    """
+    if cfg.reward.mode != "cooper" or cfg.rm.negatives != "assistant":
+        return None, []
+    url = cfg.rm.assistant_url
+    if urllib.parse.urlparse(url).hostname not in LOOPBACK_HOSTS:
+        return None, [f"assistant at {url}: a separate server, not counted on these GPUs"]
+    model, served = cfg.rm.assistant_model, os.path.basename(cfg.model.policy_hf.rstrip("/"))
+    same = "" if model == served else f" (rm.assistant_model={model!r}: assumed)"
+    return AssistantSpec(policy, tp=cfg.parallel.tp), [
+        f"colocated assistant at {url}: one SGLang server per node, the policy's shape{same}, "
+        f"ASSISTANT_TP={cfg.parallel.tp} (parallel.tp, the launcher's default); counted on every GPU"]
+
+
 def _seq_len(cfg: CooperConfig, opts: PlanOptions) -> int:
     return -(-(opts.prompt_tokens + cfg.rollout.max_new_tokens) // 8) * 8
 
@@ -326,6 +477,42 @@ class _Planner:
         self.seqs = self.prompts * cfg.rollout.group_size
         self.mbs = min(t.micro_batch_size, self.seqs)
         self.states = [self._states(s) for s in range(self.lay.pp)]
+        self.notes: list[str] = []
+        spec = opts.assistant
+        if spec == "auto":
+            spec, self.notes = colocated_assistant(cfg, policy)
+        elif spec == "none":
+            spec = None
+        self.assistant = self._assistant(spec) if spec is not None else None
+
+    def _assistant(self, spec: AssistantSpec) -> AssistantInfo:
+        """Weights, KV pool and workspace of the colocated assistant on one GPU."""
+        o = self.opts
+        _check_assistant(spec.arch, spec.tp, o.gpus_per_node)
+        fraction = spec.mem_fraction
+        if fraction is None:
+            fraction = assistant_mem_fraction(spec.arch, spec.tp, o.gpu_memory_gib, spec.dtype_bytes,
+                                              context_gib=o.context_gib)
+        if not 0 < fraction < 1:
+            raise ValueError(f"ASSISTANT_MEM_FRACTION must be in (0, 1), got {fraction}")
+        free = int((o.gpu_memory_gib - o.context_gib) * GIB)
+        weights = assistant_weights_bytes(spec.arch, spec.tp, spec.dtype_bytes)
+        per_token = kv_bytes_per_token(spec.arch, spec.dtype_bytes, spec.tp)
+        pool = int(fraction * free) - weights
+        minimum = math.ceil((weights + ASSISTANT_REQUEST_TOKENS * per_token) / free * 1000) / 1000
+        return AssistantInfo(spec.tp, o.gpus_per_node // spec.tp, fraction, minimum, weights, pool,
+                             sglang_workspace_bytes(spec.tp), per_token, max(pool, 0) // per_token)
+
+    def _assistant_bytes(self) -> dict[str, int]:
+        a = self.assistant
+        if a is None:
+            return {}
+        return {"assistant_weights": a.weights, "assistant_kv": max(a.kv_pool, 0), "assistant_workspace": a.workspace}
+
+    def _contexts(self, stage: int) -> int:
+        """CUDA contexts on one GPU of ``stage``: trainer, policy engine (SGLang, stage 0), assistant."""
+        n = 1 + (self.assistant is not None) + (stage == 0 and self.cfg.rollout.engine == "sglang")
+        return int(n * self.opts.context_gib * GIB)
 
     def _states(self, stage: int) -> dict[str, int]:
         lay, o = self.lay, self.opts
@@ -345,7 +532,8 @@ class _Planner:
         if cfg.rollout.engine == "sglang":
             weights = stage_numel(arch, lay.tp, 1, 0) * self.b
             per_token = kv_bytes_per_token(arch, self.b, lay.tp)
-            free = self.capacity - int(self.opts.overhead_gib * GIB) - sum(self.states[0].values())
+            free = (self.capacity - int(self.opts.overhead_gib * GIB) - self._contexts(0)
+                    - sum(self._assistant_bytes().values()) - sum(self.states[0].values()))
             pool = int(cfg.rollout.sglang_mem_fraction * free) - weights
             return EngineInfo("sglang", weights, pool, per_token, self.seqs, needed, max(pool, 0) // per_token)
         weights = model_numel(arch) * self.b
@@ -363,6 +551,12 @@ class _Planner:
             problems.append(f"SGLang's KV pool ({engine.kv_pool / GIB:.2f} GiB) holds {engine.tokens_at_once} "
                             f"tokens, less than one sequence ({self.seq}): raise rollout.sglang_mem_fraction "
                             f"or use more tensor/pipeline parallelism")
+        a = self.assistant
+        if a is not None and a.tokens_at_once < ASSISTANT_REQUEST_TOKENS:
+            problems.append(f"the colocated assistant's KV pool ({a.kv_pool / GIB:.2f} GiB at --mem-fraction-static "
+                            f"{a.mem_fraction:g}, weights {a.weights / GIB:.2f} GiB per GPU) holds {a.tokens_at_once} "
+                            f"tokens, less than one request ({ASSISTANT_REQUEST_TOKENS}): SGLang refuses to start; "
+                            f"set ASSISTANT_MEM_FRACTION >= {a.min_fraction:g}")
         return Evaluation(offload, self.capacity, worst, engine, self._host_bytes(offload, engine), problems)
 
     def _phases(self, stage: int, off: OffloadConfig, engine: EngineInfo) -> list[PhaseMemory]:
@@ -372,9 +566,11 @@ class _Planner:
         # SGLang's KV pool is static; the HF engine's cache lives only while it generates
         eng = {"engine_weights": engine.weights} if on_engine_gpu else {}
         if on_engine_gpu and engine.kind == "sglang":
-            eng["engine_kv"] = engine.kv_pool
+            limits = sglang_default_limits(self.opts.gpu_memory_gib, lay.tp)
+            eng.update(engine_kv=engine.kv_pool, engine_workspace=sglang_workspace_bytes(lay.tp, *limits))
         base = dict.fromkeys(COMPONENTS, 0)
-        base.update(state, overhead=int(self.opts.overhead_gib * GIB))
+        base.update(state, **self._assistant_bytes(), contexts=self._contexts(stage),
+                    overhead=int(self.opts.overhead_gib * GIB))
         last = stage == lay.pp - 1
         tokens = self.mbs * self.seq
         fwd_layer = layer_activation_bytes(arch, tokens, b, lay.tp, lay.sequence_parallel)
@@ -448,4 +644,4 @@ def plan(cfg: CooperConfig, policy: ArchSpec, rm: Optional[ArchSpec], opts: Plan
         if fitting:
             recommended = min(fitting, key=lambda ev: (_transfer_cost(ev, p.states[0]), ev.peak.total,
                                                        sum(dataclasses.astuple(ev.offload))))
-    return Plan(p.lay, policy, p.rm, opts, given, effects, recommended)
+    return Plan(p.lay, policy, p.rm, opts, given, effects, recommended, p.assistant, list(p.notes))

@@ -16,11 +16,22 @@ from typing import Any, Optional
 
 from cooper_mcore.config import CooperConfig
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
-from cooper_mcore.plan import COMPONENTS, GIB, OFFLOAD_FLAGS, Evaluation, Plan, model_numel, stage_numel
+from cooper_mcore.plan import (
+    COMPONENTS,
+    GIB,
+    OFFLOAD_FLAGS,
+    AssistantInfo,
+    Evaluation,
+    Plan,
+    model_numel,
+    stage_numel,
+)
 
 _SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer": "pol.opt", "rm_params": "rm.p",
           "rm_grads": "rm.g", "rm_optimizer": "rm.opt", "engine_weights": "eng.w", "engine_kv": "eng.kv",
-          "activations": "act", "logits": "logits", "buffers": "buf", "overhead": "ovh"}
+          "engine_workspace": "eng.ws", "assistant_weights": "asst.w", "assistant_kv": "asst.kv",
+          "assistant_workspace": "asst.ws",
+          "activations": "act", "logits": "logits", "buffers": "buf", "contexts": "ctx", "overhead": "ovh"}
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -71,6 +82,11 @@ def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
     return policy, rm, notes
 
 
+def _text(value: Any) -> str:
+    """A setting as written in the config (an enum's value)."""
+    return str(getattr(value, "value", value))
+
+
 def _gib(n: int) -> float:
     return round(n / GIB, 2)
 
@@ -94,6 +110,15 @@ def _arch_dict(arch: ArchSpec, plan: Plan) -> dict[str, Any]:
             "kv_heads": arch.num_query_groups, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size}
 
 
+def _assistant_dict(a: Optional[AssistantInfo]) -> Optional[dict[str, Any]]:
+    if a is None:
+        return None
+    return {"tp": a.tp, "replicas_per_node": a.replicas, "mem_fraction_static": a.mem_fraction,
+            "min_mem_fraction_static": a.min_fraction, "weights_gib": _gib(a.weights), "kv_pool_gib": _gib(a.kv_pool),
+            "workspace_gib": _gib(a.workspace), "kv_bytes_per_token": a.kv_bytes_per_token,
+            "tokens_at_once": a.tokens_at_once}
+
+
 def plan_to_dict(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None) -> dict[str, Any]:
     """The JSON document of ``cooper plan --json`` (top-level ``fits``: the run as configured fits)."""
     o, lay, eng = plan.options, plan.layout, plan.given.engine
@@ -104,7 +129,7 @@ def plan_to_dict(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = Non
         "gpu_memory_gib": o.gpu_memory_gib,
         "cluster": {"nodes": o.nodes, "gpus_per_node": o.gpus_per_node, "world_size": o.world_size},
         "layout": dataclasses.asdict(lay),
-        "dtype": cfg.model.dtype, "reward_mode": cfg.reward.mode,
+        "dtype": _text(cfg.model.dtype), "reward_mode": _text(cfg.reward.mode),
         "sequence": {"prompt_tokens": o.prompt_tokens, "max_new_tokens": cfg.rollout.max_new_tokens,
                      "micro_batch_size": cfg.train.micro_batch_size, "recompute": o.recompute},
         "models": {"policy": _arch_dict(plan.policy, plan),
@@ -112,6 +137,8 @@ def plan_to_dict(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = Non
         "engine": {"kind": eng.kind, "weights_gib": _gib(eng.weights), "kv_pool_gib": _gib(eng.kv_pool),
                    "kv_bytes_per_token": eng.kv_bytes_per_token, "sequences": eng.sequences,
                    "tokens_at_once": eng.tokens_at_once, "tokens_needed": eng.tokens_needed},
+        "assistant": _assistant_dict(plan.assistant),
+        "context_gib": o.context_gib, "overhead_gib": o.overhead_gib,
         "as_configured": _evaluation_dict(plan.given),
         "offload_effects": {f: {"configured": getattr(plan.given.offload, f), "peak_off_gib": _gib(off.peak.total),
                                 "peak_on_gib": _gib(on.peak.total), "rollout_off_gib": _gib(off.phases[0].total),
@@ -121,7 +148,7 @@ def plan_to_dict(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = Non
                             for f, (off, on) in plan.effects.items()},
         "recommended": _evaluation_dict(plan.recommended) if plan.recommended is not None else None,
         "host_per_node_gib": _gib(plan.given.host_per_gpu * o.gpus_per_node),
-        "notes": list(notes or []),
+        "notes": plan.notes + list(notes or []),
         "measured": False,  # these figures have not been compared with measured GPU memory
     }
 
@@ -146,7 +173,8 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
     o, lay, ev, eng = plan.options, plan.layout, plan.given, plan.given.engine
     cap = o.gpu_memory_gib
     lines = [f"cooper plan: {o.nodes} node(s) x {o.gpus_per_node} GPUs, {cap:g} GiB each; tp={lay.tp} pp={lay.pp} "
-             f"dp={lay.dp}{' sp' if lay.sequence_parallel else ''}; {cfg.model.dtype}; reward mode {cfg.reward.mode}"]
+             f"dp={lay.dp}{' sp' if lay.sequence_parallel else ''}; {_text(cfg.model.dtype)}; reward mode "
+             f"{_text(cfg.reward.mode)}"]
     for name, arch in (("policy", plan.policy), ("reward model", plan.rm)):
         if arch is not None:
             per = [stage_numel(arch, lay.tp, lay.pp, s) for s in range(lay.pp)]
@@ -159,6 +187,12 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
     lines.append(f"engine: {eng.kind}, weights {eng.weights / GIB:.2f} GiB/GPU, KV cache {eng.kv_pool / GIB:.2f} GiB "
                  f"= {eng.tokens_at_once:,} tokens ({eng.kv_bytes_per_token:,} B/token/GPU); one rollout needs "
                  f"{eng.tokens_needed:,}")
+    a = plan.assistant
+    if a is not None:
+        lines.append(f"assistant (colocated): TP={a.tp} x {a.replicas} replicas per node, --mem-fraction-static "
+                     f"{a.mem_fraction:g} (at least {a.min_fraction:g}): weights {a.weights / GIB:.2f} GiB/GPU, "
+                     f"KV cache {a.kv_pool / GIB:.2f} GiB = {a.tokens_at_once:,} tokens, workspace "
+                     f"{a.workspace / GIB:.2f} GiB")
     lines += ["", f"per-GPU memory (GiB, worst pipeline stage), offload as configured: {_offload_text(ev)}"]
     lines += _phase_table(ev)
     lines += ["", f"{'offload setting':<18}{'configured':>11}{'peak off':>10}{'peak on':>9}{'rollout off':>13}"
@@ -183,6 +217,6 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
                      f"rollout.sglang_mem_fraction")
     lines.append(f"host memory per node (reference copy, offloaded state): "
                  f"{ev.host_per_gpu * o.gpus_per_node / GIB:.1f} GiB")
-    lines += [f"note: {n}" for n in notes or []]
+    lines += [f"note: {n}" for n in plan.notes + list(notes or [])]
     lines.append("note: estimates, not compared with measured GPU peak memory (see cooper_mcore/plan.py)")
     return "\n".join(lines)

@@ -1,9 +1,11 @@
 """The memory planner (`cooper plan`) against hand computations, and its parameter and training-state
 counts against the megatron model that cooper_mcore.models.builder really builds (single process;
-the TP/PP/DP layouts are in tests/multiproc/test_plan_dist.py)."""
+the TP/PP/DP layouts are in tests/multiproc/test_plan_dist.py). The colocated assistant is checked
+with the 7B preset's numbers (the shipped presets' verdicts are in tests/unit/test_presets.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,14 +15,21 @@ import pytest
 from cooper_mcore.config import CooperConfig, OffloadConfig, load_config
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.plan import (
+    ASSISTANT_KV_TOKENS,
     GIB,
+    AssistantSpec,
     Layout,
     PlanOptions,
+    assistant_mem_fraction,
+    assistant_weights_bytes,
+    colocated_assistant,
     kv_bytes_per_token,
     layer_activation_bytes,
     logits_bytes,
     model_numel,
     plan,
+    sglang_default_limits,
+    sglang_workspace_bytes,
     stage_numel,
     training_activation_bytes,
     training_state,
@@ -28,6 +37,7 @@ from cooper_mcore.plan import (
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
 QWEN15_N = 1_543_714_304  # Qwen2.5-1.5B-Instruct, published parameter count
+CTX = 3 * GIB // 4  # the planner's CUDA context per process and GPU (0.75 GiB, measured 736 MiB on an H100)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -112,7 +122,7 @@ def test_sglang_kv_pool_by_hand():
     p = plan(config("rollout.sglang_mem_fraction=0.5"), a, None, PlanOptions(gpus_per_node=8, gpu_memory_gib=80))
     n = QWEN15_N
     resident = 2 * n + 4 * n + 12 * math.ceil(n / 8)  # the trainer's state when the engine starts (dp=8)
-    free = 80 * GIB - 2 * GIB - resident
+    free = 80 * GIB - 2 * GIB - 2 * CTX - resident  # overhead, the trainer's and the engine's CUDA contexts
     pool = int(0.5 * free) - 2 * n
     eng = p.given.engine
     assert (eng.weights, eng.kv_pool) == (2 * n, pool)
@@ -161,8 +171,9 @@ def test_offload_turns_a_non_fitting_run_into_a_fitting_one():
     n = QWEN15_N
     cfg, opts = _hf_rollout_setting()
     # rollout on one GPU by hand: training state (dp=1) + the HF engine's whole model + the KV cache of 64
-    # sequences of 2048 tokens + prefill workspace of 64 x 1536 prompt tokens + 2 GiB overhead
-    rollout = (2 + 4 + 12) * n + 2 * n + 64 * 2048 * 28_672 + 64 * 1536 * 2 * 52_736 + 2 * GIB
+    # sequences of 2048 tokens + prefill workspace of 64 x 1536 prompt tokens + 2 GiB overhead + the trainer's
+    # CUDA context (the HF engine runs inside the trainer)
+    rollout = (2 + 4 + 12) * n + 2 * n + 64 * 2048 * 28_672 + 64 * 1536 * 2 * 52_736 + 2 * GIB + CTX
     ev = plan(cfg, a, None, opts).given
     assert ev.peak.phase == "rollout" and ev.peak.total == rollout
     # a GPU 1.5 x the parameters' bf16 bytes too small: offloading the bf16 params (2n) is not enough, the fp32
@@ -179,13 +190,15 @@ def test_offload_turns_a_non_fitting_run_into_a_fitting_one():
 
 def test_sglang_needs_the_engine_released_during_training():
     a = arch("qwen2.5-1.5b-instruct")
-    cfg = config("offload.release_engine=false", "rollout.sglang_mem_fraction=0.9", "train.micro_batch_size=1")
+    cfg = config("offload.release_engine=false", "rollout.sglang_mem_fraction=0.7", "train.micro_batch_size=1")
     opts = PlanOptions(gpus_per_node=8, gpu_memory_gib=40)
     p = plan(cfg, a, None, opts)
     n = QWEN15_N
-    static = int(0.9 * (40 * GIB - 2 * GIB - (6 * n + 12 * math.ceil(n / 8))))
+    static = int(0.7 * (40 * GIB - 2 * GIB - 2 * CTX - (6 * n + 12 * math.ceil(n / 8))))
     update = {ph.phase: ph for ph in p.given.phases}["policy_update"].components
     assert update["engine_weights"] + update["engine_kv"] == static
+    # not released, its CUDA graphs and activations stay too: SGLang's estimate at its 40 GiB-GPU defaults
+    assert update["engine_workspace"] == (512 + 1.5 * 4096 + 1 / 8 * 1024 + 2 * 32) * 2**20
     assert not p.fits and p.needed_overrides() == {"offload.release_engine": True}
     assert {ph.phase: ph for ph in p.recommended.phases}["policy_update"].components["engine_kv"] == 0
 
@@ -294,20 +307,95 @@ def test_counts_equal_the_built_megatron_model(world, family, model_type):
     assert abs(off.device_bytes("optimizer") - planned["optimizer"]) <= 0.03 * planned["optimizer"]
 
 
-@pytest.mark.parametrize("preset, nodes, policy", [
-    ("qwen2.5-1.5b_8xh100.yaml", 1, "qwen2.5-1.5b-instruct"),
-    ("llama3.2-1b_8xh100.yaml", 1, "llama-3.2-1b-instruct"),
-    ("qwen2.5-7b_multinode.yaml", 2, "qwen2.5-7b-instruct"),
-    ("qwen2.5-7b_multinode.yaml", 4, "qwen2.5-7b-instruct"),
-])
-def test_the_cluster_presets_fit_on_80_gib_gpus(capsys, preset, nodes, policy):
-    from cooper_mcore.cli import main
+def test_sglang_workspace_as_sglang_estimates_it():
+    # 512 MiB + 1.5 MiB per chunked-prefill token + TP/8 GiB + 2 MiB per decode CUDA-graph batch size
+    assert sglang_workspace_bytes(2) == (512 + 3072 + 256 + 128) * 2**20  # the assistant: 2048-token chunks, 64 running
+    assert sglang_workspace_bytes(1, chunked_prefill=1024, max_running=8) == (512 + 3072 + 128 + 16) * 2**20
+    assert sglang_default_limits(79.18, 2) == (8192, 256) and sglang_default_limits(79.18, 4) == (8192, 512)
+    assert sglang_default_limits(39.4, 1) == (4096, 32) and sglang_default_limits(139.8, 8) == (8192, 512)
 
-    # VerifyRM's backbone (Qwen2.5-Math-1.5B-Instruct) has Qwen2.5-1.5B-Instruct's shape
-    assert main(["plan", "--config", str(CONFIGS.parent / preset), "--nodes", str(nodes), "--gpus-per-node", "8",
-                 "--gpu-memory-gib", "80", "--policy-config", str(CONFIGS / f"{policy}.json"),
-                 "--rm-config", str(CONFIGS / "qwen2.5-1.5b-instruct.json"), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["fits"] is True and doc["needed_overrides"] == {}, doc["as_configured"]["peak"]
-    assert doc["cluster"]["world_size"] == 8 * nodes
-    assert doc["engine"]["tokens_at_once"] >= 512 + 512  # SGLang's KV pool holds at least one sequence
+
+def _7b_weights_by_hand() -> int:
+    """Qwen2.5-7B-Instruct on one of 2 TP ranks, bf16: the issue's "7.1 GiB of weights per GPU"."""
+    layer = 2 * 3584 + (3584 + 2 * 512) * 3584 // 2 + (3584 + 2 * 512) // 2 + 3584 * 3584 // 2 + 3 * 3584 * 18944 // 2
+    assert layer == 116_532_480
+    per_rank = 28 * layer + 2 * (152064 * 3584 // 2) + 3584  # untied embedding and output layer halves, final norm
+    return 2 * per_rank
+
+
+def test_the_7b_assistant_needs_more_than_the_old_fixed_fraction():
+    """The 7B preset's assistant (Qwen2.5-7B-Instruct, TP=2) on an H100 as torch reports it (79.18 GiB): the
+    launcher's old fixed --mem-fraction-static 0.08 leaves no KV cache, so SGLang refused to start."""
+    a7 = arch("qwen2.5-7b-instruct")
+    weights = _7b_weights_by_hand()
+    assert assistant_weights_bytes(a7, 2) == weights == 7_615_820_800  # 7.09 GiB
+    free = 79.18 * GIB - 0.75 * GIB  # all but the server's own CUDA context
+    kv = 2 * 28 * (4 // 2) * 128 * 2  # bytes per token on one GPU: K and V, 28 layers, 2 of 4 KV heads, bf16
+    assert kv_bytes_per_token(a7, 2, tp=2) == kv == 28_672
+    derived = assistant_mem_fraction(a7, 2, 79.18)
+    assert derived == math.ceil((weights + ASSISTANT_KV_TOKENS * kv) / free * 100) / 100 == 0.12
+    assert 0.08 * free - weights < 0  # the old default: weights alone exceed the static share
+
+    cfg = config("reward.mode=cooper", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                 "train.micro_batch_size=4", "train.prompts_per_step=96")
+    opts = dict(gpus_per_node=8, nodes=2, gpu_memory_gib=79.18)
+    rm = arch("qwen2.5-1.5b-instruct", "reward")
+    old = plan(cfg, a7, rm, PlanOptions(**opts, assistant=AssistantSpec(a7, tp=2, mem_fraction=0.08)))
+    assert not old.fits and old.recommended is None  # no offload can help
+    (problem,) = [p for p in old.given.problems if "assistant" in p]
+    minimum = math.ceil((weights + 2048 * kv) / free * 1000) / 1000
+    assert minimum == 0.092 and f"ASSISTANT_MEM_FRACTION >= {minimum:g}" in problem and "refuses to start" in problem
+    new = plan(cfg, a7, rm, PlanOptions(**opts, assistant=AssistantSpec(a7, tp=2)))
+    a = new.assistant
+    assert (a.tp, a.replicas, a.mem_fraction, a.weights) == (2, 4, 0.12, weights)
+    assert a.kv_pool == int(0.12 * int(free)) - weights and a.tokens_at_once == a.kv_pool // kv >= ASSISTANT_KV_TOKENS
+    assert not [p for p in new.given.problems if "assistant" in p]
+
+
+def test_the_assistant_is_counted_on_every_gpu_in_every_phase():
+    a15, rm = arch("qwen2.5-1.5b-instruct"), arch("qwen2.5-1.5b-instruct", "reward")
+    cfg = config("reward.mode=cooper", "train.micro_batch_size=4", "rollout.sglang_mem_fraction=0.4")
+    base = PlanOptions(gpus_per_node=8, gpu_memory_gib=79.18)
+    without = plan(cfg, a15, rm, dataclasses.replace(base, assistant="none"))
+    spec = AssistantSpec(a15, tp=1)
+    with_ = plan(cfg, a15, rm, dataclasses.replace(base, assistant=spec))
+    a = with_.assistant
+    assert a.mem_fraction == assistant_mem_fraction(a15, 1, 79.18) == 0.06
+    held = a.weights + a.kv_pool + a.workspace + CTX  # static share, workspace, its scheduler's CUDA context
+    assert a.weights + a.kv_pool == int(0.06 * int(78.43 * GIB)) and a.workspace == sglang_workspace_bytes(1)
+    # the policy's engine starts after it and sizes its pool from what is left
+    assert without.given.engine.kv_pool - with_.given.engine.kv_pool == pytest.approx(0.4 * held, abs=2)
+    for ph_without, ph_with in zip(without.given.phases, with_.given.phases):
+        engine_kv = ph_with.components["engine_kv"] - ph_without.components["engine_kv"]
+        assert ph_with.total - ph_without.total - engine_kv == held, ph_with.phase
+
+
+def test_the_colocated_assistant_is_inferred_from_the_config():
+    a15 = arch("qwen2.5-1.5b-instruct")
+    cfg = config("reward.mode=cooper", "rm.negatives=assistant", "rm.assistant_url=http://127.0.0.1:30010",
+                 "rm.assistant_model=Qwen2.5-1.5B-Instruct", "model.policy_hf=/models/Qwen2.5-1.5B-Instruct")
+    spec, notes = colocated_assistant(cfg, a15)
+    assert spec == AssistantSpec(a15, tp=1) and "ASSISTANT_TP=1" in notes[0] and "assumed" not in notes[0]
+    other = config("reward.mode=cooper", "rm.negatives=assistant", "rm.assistant_url=http://localhost:30010/v1",
+                   "rm.assistant_model=Other", "parallel.tp=2")
+    spec, notes = colocated_assistant(other, a15)
+    assert spec.tp == 2 and "rm.assistant_model='Other': assumed" in notes[0]
+    remote = config("reward.mode=cooper", "rm.negatives=assistant", "rm.assistant_url=http://assistant-host:30000",
+                    "rm.assistant_model=M")
+    assert colocated_assistant(remote, a15)[0] is None
+    assert colocated_assistant(config("reward.mode=cooper", "rm.negatives=perturb"), a15) == (None, [])
+    p = plan(cfg, a15, arch("qwen2.5-1.5b-instruct", "reward"), PlanOptions(gpus_per_node=8, gpu_memory_gib=79.18))
+    assert p.assistant is not None and p.assistant.replicas == 8
+    assert p.notes == colocated_assistant(cfg, a15)[1]
+
+
+def test_assistant_settings_are_checked():
+    a15 = arch("qwen2.5-1.5b-instruct")
+    cfg = config()
+    with pytest.raises(ValueError, match="ASSISTANT_TP=3 must divide the 8 GPUs"):
+        plan(cfg, a15, None, PlanOptions(gpus_per_node=8, gpu_memory_gib=80, assistant=AssistantSpec(a15, tp=3)))
+    with pytest.raises(ValueError, match="ASSISTANT_MEM_FRACTION must be in"):
+        plan(cfg, a15, None, PlanOptions(gpus_per_node=8, gpu_memory_gib=80,
+                                         assistant=AssistantSpec(a15, mem_fraction=1.2)))
+    with pytest.raises(ValueError, match="more than the .* GiB free: raise ASSISTANT_TP"):
+        assistant_mem_fraction(arch("qwen2.5-7b-instruct"), 1, 16)

@@ -1,10 +1,11 @@
 """The presets in examples/: each loads, passes validation on the GPU count it states, fits the models
-it names (TP/PP against their real head and layer counts), and the paper preset holds the paper's
-settings.
+it names (TP/PP against their real head and layer counts) and, by ``cooper plan``'s own verdict, the
+memory of the GPUs it states with its colocated assistant counted; the paper preset holds the
+paper's settings.
 
-A preset states where it runs in a header line ``# launch: nodes=1,2 gpus_per_node=8``; a preset
-without one is a one-process run. Model paths in presets are placeholders (``/models/...``), so
-validation runs with those paths pointed at empty stand-ins.
+A preset states where it runs in a header line ``# launch: nodes=1,2 gpus_per_node=8
+gpu_memory_gib=79.18``; a preset without one is a one-process run. Model paths in presets are
+placeholders (``/models/...``), so validation runs with those paths pointed at empty stand-ins.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from cooper_mcore.parallel import ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "examples").glob("*.yaml"))
+CONFIGS = ROOT / "examples" / "model_configs"
+POLICY_CONFIGS = {"Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b-instruct", "Llama-3.2-1B-Instruct": "llama-3.2-1b-instruct",
+                  "Qwen2.5-7B-Instruct": "qwen2.5-7b-instruct"}
+HEADROOM = 0.10  # of the GPU left free by the predicted peak: the planner's figures are estimates, not measured
 PATH_FIELDS = [("model", "policy_ckpt"), ("model", "policy_hf"), ("model", "rm_ckpt"),
                ("data", "train_path"), ("data", "eval_path")]
 
@@ -42,12 +47,19 @@ REAL_CONFIGS = {
 }
 
 
-def launch_worlds(path: Path) -> list[int]:
-    """World sizes a preset states it runs on (``# launch: nodes=A,B gpus_per_node=N``), else [1]."""
-    m = re.search(r"^# launch: nodes=([0-9,]+) gpus_per_node=(\d+)\s*$", path.read_text(), flags=re.M)
+def launch_line(path: Path) -> tuple[list[int], int, float]:
+    """(node counts, GPUs per node, GiB per GPU) a preset states it runs on, or ([1], 1, 0.0)."""
+    m = re.search(r"^# launch: nodes=([0-9,]+) gpus_per_node=(\d+) gpu_memory_gib=([0-9.]+)\b",
+                  path.read_text(), flags=re.M)
     if not m:
-        return [1]
-    return [int(n) * int(m.group(2)) for n in m.group(1).split(",")]
+        return [1], 1, 0.0
+    return [int(n) for n in m.group(1).split(",")], int(m.group(2)), float(m.group(3))
+
+
+def launch_worlds(path: Path) -> list[int]:
+    """World sizes a preset states it runs on, else [1]."""
+    nodes, per_node, _ = launch_line(path)
+    return [n * per_node for n in nodes]
 
 
 def with_stand_in_paths(cfg, tmp_path: Path):
@@ -181,3 +193,47 @@ def test_each_sglang_engine_starts_on_its_own_gpu(monkeypatch):
     assert len(seen) == 1
     assert (seen[0].base_gpu_id, seen[0].tp_size, seen[0].dtype) == (6, 2, "bfloat16")
     assert seen[0].model_path == "/models/Qwen2.5-7B-Instruct"
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if launch_worlds(p) != [1]], ids=lambda p: p.name)
+def test_preset_fits_its_gpus_with_its_colocated_assistant(preset, capsys):
+    """`cooper plan`'s verdict on every node count the preset states, as a user runs it: the colocated
+    assistant the launcher starts is counted (its derived --mem-fraction-static, TP = parallel.tp), and
+    the peak leaves HEADROOM of the GPU free."""
+    from cooper_mcore.cli import main
+
+    cfg = load_config(str(preset))
+    policy = POLICY_CONFIGS[Path(cfg.model.policy_hf).name]
+    nodes, per_node, gib = launch_line(preset)
+    assert gib > 0, f"{preset.name}: the launch line states no GPU memory"
+    for n in nodes:
+        # VerifyRM's backbone (Qwen2.5-Math-1.5B-Instruct) has Qwen2.5-1.5B-Instruct's shape
+        assert main(["plan", "--config", str(preset), "--nodes", str(n), "--gpus-per-node", str(per_node),
+                     "--gpu-memory-gib", str(gib), "--policy-config", str(CONFIGS / f"{policy}.json"),
+                     "--rm-config", str(CONFIGS / "qwen2.5-1.5b-instruct.json"), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        peak = doc["as_configured"]["peak"]
+        assert doc["fits"] is True and doc["needed_overrides"] == {}, (n, peak, doc["as_configured"]["problems"])
+        assert peak["gib"] <= (1 - HEADROOM) * gib, (n, peak)
+        assert doc["cluster"]["world_size"] == per_node * n
+        assert doc["engine"]["tokens_at_once"] >= 512 + 512  # SGLang's KV pool holds at least one sequence
+        asst = doc["assistant"]  # the presets' assistants are colocated: counted, and able to start
+        assert asst is not None and asst["tp"] == cfg.parallel.tp and asst["tokens_at_once"] >= 65_536, asst
+        assert asst["mem_fraction_static"] >= asst["min_mem_fraction_static"]
+        components = doc["as_configured"]["phases"][0]["components_gib"]
+        assert components["assistant_weights"] > 0 and components["contexts"] >= 3 * 0.75
+
+
+def test_micro_batch_8_did_not_fit_with_the_assistant(capsys):
+    """The old 1.5B setting (micro-batch 8) passes only when the assistant is left out: what the issue found."""
+    from cooper_mcore.cli import main
+
+    preset = ROOT / "examples" / "qwen2.5-1.5b_8xh100.yaml"
+    args = ["plan", "--config", str(preset), "--gpus-per-node", "8", "--gpu-memory-gib", "79.18", "--policy-config",
+            str(CONFIGS / "qwen2.5-1.5b-instruct.json"), "--rm-config", str(CONFIGS / "qwen2.5-1.5b-instruct.json"),
+            "--json", "train.micro_batch_size=8"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] is False and doc["as_configured"]["peak"]["phase"] == "policy_update"
+    assert main(args + ["rm.assistant_url=http://assistant-host:30000"]) == 0  # the assistant elsewhere
+    assert json.loads(capsys.readouterr().out)["assistant"] is None
