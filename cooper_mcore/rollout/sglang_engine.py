@@ -30,6 +30,7 @@ import requests
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions on ForkingPickler)
+from torch.multiprocessing import reductions
 
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
 
@@ -176,9 +177,16 @@ class SGLangConfig:
                             (nccl_port != port, f"nccl_port must differ from port ({port})"),
                             (not (self.device == "cpu" and self.memory_saver()),
                              "enable_memory_saver needs device='cuda' (SGLang cannot release memory on CPU)"),
+                            (not (self.enable_deterministic_inference and self._attention_backend() == "torch_native"),
+                             "enable_deterministic_inference needs an attention backend SGLang 0.5.23 makes "
+                             "deterministic (fa3, fa4, flashinfer, triton, ...), not torch_native (the CPU "
+                             "backend): per-request sampling seeds are not available on CPU"),
                             (self.base_gpu_id >= 0, f"base_gpu_id must be >= 0, got {self.base_gpu_id}")):
             if not ok:
                 raise ValueError(f"SGLangConfig.{problem}")
+
+    def _attention_backend(self) -> Optional[str]:
+        return self.attention_backend or ("torch_native" if self.device == "cpu" else None)
 
     def server_args(self) -> dict[str, Any]:
         """``ServerArgs`` keyword arguments (``None`` values left to SGLang's defaults); the ports are
@@ -188,7 +196,7 @@ class SGLangConfig:
         args.update(port=self.resolved_port(), nccl_port=self.resolved_nccl_port(),
                     enable_memory_saver=self.memory_saver())
         if self.device == "cpu":
-            args.update(disable_cuda_graph=True, attention_backend=self.attention_backend or "torch_native")
+            args.update(disable_cuda_graph=True, attention_backend=self._attention_backend())
             del args["base_gpu_id"]
         args = {k: v for k, v in args.items() if v is not None}
         clash = sorted(set(self.extra_server_args) & SERVER_ARG_NAMES)
@@ -371,28 +379,49 @@ def serialize_for_sglang(obj: Any, as_base64: bool) -> Any:
     """Pickle ``obj`` as SGLang's ``MultiprocessingSerializer`` does (``ForkingPickler``; tensors are
     shared, not copied), as bytes or as a base64 string for JSON.
 
-    CUDA tensors travel as CUDA-IPC handles. CPU tensors are moved to shared memory and travel by
-    file name (torch's ``file_system`` sharing strategy, for this call only): the default
-    file-descriptor strategy hands descriptors over a socket authenticated with the
-    multiprocessing authkey, which only this process's own children share, so a server launched
-    apart (``launch``, ``connect``) or a payload made by another trainer rank could not open them.
+    CUDA tensors travel as CUDA-IPC handles naming their GPU by UUID, as SGLang's
+    ``monkey_patch_torch_reductions`` sends them (its receiver maps the UUID back to a device
+    index, so the server may see a different ``CUDA_VISIBLE_DEVICES``). SGLang's patch itself is
+    not applied: it assumes every tensor is a CUDA tensor and fails on CPU ones.
+
+    CPU tensors are moved to shared memory and travel by file name (torch's ``file_system``
+    sharing strategy, for this call only): the default file-descriptor strategy hands descriptors
+    over a socket authenticated with the multiprocessing authkey, which only this process's own
+    children share, so a server launched apart (``launch``, ``connect``) or a payload made by
+    another trainer rank could not open them.
     """
-    _patch_torch_reductions()
     buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_for_sglang
+    pickler.dispatch_table[torch.nn.Parameter] = _reduce_tensor_for_sglang
     strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
-        ForkingPickler(buf).dump(obj)
+        pickler.dump(obj)
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
     data = buf.getvalue()
     return base64.b64encode(data).decode("ascii") if as_base64 else data
 
 
+_CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments (SGLang's constant)
+
+
+def _reduce_tensor_for_sglang(t: torch.Tensor) -> tuple[Any, tuple]:
+    """torch's tensor reduction (unpatched); for CUDA tensors the device index becomes the GPU's UUID."""
+    reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # SGLang may have patched it
+    fn, args = reduce(t)
+    if t.is_cuda:
+        uuid = str(torch.cuda.get_device_properties(args[_CUDA_DEVICE_ARG]).uuid)
+        args = (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1:])
+    return fn, args
+
+
 def rank_payload(bucket: Sequence[tuple[str, torch.Tensor]], as_base64: bool) -> Any:
     """The payload one SGLang TP rank loads for ``bucket`` (full Hugging Face tensors, one device):
     flattened (:func:`flatten_bucket`), wrapped (:func:`sglang_bucket_payload`) and pickled with
-    shared tensors (:func:`serialize_for_sglang`). The tensors must stay alive until SGLang has
+    shared tensors (:func:`serialize_for_sglang`). Make one per SGLang TP rank (torch counts the
+    consumers of a CUDA-IPC handle per pickling), and keep the tensors alive until SGLang has
     loaded it."""
     return serialize_for_sglang(sglang_bucket_payload(flatten_bucket(bucket)), as_base64)
 
@@ -402,8 +431,9 @@ def gather_rank_payloads(payload: Any, group: Optional[dist.ProcessGroup] = None
 
     With the trainer's TP group and an engine whose TP ranks sit on the same GPUs in the same
     order, SGLang's TP rank ``i`` then reads its weights from trainer TP rank ``i``'s own GPU
-    (``update_weights_from_payloads``) instead of every SGLang rank reading the leader's GPU.
-    Only the pickled handles travel (a few hundred bytes per bucket), not the tensors.
+    (:meth:`SGLangEngine.update_weights_from_payloads`) instead of every SGLang rank reading the
+    leader's GPU. Only the pickled handles travel (a few hundred bytes per bucket), not the
+    tensors; every rank must keep its bucket alive until the leader's update returns.
 
     Returns:
         The payloads in group-rank order on ``dst``, None elsewhere.
@@ -412,24 +442,6 @@ def gather_rank_payloads(payload: Any, group: Optional[dist.ProcessGroup] = None
     dist.gather_object(payload, gathered, dst=dist.get_global_rank(group, dst) if group is not None else dst,
                        group=group)
     return gathered
-
-
-_patched: list[bool] = []
-
-
-def _patch_torch_reductions() -> None:
-    """Use SGLang's reductions when available (CUDA devices sent by UUID, so the server may see a
-    different ``CUDA_VISIBLE_DEVICES``); without sglang, device indices must agree."""
-    if _patched:
-        return
-    try:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()
-        _patched.append(True)
-    except ImportError:
-        _patched.append(False)
-        logger.info("sglang not importable here: CUDA tensors are sent with plain torch reductions")
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -705,15 +717,14 @@ class SGLangEngine:
     # -- weights -----------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
         """One ``update_weights_from_tensor`` call per bucket inside one weight-update session, the
-        cache flushed with the last; then ``weight_version = version``. Every SGLang TP rank gets a
-        payload of the same tensors (this process's; over CUDA IPC from its GPU). Tensors must stay
-        valid until this returns."""
+        cache flushed with the last; then ``weight_version = version``. Every SGLang TP rank gets its
+        own payload of the same tensors (this process's; over CUDA IPC from its GPU). Tensors must
+        stay valid until this returns."""
         as_base64 = self._client is not None
 
         def payloads() -> Iterator[list[Any]]:
             for bucket in buckets:
-                blob = rank_payload(bucket, as_base64)
-                yield [blob] * self.tp_size  # each rank unpickles its own entry once: one blob serves all
+                yield [rank_payload(bucket, as_base64) for _ in range(self.tp_size)]
 
         self.update_weights_from_payloads(payloads(), version)
 
