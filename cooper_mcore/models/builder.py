@@ -116,9 +116,14 @@ class ScalarHead(MegatronModule):
 class RewardGPTModel(GPTModel):
     """A GPT backbone whose output layer is a :class:`ScalarHead`.
 
-    ``forward(..., sequence_lengths=L)`` returns the score at position ``L - 1`` of each row
-    (the last non-pad token of right-padded inputs) on the last pipeline stage, ``[b]``;
-    without ``sequence_lengths`` it returns the per-token scores ``[b, s]``.
+    On the last pipeline stage ``forward`` returns:
+
+    * with ``sequence_lengths=L`` ``[b]``: the score at position ``L - 1`` of each right-padded row
+      (its last non-pad token), ``[b]``;
+    * with ``score_positions=P`` ``[k]``: the scores at the flat positions ``P`` of the ``[b, s]``
+      output, ``[k]``; for a packed row (``b = 1``, ``packed_seq_params``) these are the sequences'
+      last tokens, ``PackedBatch.last_token_positions``;
+    * with neither: the per-token scores ``[b, s]``.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -127,11 +132,16 @@ class RewardGPTModel(GPTModel):
         if self.post_process:
             self.output_layer = ScalarHead(self.config, self.pg_collection.tp)
 
-    def forward(self, input_ids, position_ids, attention_mask, *args, sequence_lengths=None, **kwargs):
+    def forward(self, input_ids, position_ids, attention_mask, *args, sequence_lengths=None,
+                score_positions=None, **kwargs):
+        if sequence_lengths is not None and score_positions is not None:
+            raise ValueError("RewardGPTModel.forward: pass sequence_lengths or score_positions, not both")
         out = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         if not self.post_process:
             return out
         scores = out.squeeze(-1)
+        if score_positions is not None:
+            return scores.reshape(-1)[score_positions.to(scores.device)]
         if sequence_lengths is None:
             return scores
         rows = torch.arange(scores.shape[0], device=scores.device)

@@ -1,19 +1,142 @@
-"""Forward passes through a TP/PP-parallel model with megatron-core's pipeline schedules."""
+"""Forward passes through a TP/PP-parallel model with megatron-core's pipeline schedules.
+
+Two layouts of a micro-batch:
+
+* right-padded rows ``[b, s]`` (:func:`forward_only`, ``position_ids_for``), the default;
+* one packed row (:class:`~cooper_mcore.models.packing.PackedBatch`, megatron's ``thd`` format):
+  :func:`forward_packed` calls the model with ``PackedSeqParams``, so attention stays within each
+  sequence and rotary positions restart per sequence. megatron-core 0.16's ``GPTModel`` does not
+  use ``position_ids`` for rotary embeddings (it builds positions ``0..max_seqlen-1`` and
+  ``Attention`` applies them per ``cu_seqlens`` segment); the packed ``position_ids`` are passed
+  for completeness only.
+
+:func:`run_schedule` runs a list of micro-batches whose shapes may differ (token-budget
+micro-batches, packs of different widths) through megatron's schedule: with pipeline parallelism it
+turns on ``config.variable_seq_lengths`` for the call, so stages exchange each activation's shape
+first. :func:`packed_logprobs` and :func:`packed_rm_scores` are the two forward-only passes
+(log-probabilities of the policy or reference model, reward-model scores) on packed micro-batches.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from cooper_mcore.models.packing import PackedBatch, pack_micro_batches
 from cooper_mcore.parallel import device
 
 
 def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     """Positions ``0..s-1`` for right-padded rows."""
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def sequence_multiple(model: torch.nn.Module) -> int:
+    """What a row length must be a multiple of: the TP size with sequence parallelism, else 1."""
+    config = unwrap(model).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def packed_seq_params(pack: PackedBatch, dev: Optional[torch.device] = None) -> PackedSeqParams:
+    """megatron-core's ``PackedSeqParams`` of a pack (``thd``, int32 ``cu_seqlens`` on ``dev``).
+
+    The padding at the end of a pack is its own segment, so no ``cu_seqlens_*_padded`` are set.
+    """
+    cu = pack.cu_seqlens.to(device=dev or device(), dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=pack.max_seqlen, max_seqlen_kv=pack.max_seqlen)
+
+
+def forward_packed(model: torch.nn.Module, pack: PackedBatch, **kwargs: Any) -> torch.Tensor:
+    """Call this rank's stage on one packed row.
+
+    Args:
+        model: this rank's stage (inside a megatron forward step).
+        pack: the packed micro-batch (on any device; moved to this rank's device).
+        kwargs: passed to the model, e.g. ``score_positions=pack.last_token_positions`` for a
+            reward model.
+
+    Returns:
+        What the stage returns: the hidden states on inner stages; on the last stage the logits
+        ``[1, T, vocab / tp]`` (policy), per-token scores ``[1, T]`` or the scores at
+        ``score_positions`` (reward model).
+    """
+    dev = device()
+    return model(pack.input_ids.to(dev), pack.position_ids.to(dev), None,
+                 packed_seq_params=packed_seq_params(pack, dev), **kwargs)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of ``labels`` under vocab-parallel ``logits`` ``[b, s, v/tp]`` (fp32)."""
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+
+
+@contextlib.contextmanager
+def variable_seq_lengths(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Let pipeline stages exchange activation shapes for the duration of one schedule call.
+
+    megatron's p2p communication receives activations of one fixed shape
+    ``(seq_length, micro_batch_size, hidden)`` unless ``config.variable_seq_lengths`` is set; then
+    it sends each shape first. Nothing changes without pipeline parallelism.
+    """
+    config = unwrap(model).config
+    old = config.variable_seq_lengths
+    config.variable_seq_lengths = old or (enabled and config.pipeline_model_parallel_size > 1)
+    try:
+        yield
+    finally:
+        config.variable_seq_lengths = old
+
+
+def run_schedule(
+    model: torch.nn.Module,
+    forward_step: Callable,
+    micro_batches: Sequence[Any],
+    shapes: Sequence[tuple[int, int]],
+    forward_only: bool,
+) -> list:
+    """megatron's forward(-backward) schedule over micro-batches of any shapes.
+
+    Args:
+        model: this rank's stage (DDP-wrapped for training).
+        forward_step: megatron's ``forward_step_func(data_iterator, model)``.
+        micro_batches: the items ``forward_step`` takes from its iterator, in order.
+        shapes: ``(rows, columns)`` of each micro-batch's token ids (``(1, T)`` for a pack).
+        forward_only: no backward pass.
+
+    Returns:
+        The schedule's per-micro-batch outputs (the last pipeline stage; ``[]`` elsewhere).
+    """
+    if len(shapes) != len(micro_batches) or not micro_batches:
+        raise ValueError(f"run_schedule: {len(micro_batches)} micro-batches and {len(shapes)} shapes")
+    varying = len(set(shapes)) > 1
+    with variable_seq_lengths(model, varying):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
+            num_microbatches=len(micro_batches), seq_length=max(s for _, s in shapes),
+            micro_batch_size=max(b for b, _ in shapes), forward_only=forward_only,
+        ) or []
+
+
+def _broadcast_from_last_stage(t: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    pp = unwrap(model).pg_collection.pp
+    if pp.size() > 1:
+        dist.broadcast(t, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    return t
 
 
 @torch.no_grad()
@@ -82,3 +205,100 @@ def forward_only(
     if not results:
         return None
     return torch.cat([r["out"] for r in results], dim=0)
+
+
+def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """Labels aligned to positions: token ``t + 1`` at ``t`` (the last column repeats itself)."""
+    return torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+
+
+@torch.no_grad()
+def packed_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    micro_batches: Sequence[Sequence[int]],
+    pad_id: int,
+    labels: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Label-aligned log-probabilities of right-padded sequences, computed on packed micro-batches.
+
+    Collective over the model's TP and PP groups (their ranks pass the same arguments); each
+    data-parallel rank computes its own rows.
+
+    Args:
+        model: the policy (or reference) model, this rank's stage; may be DDP-wrapped.
+        input_ids: ``[N, s]`` right-padded token ids (prompt + response).
+        lengths: ``[N]`` real lengths.
+        micro_batches: row indices of each micro-batch, e.g. this rank's list of
+            :meth:`cooper_mcore.algo.batching.MicroBatchPlan.for_rank`; each becomes one packed row.
+        pad_id: padding token id.
+        labels: ``[N, s]`` the token whose log-probability position ``t`` holds (default:
+            :func:`shifted_labels`, i.e. token ``t + 1``, as ``TokenBatch.labels``).
+
+    Returns:
+        ``[N, s]`` float32 on the CPU, on every stage: ``log p(labels[i, t])`` for ``t <
+        lengths[i]`` of the rows in ``micro_batches``, 0 elsewhere. Positions whose label is not
+        a token of the same sequence (``t = lengths[i] - 1``) hold the log-probability of the
+        label given there, exactly as the unpacked pass computes it.
+    """
+    labels = shifted_labels(input_ids) if labels is None else labels
+    packs = pack_micro_batches(input_ids, lengths, micro_batches, pad_id, sequence_multiple(model))
+    model.eval()
+    dev = device()
+
+    def step(data_iterator, m):
+        pack = next(data_iterator)
+        out = forward_packed(m, pack)
+
+        def collect(logits):
+            logp = vocab_parallel_logprobs(logits, pack.pack(labels).to(dev))
+            return torch.zeros((), device=logits.device), {"logp": logp}
+
+        return out, collect
+
+    results = run_schedule(model, step, packs, [(1, p.width) for p in packs], forward_only=True)
+    out = torch.zeros(input_ids.shape, dtype=torch.float32)
+    for pack, r in zip(packs, results):
+        pack.scatter_into(out, r["logp"].cpu())
+    return _broadcast_from_last_stage(out.to(dev), model).cpu()
+
+
+@torch.no_grad()
+def packed_rm_scores(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    micro_batches: Sequence[Sequence[int]],
+    pad_id: int,
+) -> torch.Tensor:
+    """Reward-model scores (logits at each sequence's last token), on packed micro-batches.
+
+    Collective over the model's TP and PP groups, like :func:`packed_logprobs`.
+
+    Args:
+        model: the reward model (:class:`~cooper_mcore.models.builder.RewardGPTModel`), this
+            rank's stage; may be DDP-wrapped.
+        input_ids / lengths / micro_batches / pad_id: as in :func:`packed_logprobs`.
+
+    Returns:
+        ``[N]`` float32 on the CPU, on every stage; 0 for rows in no micro-batch.
+    """
+    packs = pack_micro_batches(input_ids, lengths, micro_batches, pad_id, sequence_multiple(model))
+    model.eval()
+    dev = device()
+
+    def step(data_iterator, m):
+        pack = next(data_iterator)
+        out = forward_packed(m, pack, score_positions=pack.last_token_positions.to(dev))
+
+        def collect(scores):
+            return torch.zeros((), device=scores.device), {"scores": scores.float()}
+
+        return out, collect
+
+    results = run_schedule(model, step, packs, [(1, p.width) for p in packs], forward_only=True)
+    out = torch.zeros(input_ids.shape[0], dtype=torch.float32)
+    for pack, r in zip(packs, results):
+        out[pack.rows] = r["scores"].cpu()
+    return _broadcast_from_last_stage(out.to(dev), model).cpu()

@@ -5,6 +5,16 @@ torch) with its core attention replaced by :class:`SDPAttention`, which calls
 ``torch.nn.functional.scaled_dot_product_attention`` (flash/memory-efficient kernels on GPUs,
 exact math on CPU). Both specs write the same dist-checkpoint keys (megatron-core maps the local
 spec's norm names onto TE's fused names), so checkpoints move between them.
+
+Packed sequences (megatron's ``thd`` format, ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=...)``,
+see :mod:`cooper_mcore.models.packing`): megatron's ``Attention`` squeezes the batch dimension of
+one packed row, applies the rotary embedding per segment (positions restart at 0 in each,
+``rope_utils._apply_rotary_pos_emb_thd``) and hands ``[t, heads, head_dim]`` tensors to the core
+attention. :class:`SDPAttention` then attends within each segment only: on CUDA in half precision
+with torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) when
+torch has it, else one ``scaled_dot_product_attention`` call per segment (exact, and
+``sum L_i^2`` work instead of the ``T^2`` of a block-diagonal mask). With Transformer Engine,
+``TEDotProductAttention`` takes the same ``PackedSeqParams``.
 """
 
 from __future__ import annotations
@@ -15,10 +25,16 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+try:  # torch >= 2.9: variable-length flash attention (CUDA only)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
 
 
 def te_available() -> bool:
@@ -30,7 +46,9 @@ class SDPAttention(MegatronModule):
     """Core attention on ``scaled_dot_product_attention``, a drop-in for DotProductAttention.
 
     Takes query ``[sq, b, np, hn]`` and key/value ``[sk, b, ng, hn]`` (this rank's heads and
-    query groups) and returns ``[sq, b, np * hn]``.
+    query groups) and returns ``[sq, b, np * hn]``; with ``packed_seq_params`` (``thd``) takes
+    ``[t, np, hn]`` / ``[t, ng, hn]`` and returns ``[t, np * hn]``, attending within each
+    ``cu_seqlens`` segment only (causally, for the causal mask type).
     """
 
     def __init__(
@@ -59,18 +77,19 @@ class SDPAttention(MegatronModule):
         attention_mask: Optional[torch.Tensor],
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params=None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        assert packed_seq_params is None and attention_bias is None
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
+        mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is not None:
+            if attention_mask is not None:
+                raise ValueError("SDPAttention: packed sequences take no attention_mask (cu_seqlens delimit them)")
+            return self._packed(query, key, value, packed_seq_params, mask_type == AttnMaskType.causal)
         sq, b, np_, hn = query.shape
         q = query.permute(1, 2, 0, 3)
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
-        if k.shape[1] != np_:  # grouped-query attention: repeat each group for its heads
-            rep = np_ // k.shape[1]
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        mask_type = attn_mask_type or self.attn_mask_type
+        k = _repeat_groups(key.permute(1, 2, 0, 3), np_, dim=1)
+        v = _repeat_groups(value.permute(1, 2, 0, 3), np_, dim=1)
         causal = mask_type == AttnMaskType.causal and attention_mask is None
         mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked out
         if causal:
@@ -80,6 +99,61 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
         )
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                params: PackedSeqParams, causal: bool) -> torch.Tensor:
+        """Attention within each segment of packed ``[t, heads, head_dim]`` tensors -> ``[t, heads * head_dim]``."""
+        cu = _self_attention_cu_seqlens(params)
+        t, np_, hn = query.shape
+        dropout = self.dropout_p if self.training else 0.0
+        if _use_varlen(query, dropout):
+            cu32 = cu.to(device=query.device, dtype=torch.int32)
+            max_len = int(params.max_seqlen_q) if params.max_seqlen_q else int((cu[1:] - cu[:-1]).max())
+            out = varlen_attn(query, key, value, cu32, cu32, max_len, max_len, scale=self.softmax_scale,
+                              window_size=(-1, 0) if causal else (-1, -1), enable_gqa=key.shape[1] != np_)
+            return out.reshape(t, np_ * hn)
+        bounds = cu.tolist()
+        if bounds[0] != 0 or bounds[-1] != t:
+            raise ValueError(f"SDPAttention: cu_seqlens {bounds} must run from 0 to the packed row's {t} tokens")
+        k = _repeat_groups(key, np_, dim=1)
+        v = _repeat_groups(value, np_, dim=1)
+        parts = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            part = F.scaled_dot_product_attention(  # [heads, L, head_dim]
+                query[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                is_causal=causal, dropout_p=dropout, scale=self.softmax_scale,
+            )
+            parts.append(part.transpose(0, 1))
+        return torch.cat(parts).reshape(t, np_ * hn)
+
+
+def _repeat_groups(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """Grouped-query attention: repeat each key/value group for its query heads."""
+    groups = x.shape[dim]
+    return x if groups == heads else x.repeat_interleave(heads // groups, dim=dim)
+
+
+def _self_attention_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
+    """The one segment layout of packed self-attention, checked."""
+    if params.qkv_format != "thd":
+        raise ValueError(f"SDPAttention supports packed sequences in qkv_format 'thd' only, got {params.qkv_format!r}")
+    cu = params.cu_seqlens_q
+    if cu is None:
+        raise ValueError("SDPAttention: PackedSeqParams.cu_seqlens_q is missing")
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        other = getattr(params, name)
+        if other is not None and other is not cu and not torch.equal(other.to(cu.device), cu):
+            raise ValueError(f"SDPAttention: {name} must be None or equal cu_seqlens_q (self-attention, no "
+                             f"per-sequence padding; pad a packed row with a trailing segment instead)")
+    return cu
+
+
+def _use_varlen(query: torch.Tensor, dropout: float) -> bool:
+    """torch's variable-length flash attention: CUDA, half precision, no dropout, torch >= 2.9."""
+    return (varlen_attn is not None and query.is_cuda and dropout == 0.0
+            and query.dtype in (torch.float16, torch.bfloat16))
 
 
 def layer_spec(qk_norm: bool, use_te: bool | None = None) -> ModuleSpec:
