@@ -413,6 +413,38 @@ def assistant_mem_fraction(arch: ArchSpec, tp: int, gpu_memory_gib: float, dtype
     return math.ceil(round(need / free * 100, 6)) / 100
 
 
+def assistant_info(spec: AssistantSpec, gpus_per_node: int, gpu_memory_gib: float,
+                   context_gib: float = CUDA_CONTEXT_GIB) -> AssistantInfo:
+    """Weights, KV pool and workspace of a colocated assistant on one GPU.
+
+    Raises:
+        ValueError: ``tp`` does not divide the node's GPUs or the heads, or the fraction is not in (0, 1).
+    """
+    _check_assistant(spec.arch, spec.tp, gpus_per_node)
+    fraction = spec.mem_fraction
+    if fraction is None:
+        fraction = assistant_mem_fraction(spec.arch, spec.tp, gpu_memory_gib, spec.dtype_bytes, context_gib=context_gib)
+    if not 0 < fraction < 1:
+        raise ValueError(f"ASSISTANT_MEM_FRACTION must be in (0, 1), got {fraction}")
+    free = int((gpu_memory_gib - context_gib) * GIB)
+    weights = assistant_weights_bytes(spec.arch, spec.tp, spec.dtype_bytes)
+    per_token = kv_bytes_per_token(spec.arch, spec.dtype_bytes, spec.tp)
+    pool = int(fraction * free) - weights
+    minimum = math.ceil((weights + ASSISTANT_REQUEST_TOKENS * per_token) / free * 1000) / 1000
+    return AssistantInfo(spec.tp, gpus_per_node // spec.tp, fraction, minimum, weights, pool,
+                         sglang_workspace_bytes(spec.tp), per_token, max(pool, 0) // per_token)
+
+
+def assistant_problem(a: AssistantInfo) -> Optional[str]:
+    """Why SGLang would refuse to start this assistant (its KV pool below one request), or None."""
+    if a.tokens_at_once >= ASSISTANT_REQUEST_TOKENS:
+        return None
+    return (f"the colocated assistant's KV pool ({a.kv_pool / GIB:.2f} GiB at --mem-fraction-static "
+            f"{a.mem_fraction:g}, weights {a.weights / GIB:.2f} GiB per GPU) holds {a.tokens_at_once} tokens, less "
+            f"than one request ({ASSISTANT_REQUEST_TOKENS}): SGLang refuses to start; set ASSISTANT_MEM_FRACTION >= "
+            f"{a.min_fraction:g}")
+
+
 def colocated_assistant(cfg: CooperConfig, policy: ArchSpec) -> tuple[Optional[AssistantSpec], list[str]]:
     """The assistant the launchers start next to training for ``cfg``, and notes on what was assumed.
 
@@ -483,25 +515,8 @@ class _Planner:
             spec, self.notes = colocated_assistant(cfg, policy)
         elif spec == "none":
             spec = None
-        self.assistant = self._assistant(spec) if spec is not None else None
-
-    def _assistant(self, spec: AssistantSpec) -> AssistantInfo:
-        """Weights, KV pool and workspace of the colocated assistant on one GPU."""
-        o = self.opts
-        _check_assistant(spec.arch, spec.tp, o.gpus_per_node)
-        fraction = spec.mem_fraction
-        if fraction is None:
-            fraction = assistant_mem_fraction(spec.arch, spec.tp, o.gpu_memory_gib, spec.dtype_bytes,
-                                              context_gib=o.context_gib)
-        if not 0 < fraction < 1:
-            raise ValueError(f"ASSISTANT_MEM_FRACTION must be in (0, 1), got {fraction}")
-        free = int((o.gpu_memory_gib - o.context_gib) * GIB)
-        weights = assistant_weights_bytes(spec.arch, spec.tp, spec.dtype_bytes)
-        per_token = kv_bytes_per_token(spec.arch, spec.dtype_bytes, spec.tp)
-        pool = int(fraction * free) - weights
-        minimum = math.ceil((weights + ASSISTANT_REQUEST_TOKENS * per_token) / free * 1000) / 1000
-        return AssistantInfo(spec.tp, o.gpus_per_node // spec.tp, fraction, minimum, weights, pool,
-                             sglang_workspace_bytes(spec.tp), per_token, max(pool, 0) // per_token)
+        self.assistant = (assistant_info(spec, opts.gpus_per_node, opts.gpu_memory_gib, opts.context_gib)
+                          if spec is not None else None)
 
     def _assistant_bytes(self) -> dict[str, int]:
         a = self.assistant
@@ -551,12 +566,8 @@ class _Planner:
             problems.append(f"SGLang's KV pool ({engine.kv_pool / GIB:.2f} GiB) holds {engine.tokens_at_once} "
                             f"tokens, less than one sequence ({self.seq}): raise rollout.sglang_mem_fraction "
                             f"or use more tensor/pipeline parallelism")
-        a = self.assistant
-        if a is not None and a.tokens_at_once < ASSISTANT_REQUEST_TOKENS:
-            problems.append(f"the colocated assistant's KV pool ({a.kv_pool / GIB:.2f} GiB at --mem-fraction-static "
-                            f"{a.mem_fraction:g}, weights {a.weights / GIB:.2f} GiB per GPU) holds {a.tokens_at_once} "
-                            f"tokens, less than one request ({ASSISTANT_REQUEST_TOKENS}): SGLang refuses to start; "
-                            f"set ASSISTANT_MEM_FRACTION >= {a.min_fraction:g}")
+        if self.assistant is not None and (problem := assistant_problem(self.assistant)):
+            problems.append(problem)
         return Evaluation(offload, self.capacity, worst, engine, self._host_bytes(offload, engine), problems)
 
     def _phases(self, stage: int, off: OffloadConfig, engine: EngineInfo) -> list[PhaseMemory]:

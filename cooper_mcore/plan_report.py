@@ -1,5 +1,6 @@
 """The ``cooper plan`` command's input and output: model shapes from config files, the human
-table and the JSON document of a :class:`~cooper_mcore.plan.Plan`.
+table and the JSON document of a :class:`~cooper_mcore.plan.Plan`; and :func:`launch_check`, the
+planner as ``examples/launch_multinode.sh`` asks it before it starts anything.
 
 Model shapes come from (first found): ``--policy-config`` / ``--rm-config`` (a ``config.json``
 or a folder holding one), ``model.policy_hf/config.json``, the converted checkpoint's metadata
@@ -12,18 +13,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cooper_mcore.config import CooperConfig
+from cooper_mcore.config import CooperConfig, load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.plan import (
     COMPONENTS,
     GIB,
     OFFLOAD_FLAGS,
     AssistantInfo,
+    AssistantSpec,
     Evaluation,
     Plan,
+    PlanOptions,
+    assistant_info,
+    assistant_problem,
     model_numel,
+    plan,
     stage_numel,
 )
 
@@ -220,3 +227,85 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
     lines += [f"note: {n}" for n in plan.notes + list(notes or [])]
     lines.append("note: estimates, not compared with measured GPU peak memory (see cooper_mcore/plan.py)")
     return "\n".join(lines)
+
+
+@dataclass
+class LaunchCheck:
+    """What the launcher needs before it starts anything.
+
+    Attributes:
+        needs_assistant: the run asks an assistant for the RM's negatives (cooper mode,
+            ``rm.negatives: assistant``).
+        url / model / api_key_env: the endpoint the run will call (``rm.*``, overrides applied).
+        tp / mem_fraction: the colocated assistant's ``--tp-size`` and ``--mem-fraction-static``
+            (0 when the launcher starts none).
+        messages: what the planner said (its verdict, or why it could not run).
+    """
+
+    needs_assistant: bool
+    url: str
+    model: str
+    api_key_env: str
+    tp: int = 0
+    mem_fraction: float = 0.0
+    messages: list[str] = field(default_factory=list)
+
+
+def launch_check(config: Optional[str], overrides: list[str], nodes: int, gpus_per_node: int,
+                 gpu_memory_gib: Optional[float], assistant_model_path: str = "", assistant_tp: Optional[int] = None,
+                 assistant_mem_fraction: Optional[float] = None) -> LaunchCheck:
+    """Settings and checks for ``examples/launch_multinode.sh``.
+
+    With ``assistant_model_path`` (a colocated assistant the launcher will serve): its TP
+    defaults to ``parallel.tp`` and its ``--mem-fraction-static`` is derived from the model's
+    ``config.json`` and the GPU memory (:func:`~cooper_mcore.plan.assistant_mem_fraction`), or,
+    when given, checked to leave SGLang a KV cache. When the GPU memory and the models' shapes are
+    known, the whole run is planned too and the verdict reported (estimates: a run predicted not
+    to fit is reported, not refused).
+
+    Raises:
+        ValueError: the config is invalid, or the colocated assistant cannot start (no shape to
+            derive its fraction from, unknown GPU memory, a fraction that leaves no KV cache,
+            a TP that does not divide the node), naming what to set.
+    """
+    cfg = load_config(config, overrides)
+    rm = cfg.rm
+    check = LaunchCheck(cfg.reward.mode == "cooper" and rm.negatives == "assistant", rm.assistant_url,
+                        rm.assistant_model, rm.api_key_env or "")
+    spec: Any = "auto"
+    if assistant_model_path:
+        tp = assistant_tp or cfg.parallel.tp
+        hf_config = os.path.join(assistant_model_path, "config.json")
+        if not os.path.isfile(hf_config):
+            raise ValueError(f"ASSISTANT_MODEL_PATH={assistant_model_path} has no config.json: it must be the "
+                             f"assistant model's Hugging Face folder (on every node)")
+        arch = ArchSpec.from_hf_config(load_hf_config(assistant_model_path), "causal_lm")
+        if gpu_memory_gib is None:
+            if assistant_mem_fraction is None:
+                raise ValueError("the GPU memory is unknown (no CUDA device here): set GPU_MEMORY_GIB, or "
+                                 "ASSISTANT_MEM_FRACTION")
+            gpu_memory_gib = 80.0  # only to check a given fraction's KV cache against an 80 GB card
+            check.messages.append("GPU memory unknown: ASSISTANT_MEM_FRACTION checked against an 80 GiB GPU")
+        spec = AssistantSpec(arch, tp, assistant_mem_fraction)
+        info = assistant_info(spec, gpus_per_node, gpu_memory_gib)
+        if problem := assistant_problem(info):
+            raise ValueError(problem)
+        check.tp, check.mem_fraction = tp, info.mem_fraction
+        check.messages.append(f"assistant: TP={tp} x {info.replicas} replicas, --mem-fraction-static "
+                              f"{info.mem_fraction:g} (weights {info.weights / GIB:.2f} GiB + KV cache "
+                              f"{info.kv_pool / GIB:.2f} GiB of {gpu_memory_gib:g} GiB per GPU)")
+    elif not check.needs_assistant:
+        spec = "none"
+    if gpu_memory_gib is None:
+        check.messages.append("plan: skipped (GPU memory unknown)")
+        return check
+    try:
+        policy, rm_arch, _ = load_shapes(cfg)
+        opts = PlanOptions(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, nodes=nodes, assistant=spec)
+        result = plan(cfg, policy, rm_arch, opts)
+    except ValueError as e:
+        check.messages.append(f"plan: skipped ({e})")
+        return check
+    verdict = format_plan(result, cfg).splitlines()
+    check.messages += [line for line in verdict if line.startswith(("verdict:", "problem:"))]
+    return check

@@ -7,19 +7,31 @@
 # Environment (defaults in brackets):
 #   MASTER_ADDR [127.0.0.1]  host of the rendezvous (any one node; the same on every node)
 #   MASTER_PORT [29500]      its port;  NNODES [1];  GPUS_PER_NODE [8];  RDZV_ID [cooper]: one per run
+#   RDZV_TIMEOUT [ASSISTANT_READY_TIMEOUT + 600] seconds torchrun's rendezvous waits for the other nodes
+#                            (join_timeout and the c10d store's read_timeout: nodes whose assistant is
+#                            ready first wait for the slowest)
 #   PYTHON [python]          the interpreter that has cooper_mcore installed
+#   GPU_MEMORY_GIB           memory of one GPU [what torch reports for GPU 0]
 #   ASSISTANT_URL            an assistant LLM already served elsewhere (OpenAI-compatible): nothing is
 #                            started, the run uses it (rm.assistant_url)
 #   ASSISTANT_MODEL_PATH     otherwise (colocated): the HF folder this script serves on this node with
 #                            SGLang at 127.0.0.1:ASSISTANT_PORT before training, e.g.
-#                            /models/Qwen2.5-1.5B-Instruct; unset and no ASSISTANT_URL: the preset's
-#                            rm.assistant_url is used as it is
-#   ASSISTANT_PORT [30010]  ASSISTANT_TP [1]  ASSISTANT_MEM_FRACTION [0.08]: the colocated server
-#                            uses ASSISTANT_TP GPUs per replica and GPUS_PER_NODE/ASSISTANT_TP replicas
-#                            (one per GPU group, behind SGLang's data-parallel router), keeping that
-#                            share of every GPU's memory for the whole run
+#                            /models/Qwen2.5-7B-Instruct; neither set: the preset's rm.assistant_url is
+#                            used as it is and must already answer
+#   ASSISTANT_PORT [30010]   ASSISTANT_TP [the preset's parallel.tp]: the colocated server uses
+#                            ASSISTANT_TP GPUs per replica and GPUS_PER_NODE/ASSISTANT_TP replicas (one
+#                            per GPU group, behind SGLang's data-parallel router)
+#   ASSISTANT_MEM_FRACTION   its --mem-fraction-static [derived from the model's size and the GPU
+#                            memory by cooper_mcore.plan: weights + a 65,536-token KV cache]; a given
+#                            value that leaves no KV cache is refused before anything starts
 #   ASSISTANT_READY_TIMEOUT [900] seconds to wait for it
-#   DRY_RUN=1                print the commands instead of running them
+#   ASSISTANT_CHECK [1]      0: do not ask the assistant endpoint once before training
+#   DRY_RUN=1                print the commands instead of running them (the checks still run)
+#
+# Signals: SIGUSR1 (sent by cooper.sbatch ahead of the time limit) is forwarded to the training
+# processes only (torchrun would die of it); SIGTERM/SIGINT to torchrun, which passes them on
+# (under SLURM every process of the step gets SIGTERM itself, so it is not forwarded twice).
+# shellcheck disable=SC2329  # (shellcheck 0.11 counts functions run only by `trap` as never invoked)
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -36,21 +48,75 @@ NNODES=${NNODES:-1}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RDZV_ID=${RDZV_ID:-cooper}
 ASSISTANT_PORT=${ASSISTANT_PORT:-30010}
-ASSISTANT_TP=${ASSISTANT_TP:-1}
-ASSISTANT_MEM_FRACTION=${ASSISTANT_MEM_FRACTION:-0.08}
 ASSISTANT_READY_TIMEOUT=${ASSISTANT_READY_TIMEOUT:-900}
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-$((ASSISTANT_READY_TIMEOUT + 600))}
+ASSISTANT_CHECK=${ASSISTANT_CHECK:-1}
 DRY_RUN=${DRY_RUN:-0}
-
-run() {
-    if [[ $DRY_RUN == 1 ]]; then
-        echo "+ $*"
-    else
-        "$@"
-    fi
-}
+# the colocated server's prefill chunk and concurrency, which bound its workspace (cooper_mcore.plan)
+ASSISTANT_CHUNKED_PREFILL=2048
+ASSISTANT_MAX_RUNNING=64
 
 overrides=()
+if [[ -n ${ASSISTANT_URL:-} ]]; then
+    overrides+=("rm.assistant_url=$ASSISTANT_URL")
+    colocated=""
+elif [[ -n ${ASSISTANT_MODEL_PATH:-} ]]; then
+    if [[ -n ${ASSISTANT_TP:-} ]] && (( GPUS_PER_NODE % ASSISTANT_TP != 0 )); then
+        echo "ASSISTANT_TP=$ASSISTANT_TP does not divide GPUS_PER_NODE=$GPUS_PER_NODE" >&2
+        exit 2
+    fi
+    colocated=$ASSISTANT_MODEL_PATH
+    assistant_name=$(basename "$colocated")
+    overrides+=("rm.assistant_url=http://127.0.0.1:$ASSISTANT_PORT" "rm.assistant_model=$assistant_name")
+else
+    colocated=""
+fi
+
+# 1. before anything starts: the config, the colocated assistant's settings, the planner's verdict.
+# Prints needs_assistant, url, model, api_key_env, tp, mem_fraction, one a line; exits 2 with the reason.
+settings=$("$PYTHON" - "$config" "$NNODES" "$GPUS_PER_NODE" "${GPU_MEMORY_GIB:-}" "$colocated" \
+    "${ASSISTANT_TP:-}" "${ASSISTANT_MEM_FRACTION:-}" "${overrides[@]}" "$@" <<'EOF'
+import sys
+
+config, nodes, gpus, gib, model_path, tp, fraction, *overrides = sys.argv[1:]
+if not gib:
+    import torch
+    if torch.cuda.is_available():
+        gib = str(torch.cuda.mem_get_info(0)[1] / 2**30)
+from cooper_mcore.plan_report import launch_check
+try:
+    c = launch_check(config, overrides, int(nodes), int(gpus), float(gib) if gib else None, model_path,
+                     int(tp) if tp else None, float(fraction) if fraction else None)
+except (ValueError, FileNotFoundError) as e:
+    sys.exit(f"launch_multinode.sh: {e}")
+for line in c.messages:
+    print(f"launch_multinode.sh: {line}", file=sys.stderr)
+print("\n".join(map(str, (int(c.needs_assistant), c.url, c.model, c.api_key_env, c.tp, c.mem_fraction))))
+EOF
+) || exit 2
+mapfile -t fields <<< "$settings"
+needs_assistant=${fields[0]} assistant_url=${fields[1]} assistant_model=${fields[2]} api_key_env=${fields[3]}
+assistant_tp=${fields[4]} mem_fraction=${fields[5]}
+
+# asks the assistant endpoint once (GET /v1/models or a 1-token chat completion); exits 2 naming it
+check_assistant() {
+    [[ $ASSISTANT_CHECK == 1 && $needs_assistant == 1 ]] || return 0
+    "$PYTHON" - "$assistant_url" "$assistant_model" "$api_key_env" "$1" <<'EOF' || exit 2
+import sys
+
+from cooper_mcore.reward.openai_client import check_endpoint
+
+url, model, key_env, hint = sys.argv[1:]
+try:
+    how = check_endpoint(url, model, api_key_env=key_env or None, timeout_s=10, hint=hint)
+except ValueError as e:
+    sys.exit(f"launch_multinode.sh: {e}")
+print(f"launch_multinode.sh: assistant {model!r} answers at {url} ({how})", file=sys.stderr)
+EOF
+}
+
 server_pid=""
+torchrun_pid=""
 stop_server() {
     if [[ -n $server_pid ]]; then
         kill "$server_pid" 2>/dev/null || true
@@ -59,24 +125,19 @@ stop_server() {
 }
 trap stop_server EXIT
 
-if [[ -n ${ASSISTANT_URL:-} ]]; then
-    overrides+=("rm.assistant_url=$ASSISTANT_URL")
-elif [[ -n ${ASSISTANT_MODEL_PATH:-} ]]; then
-    if (( GPUS_PER_NODE % ASSISTANT_TP != 0 )); then
-        echo "ASSISTANT_TP=$ASSISTANT_TP does not divide GPUS_PER_NODE=$GPUS_PER_NODE" >&2
-        exit 2
-    fi
-    assistant_name=$(basename "$ASSISTANT_MODEL_PATH")
-    server=("$PYTHON" -m sglang.launch_server --model-path "$ASSISTANT_MODEL_PATH"
-            --served-model-name "$assistant_name" --tp-size "$ASSISTANT_TP"
-            --dp-size "$((GPUS_PER_NODE / ASSISTANT_TP))" --mem-fraction-static "$ASSISTANT_MEM_FRACTION"
+# 2. the assistant: started here (colocated), or checked where it is
+if [[ -n $colocated ]]; then
+    server=("$PYTHON" -m sglang.launch_server --model-path "$colocated"
+            --served-model-name "$assistant_name" --tp-size "$assistant_tp"
+            --dp-size "$((GPUS_PER_NODE / assistant_tp))" --mem-fraction-static "$mem_fraction"
+            --chunked-prefill-size "$ASSISTANT_CHUNKED_PREFILL" --max-running-requests "$ASSISTANT_MAX_RUNNING"
             --host 127.0.0.1 --port "$ASSISTANT_PORT")
     if [[ $DRY_RUN == 1 ]]; then
         echo "+ ${server[*]} &"
     else
         "${server[@]}" &
         server_pid=$!
-        "$PYTHON" - "$ASSISTANT_PORT" "$ASSISTANT_READY_TIMEOUT" "$server_pid" <<'EOF'
+        "$PYTHON" - "$ASSISTANT_PORT" "$ASSISTANT_READY_TIMEOUT" "$server_pid" <<'EOF' || exit 2
 import os, sys, time, urllib.request
 port, timeout, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 deadline = time.time() + timeout
@@ -94,13 +155,63 @@ while time.time() < deadline:
     time.sleep(5)
 sys.exit(f"the assistant's SGLang server was not ready on port {port} after {timeout:.0f} s")
 EOF
+        check_assistant "The server this script started answers /health but not the OpenAI API."
     fi
-    overrides+=("rm.assistant_url=http://127.0.0.1:$ASSISTANT_PORT" "rm.assistant_model=$assistant_name")
+elif [[ -n ${ASSISTANT_URL:-} ]]; then
+    check_assistant "Start the assistant server there, fix ASSISTANT_URL, or set ASSISTANT_CHECK=0 to skip this check."
+else
+    check_assistant "Nothing serves it: set ASSISTANT_MODEL_PATH=/models/$assistant_model for this script to start \
+it on every node, ASSISTANT_URL=http://HOST:PORT for a separate server, or override rm.negatives=policy."
 fi
 
+# 3. training
+cmd=("$PYTHON" -m torch.distributed.run
+     --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
+     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID"
+     --rdzv-conf="join_timeout=$RDZV_TIMEOUT,read_timeout=$RDZV_TIMEOUT"
+     --max-restarts=0
+     -m cooper_mcore train --config "$config" "${overrides[@]}" "$@")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-run "$PYTHON" -m torch.distributed.run \
-    --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \
-    --max-restarts=0 \
-    -m cooper_mcore train --config "$config" "${overrides[@]}" "$@"
+if [[ $DRY_RUN == 1 ]]; then
+    echo "+ ${cmd[*]}"
+    exit 0
+fi
+
+# the training processes: torchrun's children (it starts each with Popen, in a session of its own)
+workers() {
+    local stat line fields
+    for stat in /proc/[0-9]*/stat; do
+        line=$(<"$stat") 2>/dev/null || continue
+        read -r -a fields <<< "${line##*) }"  # after "pid (comm) ": state ppid ...
+        if [[ ${fields[1]} == "$1" ]]; then
+            echo "${line%% *}"
+        fi
+    done
+}
+forward_usr1() {
+    local pids
+    pids=$(workers "$torchrun_pid")
+    echo "launch_multinode.sh: SIGUSR1: forwarded to the training processes ${pids//$'\n'/ }" >&2
+    if [[ -n $pids ]]; then
+        # shellcheck disable=SC2086  # one pid per word
+        kill -USR1 $pids 2>/dev/null || true
+    fi
+}
+forward_stop() {
+    if [[ -z ${SLURM_STEP_ID:-} && -n $torchrun_pid ]]; then
+        kill -"$1" "$torchrun_pid" 2>/dev/null || true
+    fi
+}
+trap forward_usr1 USR1
+trap 'forward_stop TERM' TERM
+trap 'forward_stop INT' INT
+
+"${cmd[@]}" &
+torchrun_pid=$!
+status=0
+wait "$torchrun_pid" || status=$?
+while kill -0 "$torchrun_pid" 2>/dev/null; do  # a trapped signal interrupted the wait
+    status=0
+    wait "$torchrun_pid" || status=$?
+done
+exit "$status"

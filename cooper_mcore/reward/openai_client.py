@@ -114,8 +114,12 @@ def _retry_after_s(resp: requests.Response) -> Optional[float]:
 
 
 def _cause(e: requests.RequestException, timeout_s: float) -> str:
+    """A short reason for a failed request: requests' messages nest urllib3's."""
     if isinstance(e, requests.Timeout):
         return f"no answer within {timeout_s:g} s"
+    if isinstance(e, requests.ConnectionError):
+        errno = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", str(e))
+        return f"no connection: {errno.group(1)}" if errno else "no connection"
     return f"{type(e).__name__}: {e}"
 
 
