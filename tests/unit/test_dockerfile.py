@@ -1,10 +1,13 @@
-"""The Dockerfile: hadolint-clean, and its version pins consistent with setup.py.
+"""The Dockerfile: hadolint-clean, its version pins consistent with setup.py, and the runtime set-up
+the image needs on a GPU cluster.
 
 The image cannot be built on the project's machines, so these checks stand in for a build: the pins
 are parsed from the Dockerfile's ``ARG`` lines and compared with setup.py's requirements (read with
-``ast``, not imported), with sglang's own requirements and with megatron-core's tested
-Transformer Engine range. Each check is also run on a Dockerfile with one side bumped, to show that
-it fails then.
+``ast``, not imported), with sglang's own requirements (and the wheel it publishes for the image's
+Python) and with megatron-core's tested Transformer Engine range; the runtime properties (entrypoint,
+library search path, working directory, writable home and caches, the build's import check, the
+apex fetch) are read from the parsed instructions. Each check is also run on a Dockerfile with one
+thing changed, to show that it fails then.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,8 +31,12 @@ DOCKERFILE = ROOT / "Dockerfile"
 SETUP = ROOT / "setup.py"
 
 # What sglang 0.5.23's wheel requires (its METADATA, read when the pin was chosen): the image's torch
-# must be exactly this, or pip replaces it (and breaks the extensions compiled against it).
-SGLANG_REQUIRES = {"0.5.23": {"torch": "2.14.1", "python": ">=3.11"}}
+# must be exactly this, or pip replaces it (and breaks the extensions compiled against it). "wheels": the
+# CPython versions it publishes x86_64 wheels for, all tagged manylinux_2_34 (glibc >= 2.34), as
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_34_x86_64 sglang==0.5.23`
+# found on 2026-11-22 (sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl, 39,046,590 bytes; docs/deploy.md).
+SGLANG_REQUIRES = {"0.5.23": {"torch": "2.14.1", "python": ">=3.11", "wheels": ("3.11", "3.12", "3.13"),
+                              "glibc": (2, 34)}}
 # ARGs the constraints file (and so every pip call in the image) must pin, with their package names
 CONSTRAINED = {"TORCH_VERSION": "torch", "TORCHVISION_VERSION": "torchvision", "TE_VERSION": "transformer-engine",
                "MCORE_VERSION": "megatron-core", "SGLANG_VERSION": "sglang"}
@@ -95,6 +103,12 @@ def pin_problems(dockerfile: str, setup_py: str) -> list[str]:
                             f"TORCH_VERSION={args['TORCH_VERSION']}")
         if py not in SpecifierSet(needs["python"]):
             problems.append(f"sglang {args['SGLANG_VERSION']} requires Python {needs['python']}, image has {py}")
+        if args["PYTHON_VERSION"] not in needs["wheels"]:
+            problems.append(f"sglang {args['SGLANG_VERSION']} publishes no wheel for Python {args['PYTHON_VERSION']}")
+        if f"libc >= {needs['glibc']}" not in dockerfile:
+            problems.append(f"the build does not check glibc >= {needs['glibc']} (sglang's manylinux tag)")
+    if "--only-binary=sglang,sglang-kernel" not in dockerfile:
+        problems.append("sglang may be built from source: install it --only-binary (its published wheel)")
 
     te = _requirement(gpu, "transformer-engine")
     if "pytorch" not in te.extras:
@@ -134,6 +148,98 @@ def image_problems(dockerfile: str) -> list[str]:
     return problems
 
 
+def instructions(dockerfile: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    out, parts = [], []
+    for line in dockerfile.splitlines():
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue  # blank lines and comments (also inside a continued instruction)
+        continued = text.endswith("\\")
+        parts.append(text[:-1].strip() if continued else text)
+        if not continued:
+            word, _, rest = " ".join(parts).partition(" ")
+            out.append((word.upper(), rest.strip()))
+            parts = []
+    return out
+
+
+def env_of(dockerfile: str) -> dict[str, str]:
+    """The image's environment as set by its ENV instructions (later ones win)."""
+    env: dict[str, str] = {}
+    for word, rest in instructions(dockerfile):
+        if word == "ENV":
+            env.update(item.split("=", 1) for item in shlex.split(rest))
+    return env
+
+
+def runtime_problems(dockerfile: str) -> list[str]:
+    """What the image needs at run time on a GPU cluster (issue 15 items 4, 5, 9, 11, 12)."""
+    problems, ins = [], instructions(dockerfile)
+    env = env_of(dockerfile)
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    if any(word == "ENTRYPOINT" for word, _ in ins):
+        problems.append("ENTRYPOINT replaces the NGC entrypoint (CUDA forward compatibility on drivers < R580)")
+    ld = env.get("LD_LIBRARY_PATH")
+    if ld is None or "dist-packages" in ld or "$" in ld:
+        problems.append(f"LD_LIBRARY_PATH={ld!r}: the base image's torch libraries would shadow the venv's")
+    elif "/usr/local/cuda/compat/lib" not in ld.split(":"):
+        problems.append("LD_LIBRARY_PATH lost the CUDA forward-compatibility folder")
+    for var in ("CUDNN_PATH", "NVRTC_PATH"):
+        if not env.get(var, "").startswith("/opt/venv/"):
+            problems.append(f"{var}={env.get(var)!r}: Transformer Engine would load it from /usr/local/cuda first")
+    if "import transformer_engine.pytorch" not in runs:
+        problems.append("the build's import check does not import transformer_engine.pytorch")
+    if "libcudnn.so" not in runs:
+        problems.append("the build does not check which cuDNN is loaded")
+    workdirs = [rest for word, rest in ins if word == "WORKDIR"]
+    if not workdirs or workdirs[-1] != "/opt/cooper_mcore":
+        problems.append(f"the final WORKDIR is {workdirs[-1:]}, not /opt/cooper_mcore (where examples/ are)")
+    home = env.get("HOME", "")
+    if not home or home == "/":
+        problems.append("HOME is not set: an arbitrary --user gets HOME=/ and unwritable caches")
+    for var in ("HF_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+        if not home or not env.get(var, "").startswith(home):
+            problems.append(f"{var}={env.get(var)!r} is not under HOME={home!r}")
+    if home and not re.search(rf"chmod -R 1777 {re.escape(home)}( |$)", runs):
+        problems.append(f"HOME={home} is not writable by every user (chmod 1777)")
+    if not re.search(r'git fetch [^&]*origin "\$\{APEX_COMMIT\}"', runs) or \
+            'test "$(git rev-parse HEAD)" = "${APEX_COMMIT}"' not in runs:
+        problems.append("apex is not fetched by its pinned commit and checked")
+    if "git clone" in runs:
+        problems.append("a git clone of a default branch")
+    return problems
+
+
+def test_dockerfile_runtime_setup():
+    assert runtime_problems(DOCKERFILE.read_text()) == []
+
+
+@pytest.mark.parametrize("old, new, expect", [
+    ("\nCMD [", "\nENTRYPOINT []\nCMD [", "replaces the NGC entrypoint"),
+    ("LD_LIBRARY_PATH=/usr/local/cuda/compat/lib:",
+     "LD_LIBRARY_PATH=/usr/local/lib/python3.12/dist-packages/torch/lib:", "would shadow the venv's"),
+    ("    CUDNN_PATH=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia \\\n", "",
+     "CUDNN_PATH=None: Transformer Engine"),
+    ("import transformer_engine.pytorch; ", "", "does not import transformer_engine.pytorch"),
+    ("WORKDIR /opt/cooper_mcore\nENV HOME", "WORKDIR /workspace\nENV HOME", "not /opt/cooper_mcore"),
+    ("ENV HOME=/workspace \\\n", "ENV ", "HOME is not set"),
+    (" && chmod -R 1777 /workspace /opt/cooper_mcore/runs", "", "not writable by every user"),
+    ('git fetch -q --depth 1 origin "${APEX_COMMIT}"', "git fetch -q origin", "pinned commit"),
+])
+def test_runtime_checks_catch_each_regression(old, new, expect):
+    text = DOCKERFILE.read_text()
+    assert old in text, old
+    problems = runtime_problems(text.replace(old, new, 1))
+    assert any(expect in p for p in problems), problems
+
+
+def test_instructions_parser():
+    text = 'FROM x\n# c\nENV A=1 \\\n    B="two words" \\\n    C=3\nRUN echo a \\\n # inner\n && echo b\n'
+    assert instructions(text) == [("FROM", "x"), ("ENV", "A=1 B=\"two words\" C=3"), ("RUN", "echo a && echo b")]
+    assert env_of(text) == {"A": "1", "B": "two words", "C": "3"}
+
+
 def test_dockerfile_pins_match_setup_py():
     assert pin_problems(DOCKERFILE.read_text(), SETUP.read_text()) == []
 
@@ -148,6 +254,7 @@ def test_dockerfile_image_rules():
     ("TE_VERSION", "2.12.0", "TE_VERSION=2.12.0 outside"),
     ("TORCH_VERSION", "2.15.0", "requires torch==2.14.1"),
     ("PYTHON_VERSION", "3.10", "requires Python >=3.11"),
+    ("PYTHON_VERSION", "3.14", "publishes no wheel for Python 3.14"),
     ("APEX_COMMIT", "master", "not a full commit hash"),
 ])
 def test_bumping_one_side_is_caught(arg, bumped, expect):
