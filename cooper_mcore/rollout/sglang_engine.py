@@ -43,7 +43,7 @@ SERVER_ARG_NAMES = frozenset({
     "model_path", "tokenizer_path", "tp_size", "dtype", "mem_fraction_static", "enable_memory_saver",
     "enable_weights_cpu_backup", "random_seed", "skip_tokenizer_init", "trust_remote_code",
     "context_length", "max_running_requests", "max_total_tokens", "base_gpu_id", "enable_deterministic_inference",
-    "host", "port", "nccl_port", "log_level", "device", "attention_backend", "disable_cuda_graph",
+    "host", "port", "nccl_port", "log_level", "device", "attention_backend", "disable_cuda_graph", "sleep_on_idle",
 })
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # ServerArgs.dtype choices
 DEVICES = ("cuda", "cpu")
@@ -72,6 +72,8 @@ class SGLangConfig:
         attention_backend: SGLang's attention backend (None: SGLang's choice; ``torch_native`` on CPU).
         disable_cuda_graph: turn CUDA graphs off (always off on CPU).
         max_total_tokens: size of the KV-cache pool in tokens (None: from ``mem_fraction_static``).
+        sleep_on_idle: the scheduler sleeps while idle instead of polling (a colocated engine on a few
+            CPU cores otherwise keeps one busy all through training).
         enable_memory_saver: needed for :meth:`SGLangEngine.release_memory` to free anything (None:
             on for CUDA, off on CPU, where SGLang cannot release memory).
         enable_weights_cpu_backup: keep the weights in CPU memory while released (otherwise they
@@ -100,6 +102,7 @@ class SGLangConfig:
     disable_cuda_graph: bool = False
     mem_fraction_static: float = 0.5
     max_total_tokens: Optional[int] = None
+    sleep_on_idle: bool = False
     enable_memory_saver: Optional[bool] = None
     enable_weights_cpu_backup: bool = False
     random_seed: int = 0
@@ -121,8 +124,16 @@ class SGLangConfig:
 
     @classmethod
     def cpu(cls, model_path: str, **overrides: Any) -> SGLangConfig:
-        """A config for SGLang's CPU backend (fp32, a 4096-token KV cache); ``overrides`` set other fields."""
-        fields = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, "mem_fraction_static": 0.05}
+        """A config for SGLang's CPU backend (fp32, a 4096-token KV cache, the scheduler asleep when idle);
+        ``overrides`` set other fields.
+
+        ``max_total_tokens`` is what sizes the KV cache here. ``mem_fraction_static`` stays at 0.5:
+        SGLang budgets the cache as the host memory free after loading minus ``(1 - fraction)`` of
+        what was free before, so a small fraction fails ("Loaded weights leave no GPU memory")
+        as soon as other processes take that much host memory meanwhile (seen at 0.05 on a shared
+        machine); the cache is then cut to ``max_total_tokens``."""
+        fields = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, "mem_fraction_static": 0.5,
+                  "sleep_on_idle": True}
         fields.update(overrides)
         return cls(model_path=model_path, **fields)
 

@@ -7,7 +7,7 @@ Set-up for every test here:
   ``PYTHONPATH`` (for SGLang's scheduler subprocesses and launched servers), and
   ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU backend;
 * session fixtures build the tiny assets once (a tokenizer trained on the arithmetic corpus, an
-  untied and a tied random Qwen2 over exactly its vocabulary, in fp32, and their Megatron
+  untied and a tied random Qwen2 over its vocabulary, in fp32, and their Megatron
   checkpoints) and share one offline engine and one HTTP server between the modules, since each
   SGLang start costs tens of seconds on two cores.
 """
@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = str(Path(__file__).resolve().parent / "stand_in")
 if sys.path[0] != STAND_IN:
     sys.path.insert(0, STAND_IN)
@@ -35,22 +39,43 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine  # noqa: E402
 
 SERVER_READY_S = 600.0
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def torchrun_sglang(script: str, nproc: int, *args: str, timeout: int = 600) -> str:
+    """Run ``tests/sglang/workers/<script>`` under torchrun (gloo on CPU); return its stdout.
+
+    Output goes through files, not pipes: CPU weight payloads start a ``torch_shm_manager``
+    daemon in each worker, which inherits the worker's stdout and lives as long as the SGLang
+    server that mapped the shared memory, so a pipe would never reach end-of-file."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", str(WORKERS / script), *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = subprocess.run(cmd, stdout=out, stderr=err, timeout=timeout, env=env, cwd=ROOT).returncode
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if code != 0:
+        raise AssertionError(f"torchrun {script} failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    return stdout
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now; SGLang also takes the next one (its NCCL port)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free pair of ports")
+    """A port nothing listens on now, and the next one too (SGLang's NCCL port), both below Linux's
+    ephemeral range (32768+): a port from there can be taken by any process's outgoing or gloo
+    socket before the server binds it (seen: SGLang's scheduler took the HTTP port first)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of ports in 20000..32000")
 
 
 @dataclass(frozen=True)
@@ -60,7 +85,7 @@ class Assets:
     tokenizer: str
     hf: dict[str, str]  # "untied" / "tied" -> HF model folder
     mcore: dict[str, str]  # same keys -> Megatron checkpoint
-    vocab_size: int
+    vocab_size: int  # the models' (the tokenizer's size rounded up to a multiple of 8)
     eos_id: int
 
 
@@ -73,11 +98,13 @@ def assets(tmp_path_factory) -> Assets:
 
     root = tmp_path_factory.mktemp("sglang-assets")
     tok = train_tiny_tokenizer(tokenizer_corpus(600), str(root / "tokenizer"), vocab_size=128)
-    vocab, eos = len(tok), tok.convert_tokens_to_ids(EOS)
+    vocab, eos = -(-len(tok) // 8) * 8, tok.convert_tokens_to_ids(EOS)  # divisible by TP=2; ids past the
+    # tokenizer's decode to nothing, in SGLang and in the tests alike
     hf, mcore = {}, {}
     for i, (name, family) in enumerate((("untied", "qwen2"), ("tied", "qwen2_tied"))):
         hf[name] = save_tiny_hf_model(str(root / f"{name}-hf"), family, seed=10 + i, dtype=torch.float32,
-                                      vocab_size=vocab, eos_token_id=eos, bos_token_id=1, pad_token_id=0)
+                                      vocab_size=vocab, eos_token_id=eos, bos_token_id=1, pad_token_id=0,
+                                      max_position_embeddings=4096)
         mcore[name] = str(root / f"{name}-mcore")
         hf_to_mcore(hf[name], mcore[name])
     return Assets(str(root / "tokenizer"), hf, mcore, vocab, eos)
@@ -85,7 +112,7 @@ def assets(tmp_path_factory) -> Assets:
 
 def cpu_config(assets: Assets, name: str, **overrides) -> SGLangConfig:
     """The CPU engine config the tier uses for model ``name`` (a fresh pair of ports)."""
-    fields = {"tokenizer_path": assets.tokenizer, "random_seed": 0, "port": free_port(), "max_total_tokens": 2048,
+    fields = {"tokenizer_path": assets.tokenizer, "random_seed": 0, "port": free_port(), "max_total_tokens": 16384,
               "max_running_requests": 16}
     fields.update(overrides)
     return SGLangConfig.cpu(assets.hf[name], **fields)

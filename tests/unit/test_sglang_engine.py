@@ -736,3 +736,134 @@ def test_src_engine_methods_and_request_fields():
         fields("UpdateWeightsFromTensorReqInput")
     assert fields("BeginWeightUpdateReqInput") == {"selector"}
     assert fields("ReleaseMemoryOccupationReqInput") == fields("ResumeMemoryOccupationReqInput") == {"tags"}
+
+
+# -- ports, CPU engines, logging, per-rank payloads ---------------------------------------------
+def test_ports_come_from_the_local_rank(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    args = SGLangConfig(model_path="/m").server_args()
+    assert (args["port"], args["nccl_port"]) == (30000, 30001)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    args = SGLangConfig(model_path="/m").server_args()
+    assert (args["port"], args["nccl_port"]) == (30020, 30021)
+    used = [SGLangConfig(model_path="/m", local_rank=r) for r in range(8)]  # the engines of one node
+    ports = [p for c in used for p in (c.resolved_port(), c.resolved_nccl_port())]
+    assert len(set(ports)) == 16
+    cfg = SGLangConfig(model_path="/m", port=31000)
+    assert (cfg.resolved_port(), cfg.resolved_nccl_port()) == (31000, 31001)
+    argv = server_command(SGLangConfig(model_path="/m", local_rank=1), python="py")
+    assert argv[argv.index("--port") + 1] == "30010" and argv[argv.index("--nccl-port") + 1] == "30011"
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"port_stride": 1}, "port_stride"), ({"port": 31000, "nccl_port": 31000}, "nccl_port must differ"),
+    ({"local_rank": 7000}, "port must be in"), ({"device": "tpu"}, "device"),
+    ({"max_total_tokens": 0}, "max_total_tokens"),
+])
+def test_port_and_device_errors_name_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        SGLangConfig(model_path="/m", **fields).server_args()
+
+
+def test_bad_local_rank_env(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        SGLangConfig(model_path="/m").server_args()
+
+
+def test_cpu_config():
+    cfg = SGLangConfig.cpu("/m", tokenizer_path="/t", port=31000)
+    args = cfg.server_args()
+    assert args["device"] == "cpu" and args["attention_backend"] == "torch_native" and args["dtype"] == "float32"
+    assert args["disable_cuda_graph"] is True and args["enable_memory_saver"] is False
+    assert args["max_total_tokens"] == 4096 and "base_gpu_id" not in args and args["sleep_on_idle"] is True
+    assert cfg.engine_env() == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_USE_CPU_ENGINE": "1"}
+    argv = server_cli_args(args)
+    assert "--disable-cuda-graph" in argv and "--enable-memory-saver" not in argv
+    assert argv[argv.index("--attention-backend") + 1] == "torch_native"
+    gpu = SGLangConfig(model_path="/m").server_args()
+    assert gpu["device"] == "cuda" and gpu["enable_memory_saver"] is True and "attention_backend" not in gpu
+    assert SGLangConfig(model_path="/m").engine_env() == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    with pytest.raises(ValueError, match="enable_memory_saver needs device='cuda'"):
+        SGLangConfig.cpu("/m", enable_memory_saver=True).server_args()
+    with pytest.raises(ValueError, match="enable_deterministic_inference.*torch_native"):
+        SGLangConfig.cpu("/m", enable_deterministic_inference=True).server_args()
+
+
+def test_offline_keeps_the_trainers_logging(monkeypatch, tmp_path):
+    """sglang.Engine runs logging.basicConfig(force=True, level=...) in this process: the handlers,
+    level and filters of the root logger are back afterwards, and a file handler is not closed."""
+    import logging
+    import types
+
+    import cooper_mcore.rollout.sglang_engine as mod
+
+    def engine_that_configures_logging(**kw):
+        logging.basicConfig(level=logging.ERROR, format="[sglang] %(message)s", force=True)
+        logging.getLogger("sglang.srt").info("sglang's own line")
+        return FakeOfflineEngine()
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0.5.23",
+                                                                     Engine=engine_that_configures_logging))
+    monkeypatch.setattr(mod, "installed_server_arg_names", lambda: SERVER_ARG_NAMES)
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level, list(root.filters))
+    handler = logging.FileHandler(tmp_path / "trainer.log")
+    keep = logging.Filter("cooper_mcore")
+    try:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        root.addHandler(handler)
+        root.addFilter(keep)
+        root.setLevel(logging.INFO)
+        SGLangEngine.offline(SGLangConfig(model_path="/m"))
+        assert root.handlers == [handler] and root.level == logging.INFO and root.filters == [keep]
+        logging.getLogger("cooper_mcore.train").info("trainer line after the engine")
+        handler.flush()
+        assert "trainer line after the engine" in (tmp_path / "trainer.log").read_text()
+        # the control: without the guard the same engine start silences the trainer
+        engine_that_configures_logging()
+        assert handler not in root.handlers and root.level == logging.ERROR
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        root.filters[:] = []
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+        root.filters[:] = saved[2]
+        handler.close()
+
+
+def test_cpu_engine_release_only_marks():
+    fe = FakeOfflineEngine()
+    eng = SGLangEngine(engine=fe, device="cpu")
+    eng.release_memory()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.generate(["a"], SamplingParams())
+    eng.resume_memory()
+    assert [c for c, _ in fe.calls] == []  # SGLang's CPU scheduler dies on release_memory_occupation
+    eng.generate(["a"], SamplingParams())
+    with pytest.raises(ValueError, match="device"):
+        SGLangEngine(engine=fe, device="tpu")
+
+
+def test_update_weights_from_payloads_per_rank():
+    from cooper_mcore.rollout.sglang_engine import rank_payload
+
+    fe = FakeOfflineEngine()
+    eng = SGLangEngine(engine=fe, tp_size=2)
+    ts = _tensors()
+    per_rank = [[rank_payload(ts[:4], as_base64=False), rank_payload(ts[:4], as_base64=False)],
+                [rank_payload(ts[4:], as_base64=False), rank_payload(ts[4:], as_base64=False)]]
+    eng.update_weights_from_payloads(per_rank, version=5)
+    ups = [kw for c, kw in fe.calls if c == "update_weights_from_tensor"]
+    assert [u["named_tensors"] for u in ups] == per_rank and [u["flush_cache"] for u in ups] == [False, True]
+    assert [n for n, _ in _receive(ups[1]["named_tensors"][1])] == [n for n, _ in ts[4:]]
+    assert eng.weight_version == 5
+    with pytest.raises(ValueError, match=r"1 payloads for a bucket, expected one per TP rank \(2\)"):
+        eng.update_weights_from_payloads([[per_rank[0][0]]], version=6)
+    assert fe.calls[-1][0] == "end_weight_update" and eng.weight_version == 5
+    eng.update_weights([ts[:2]], version=7)  # one payload per rank, each pickled on its own
+    blobs = [kw for c, kw in fe.calls if c == "update_weights_from_tensor"][-1]["named_tensors"]
+    assert len(blobs) == 2 and blobs[0] is not blobs[1]
