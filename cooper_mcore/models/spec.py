@@ -20,6 +20,7 @@ torch has it, else one ``scaled_dot_product_attention`` call per segment (exact,
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 from typing import Optional
 
@@ -30,6 +31,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cooper_mcore.models.norms import RMSNorm
 
 try:  # torch >= 2.9: variable-length flash attention (CUDA only)
     from torch.nn.attention.varlen import varlen_attn
@@ -107,11 +110,14 @@ class SDPAttention(MegatronModule):
         t, np_, hn = query.shape
         dropout = self.dropout_p if self.training else 0.0
         if _use_varlen(query, dropout):
-            cu32 = cu.to(device=query.device, dtype=torch.int32)
-            max_len = int(params.max_seqlen_q) if params.max_seqlen_q else int((cu[1:] - cu[:-1]).max())
-            out = varlen_attn(query, key, value, cu32, cu32, max_len, max_len, scale=self.softmax_scale,
-                              window_size=(-1, 0) if causal else (-1, -1), enable_gqa=key.shape[1] != np_)
-            return out.reshape(t, np_ * hn)
+            kwargs = _varlen_kwargs(causal, self.softmax_scale, hn, key.shape[1] != np_)
+            if kwargs is not None:
+                if "enable_gqa" not in kwargs:
+                    key, value = _repeat_groups(key, np_, dim=1), _repeat_groups(value, np_, dim=1)
+                cu32 = cu.to(device=query.device, dtype=torch.int32)
+                max_len = int(params.max_seqlen_q) if params.max_seqlen_q else int((cu[1:] - cu[:-1]).max())
+                out = varlen_attn(query, key, value, cu32, cu32, max_len, max_len, **kwargs)
+                return out.reshape(t, np_ * hn)
         bounds = cu.tolist()
         if bounds[0] != 0 or bounds[-1] != t:
             raise ValueError(f"SDPAttention: cu_seqlens {bounds} must run from 0 to the packed row's {t} tokens")
@@ -150,6 +156,29 @@ def _self_attention_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
     return cu
 
 
+def _varlen_kwargs(causal: bool, scale: float, head_dim: int, gqa: bool) -> Optional[dict]:
+    """Keyword arguments of this torch's ``varlen_attn`` for our call, or None if it cannot make it.
+
+    Its signature changed across torch releases: 2.9-2.10 take ``is_causal`` (and no scale or
+    grouped-query attention), later ones ``scale``, ``window_size`` and ``enable_gqa``.
+    """
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = causal
+    else:
+        return None
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, head_dim**-0.5):
+        return None
+    if gqa and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
 def _use_varlen(query: torch.Tensor, dropout: float) -> bool:
     """torch's variable-length flash attention: CUDA, half precision, no dropout, torch >= 2.9."""
     return (varlen_attn is not None and query.is_cuda and dropout == 0.0
@@ -171,4 +200,11 @@ def layer_spec(qk_norm: bool, use_te: bool | None = None) -> ModuleSpec:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    # norms in the model's dtype that support sequence parallelism (megatron's torch fallback
+    # builds fp32 norms and refuses it); the checkpoint keys stay the same
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    if qk_norm:
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     return spec

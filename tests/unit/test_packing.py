@@ -137,6 +137,32 @@ def test_sdpa_packed_rejects_other_layouts():
             qkv_format="thd", cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32)))
 
 
+def test_varlen_kwargs_follow_torch_signature(monkeypatch):
+    """torch's varlen_attn changed its signature between releases; the CUDA path adapts (the call
+    itself needs a GPU: measured on an H100 with torch 2.11, see the report of issue 16)."""
+    import cooper_mcore.models.spec as spec
+
+    def v29(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+        """torch 2.9-2.10"""
+
+    def v211(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        """torch 2.11"""
+
+    def v213(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+             enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        """torch 2.13"""
+
+    monkeypatch.setattr(spec, "varlen_attn", v29)
+    assert spec._varlen_kwargs(True, 0.125, 64, gqa=True) == {"is_causal": True}
+    assert spec._varlen_kwargs(True, 0.5, 64, gqa=False) is None  # cannot pass a non-default scale
+    monkeypatch.setattr(spec, "varlen_attn", v211)
+    assert spec._varlen_kwargs(True, 0.5, 64, gqa=True) == {"window_size": (-1, 0), "scale": 0.5}
+    monkeypatch.setattr(spec, "varlen_attn", v213)
+    assert spec._varlen_kwargs(False, 0.5, 64, gqa=True) == {"window_size": (-1, -1), "scale": 0.5,
+                                                             "enable_gqa": True}
+    assert not spec._use_varlen(torch.zeros(2, 2, 2, dtype=torch.bfloat16), 0.0)  # CPU: per-segment SDPA
+
+
 # --------------------------------------------------------------------------- whole models
 
 
