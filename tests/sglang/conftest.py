@@ -3,9 +3,10 @@ backend, driven through cooper_mcore's :class:`~cooper_mcore.rollout.sglang_engi
 
 Set-up for every test here:
 
-* the test-only ``sgl_kernel`` stand-in (``stand_in/sgl_kernel``) goes first on ``sys.path`` and
-  ``PYTHONPATH`` (for SGLang's scheduler subprocesses and launched servers), and
-  ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU backend;
+* without CUDA, the test-only stand-ins (``stand_in/``: ``sgl_kernel``, ``flash_mla``) go first on
+  ``sys.path`` and ``PYTHONPATH`` (for SGLang's scheduler subprocesses and launched servers), and
+  ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU backend (the ``sglang``-marked tests);
+  with CUDA nothing is replaced (the ``gpu``-marked tests of ``test_gpu.py``);
 * session fixtures build the tiny assets once (a tokenizer trained on the arithmetic corpus, an
   untied and a tied random Qwen2 over its vocabulary, in fp32, and their Megatron
   checkpoints) and share one offline engine and one HTTP server between the modules, since each
@@ -29,10 +30,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = str(Path(__file__).resolve().parent / "stand_in")
-if sys.path[0] != STAND_IN:
-    sys.path.insert(0, STAND_IN)
-os.environ["PYTHONPATH"] = os.pathsep.join([STAND_IN, *filter(None, [os.environ.get("PYTHONPATH")])])
-os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+CPU_TIER = not torch.cuda.is_available()  # with a GPU, the real sgl_kernel and SGLang's CUDA backend
+if CPU_TIER:
+    if sys.path[0] != STAND_IN:
+        sys.path.insert(0, STAND_IN)
+    os.environ["PYTHONPATH"] = os.pathsep.join([STAND_IN, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
