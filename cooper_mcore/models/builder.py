@@ -16,11 +16,19 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cooper_mcore.models.arch import ArchSpec, rope_inv_freq
-from cooper_mcore.models.spec import layer_spec
+from cooper_mcore.models.norms import RMSNorm
+from cooper_mcore.models.spec import layer_spec, te_available
 from cooper_mcore.parallel import ParallelConfig
 
 
@@ -107,8 +115,12 @@ class ScalarHead(MegatronModule):
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
+            # The head is replicated: every TP rank computes the same scores from the gathered
+            # sequence, so the gradient of the gathered hidden state is the same on every rank and
+            # each rank keeps its own sequence slice of it (output_grad=False: split). With
+            # output_grad=True the backward would reduce-scatter, summing tp identical copies.
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden, tensor_parallel_output_grad=True, group=self.tp_group
+                hidden, tensor_parallel_output_grad=False, group=self.tp_group
             )
         return F.linear(hidden, self.weight), None
 
@@ -186,9 +198,13 @@ def build_model(
     if post_process is None:
         post_process = pp_rank == pp_size - 1
     cls = RewardGPTModel if arch.model_type == "reward" else GPTModel
+    spec = layer_spec(arch.qk_norm, use_te)
+    if not (te_available() if use_te is None else use_te):  # the final norm as the layers' (models.norms)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
+                                          layer_norm=RMSNorm)
     model = cls(
         config=config,
-        transformer_layer_spec=layer_spec(arch.qk_norm, use_te),
+        transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -219,13 +235,6 @@ def _mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
     missing, and gradient-norm accounting and weight gathering would treat shards as
     replicated. Biases are marked either way.
     """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
-    )
-
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
