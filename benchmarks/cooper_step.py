@@ -2,8 +2,8 @@
 
 Everything colocated on one device (GPU, or the CPU with ``--tiny``): the Megatron policy with its
 optimizer and the host-copy reference, the VerifyRM being trained, and the transformers rollout
-engine. Built with :func:`cooper_mcore.train.run_setup.build_run` from a config like
-``examples/tiny_cpu.yaml`` and stepped with :func:`cooper_mcore.train.cooper.cooper_step`, exactly as
+engine. Built with :func:`cooper_mcore.rl.setup.build_run` from a config like
+``examples/tiny_cpu.yaml`` and stepped with :func:`cooper_mcore.rl.step.cooper_step`, exactly as
 ``cooper train`` does, in two settings, each in a fresh process:
 
 * ``no-offload``: training state stays on the device while the engine generates;
@@ -125,8 +125,8 @@ def run_variant(assets: str, shape: str, variant: str, steps: int, prompts: int,
                 max_new_tokens: int, mbs: int) -> dict:
     """Build the run and time ``steps`` Cooper steps (the first is a warm-up); return the last."""
     from cooper_mcore.config import load_config
-    from cooper_mcore.train.cooper import cooper_step, sync
-    from cooper_mcore.train.run_setup import build_run
+    from cooper_mcore.rl.setup import build_run
+    from cooper_mcore.rl.step import cooper_step
 
     paths = make_assets(assets, shape)
     dtype = "float32" if shape == "tiny" else "bfloat16"
@@ -139,7 +139,6 @@ def run_variant(assets: str, shape: str, variant: str, steps: int, prompts: int,
         f"rollout.group_size={group}", f"rollout.max_new_tokens={max_new_tokens}", f"train.prompts_per_step={prompts}",
         f"train.micro_batch_size={mbs}", "optim.lr=1e-6", "rm.optim.lr=1e-5", *VARIANTS[variant]])
     run = build_run(cfg)
-    sync(run, version=0)
     probe = PhaseProbe()
     for _ in range(steps):
         metrics = cooper_step(run, run.data.next_batch(), probe)

@@ -1,6 +1,6 @@
 """Reliability figures (issue 7): injected faults, bad inputs, adversarial verifier items.
 
-1. **Faults**: ``python -m cooper_mcore.train.fault_trials`` (a tiny CPU Cooper run SIGKILLed at
+1. **Faults**: ``python -m tests.harness.fault_trials`` (a tiny CPU Cooper run SIGKILLed at
    seeded points: rollout, policy update, RM update, inside checkpoint writes, ...; each then
    resumed with ``--resume auto`` and compared bitwise with an uninterrupted run).
 2. **Bad inputs**, each with the outcome it must have: refused with a ``ValueError`` /
@@ -173,7 +173,7 @@ def _parquet_cases(tmp: str, write: Callable[[str, bytes], str]) -> list[Outcome
 def checkpoint_cases(tmp: str, reference_ckpts: str) -> list[Outcome]:
     """Damage the newest of the reference run's checkpoints in every way; ``resume: auto`` must
     warn with its path and fall back to the previous one; an explicit path must be refused."""
-    from cooper_mcore.train.checkpoint import MANIFEST, find_resume
+    from cooper_mcore.mcore.checkpoint import MANIFEST, find_resume
 
     steps = sorted(int(n.split("_")[1]) for n in os.listdir(reference_ckpts) if n.startswith("step_"))
     prev, last = steps[-2], steps[-1]
@@ -206,7 +206,7 @@ def checkpoint_cases(tmp: str, reference_ckpts: str) -> list[Outcome]:
         bad = os.path.join(root, f"step_{last}")
         damage(bad)
         records: list[str] = []
-        handler, ckpt_logger = _ListHandler(records), logging.getLogger("cooper_mcore.train.checkpoint")
+        handler, ckpt_logger = _ListHandler(records), logging.getLogger("cooper_mcore.mcore.checkpoint")
         level = ckpt_logger.level
         ckpt_logger.addHandler(handler)
         ckpt_logger.setLevel(logging.WARNING)
@@ -384,7 +384,7 @@ def verifier_cases(timeout_s: float, workers: int) -> tuple[list[Outcome], float
 
 def fault_trials(work: str, trials: int, seed: int) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "cooper_mcore.train.fault_trials", "--work", work, "--trials",
+    r = subprocess.run([sys.executable, "-m", "tests.harness.fault_trials", "--work", work, "--trials",
                         str(trials), "--seed", str(seed), "--steps", "3"],
                        capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode != 0:

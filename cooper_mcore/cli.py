@@ -11,6 +11,7 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper eval-rm --ckpt RM --data VB.jsonl
     cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
+    cooper config --show [--config X] [key=value ...]
     cooper demo [--full] [--out DIR] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
 """
@@ -21,13 +22,31 @@ import argparse
 import json
 import logging
 import sys
+import warnings
+
+from cooper_mcore.config import format_settings, load_config
+from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
+from cooper_mcore.demo import load_demo_config, run_demo
+from cooper_mcore.demo.assets import build_tiny_assets
+from cooper_mcore.demo.pipeline import describe
+from cooper_mcore.jobs.evaluate import evaluate_policy
+from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
+from cooper_mcore.parallel import ParallelConfig
+from cooper_mcore.plan import PlanOptions, plan
+from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
+from cooper_mcore.redaction import install_log_filter
+from cooper_mcore.reward.annotate import annotate
+from cooper_mcore.reward.negatives import AssistantUnavailable
+from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.reward.verifier import RuleVerifier, verify_jsonl
+from cooper_mcore.rl.loop import TrainingStopped, train
 
 logger = logging.getLogger("cooper_mcore")
+#: errors that are the user's to fix: one clear line, no traceback
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, TrainingStopped, AssistantUnavailable)
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
-
     if args.direction == "hf-to-mcore":
         hf_to_mcore(args.hf_dir, args.out, args.model_type)
     else:
@@ -36,18 +55,12 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _verify(args: argparse.Namespace) -> None:
-    from cooper_mcore.reward.verifier import verify_jsonl
-
     summary = verify_jsonl(args.inp, args.out, timeout_s=args.timeout, num_workers=args.workers,
                            gold_key=args.gold_key, pred_key=args.pred_key)
     print(json.dumps(summary), flush=True)  # the summary line
 
 
 def _train(args: argparse.Namespace) -> None:
-    from cooper_mcore.config import load_config
-    from cooper_mcore.redaction import install_log_filter
-    from cooper_mcore.train.cooper import train
-
     cfg = load_config(args.config, args.overrides)
     install_log_filter([cfg.rm.api_key_env])
     if args.out:
@@ -58,8 +71,6 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from cooper_mcore.train.evaluate import evaluate_policy
-
     result = evaluate_policy(args.model, args.data, k=args.k, temperature=args.temperature, top_p=args.top_p,
                              max_new_tokens=args.max_new_tokens, template=args.template,
                              use_chat_template=args.chat_template, limit=args.limit, seed=args.seed)
@@ -67,9 +78,6 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _train_rm(args: argparse.Namespace) -> None:
-    from cooper_mcore.parallel import ParallelConfig
-    from cooper_mcore.train.rm_jobs import train_rm
-
     summary = train_rm(args.ckpt, args.train, args.out, eval_path=args.eval, epochs=args.epochs, lr=args.lr,
                        weight_decay=args.weight_decay, micro_batch_size=args.micro_batch_size,
                        global_batch_size=args.global_batch_size, eval_every=args.eval_every,
@@ -79,9 +87,6 @@ def _train_rm(args: argparse.Namespace) -> None:
 
 
 def _eval_rm(args: argparse.Namespace) -> None:
-    from cooper_mcore.parallel import ParallelConfig
-    from cooper_mcore.train.rm_jobs import eval_rm
-
     result = eval_rm(args.ckpt, args.data, parallel=ParallelConfig(tp=args.tp, pp=args.pp),
                      micro_batch_size=args.micro_batch_size, threshold=args.threshold, data_format=args.format,
                      predictions_path=args.predictions)
@@ -89,11 +94,6 @@ def _eval_rm(args: argparse.Namespace) -> None:
 
 
 def _annotate(args: argparse.Namespace) -> None:
-    from cooper_mcore.redaction import install_log_filter
-    from cooper_mcore.reward.annotate import annotate
-    from cooper_mcore.reward.openai_client import OpenAIChatClient
-    from cooper_mcore.reward.verifier import RuleVerifier
-
     install_log_filter([args.api_key_env])
     client = OpenAIChatClient(args.judge_url, args.judge_model, api_key_env=args.api_key_env,
                               max_retries=args.judge_retries, timeout_s=args.judge_timeout)
@@ -104,16 +104,11 @@ def _annotate(args: argparse.Namespace) -> None:
 
 
 def _tiny_assets(args: argparse.Namespace) -> None:
-    from cooper_mcore.demo.assets import build_tiny_assets
-
     for name, path in build_tiny_assets(args.out).items():
         print(f"{name}: {path}")
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from cooper_mcore.demo import load_demo_config, run_demo
-    from cooper_mcore.demo.pipeline import describe
-
     cfg = load_demo_config("full" if args.full else args.preset, args.overrides)
     if args.out:
         cfg.out = args.out
@@ -122,10 +117,6 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from cooper_mcore.config import load_config
-    from cooper_mcore.plan import PlanOptions, plan
-    from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
-
     cfg = load_config(args.config, args.overrides)
     policy, rm, notes = load_shapes(cfg, args.policy_config, args.rm_config)
     result = plan(cfg, policy, rm, PlanOptions(
@@ -135,6 +126,11 @@ def _plan(args: argparse.Namespace) -> None:
         print(json.dumps(plan_to_dict(result, cfg, notes), indent=2), flush=True)
     else:
         print(format_plan(result, cfg, notes), flush=True)  # the report table
+
+
+def _config(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config, args.overrides)
+    print(format_settings(cfg), flush=True)  # the listing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", default=None, help="'auto', 'none' or a checkpoint folder")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule")
     tr.set_defaults(func=_train)
+
+    co = sub.add_parser("config", help="list every `cooper train` setting with its value and doc")
+    co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default)")
+    co.add_argument("--config", default=None, help="YAML preset whose values to show (default: the defaults)")
+    co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01")
+    co.set_defaults(func=_config)
 
     ev = sub.add_parser("eval", help="held-out avg@k accuracy of a policy (HF folder or Megatron checkpoint)")
     ev.add_argument("--model", required=True,
@@ -266,8 +268,6 @@ def _quiet_known_warnings() -> None:
     """Hide warnings that megatron-core 0.16 and torch raise on every run and a user cannot act on
     (deprecated collectives inside megatron, its optimizer probing ``.grad`` of non-leaf tensors);
     ``--verbose`` shows them."""
-    import warnings
-
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)")
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
 
@@ -281,14 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("megatron").setLevel(logging.WARNING)
         _quiet_known_warnings()
-    from cooper_mcore.redaction import install_log_filter
-
     install_log_filter()  # no API key from the environment in any log line
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
+    except USER_ERRORS as e:
         logger.error("%s", e.args[0] if e.args else e)
-        return getattr(e, "exit_code", 2)  # train: 75 preempted (SIGTERM), 3 non-finite stop; else 2
+        return getattr(e, "exit_code", 2)  # train: 75 preempted (SIGTERM/SIGUSR1), 3 non-finite stop; else 2
+    except Exception:
+        logger.exception("unexpected error (a bug, or an environment problem the message names); please report "
+                         "it with this traceback")
+        return 1
     return 0
 
 

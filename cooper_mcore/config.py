@@ -9,40 +9,72 @@ any work starts.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import json
 import os
-from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+import textwrap
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from enum import Enum
+from typing import Any, Literal, Optional
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from cooper_mcore.algo.losses import KL_ESTIMATORS as KL_KINDS
+from cooper_mcore.algo.pairs import NegativePick, PositivePick
+from cooper_mcore.algo.rewards import RewardTransform
 from cooper_mcore.parallel import ParallelConfig
+from cooper_mcore.redaction import scrub_config
+from cooper_mcore.reward.negatives import AssistantPrompt
 
-REWARD_MODES = ("rule", "static_rm", "cooper")
-NEGATIVE_KINDS = ("assistant", "policy", "perturb", "random")
-FAILURE_ACTIONS = ("mask", "stop")
+Dtype = Literal["float32", "bfloat16"]
+#: the KL estimators of :func:`cooper_mcore.algo.kl_penalty` (a test keeps them equal to ``KL_ESTIMATORS``)
+KLKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
+#: the negative generators of :func:`cooper_mcore.reward.negatives.make_negative_generator` (tested equal)
+NegativeKind = Literal["assistant", "policy", "rewrite", "perturb", "random"]
+RewriteKind = Literal["step", "copy", "final"]
+FailureAction = Literal["mask", "stop"]
+EngineKind = Literal["hf", "sglang"]
+RMQuestion = Literal["prompt", "question"]
+
+
+class RewardMode(str, Enum):
+    """Where the policy's reward comes from."""
+
+    rule = "rule"
+    """math-verify's 0/1 verdict (the rule-only baseline)."""
+    static_rm = "static_rm"
+    """sigmoid of a frozen VerifyRM's logit (the reward-hacking baseline)."""
+    cooper = "cooper"
+    """sigmoid of a VerifyRM that is itself updated every step (Cooper)."""
+
+    @property
+    def uses_rm(self) -> bool:
+        """Whether the policy's reward comes from the reward model."""
+        return self is not RewardMode.rule
+
+    @property
+    def trains_rm(self) -> bool:
+        """Whether the reward model is updated during the run."""
+        return self is RewardMode.cooper
 
 
 @dataclass
 class ModelConfig:
-    """The models. Paths are Megatron checkpoints (``cooper convert hf-to-mcore``) and the HF
-    folders their tokenizers/engines load from.
-
-    Attributes:
-        policy_ckpt: Megatron checkpoint of the initial policy (also the frozen reference).
-        policy_hf: HF folder of the same policy (rollout engine start, tokenizer).
-        rm_ckpt: Megatron checkpoint of the VerifyRM (reward model); unused in ``rule`` mode.
-        dtype: "float32" or "bfloat16".
-        trust_remote_code: let transformers run Python code shipped with a model folder (its
-            tokenizer or config); off unless asked, as executing a downloaded folder's code is
-            executing untrusted code.
-    """
+    """The models: Megatron checkpoints (``cooper convert hf-to-mcore``) and the HF folder the
+    policy's tokenizer and rollout engine load from."""
 
     policy_ckpt: str = ""
+    """Megatron checkpoint of the initial policy (also the frozen KL reference)."""
     policy_hf: str = ""
+    """HF folder of the same policy (the rollout engine's start and the tokenizer)."""
     rm_ckpt: str = ""
-    dtype: str = "float32"
+    """Megatron checkpoint of the VerifyRM reward model (unused in rule mode)."""
+    dtype: Dtype = "float32"
+    """Parameter dtype of both models; the checkpoints must hold it."""
     trust_remote_code: bool = False
+    """Let transformers run Python code shipped with a model folder (off: that code is untrusted)."""
 
 
 @dataclass
@@ -50,55 +82,85 @@ class DataConfig:
     """Prompt data (see :mod:`cooper_mcore.data.datasets`)."""
 
     train_path: str = ""
+    """Training prompts, JSONL or Parquet with a question and a reference answer per row."""
     eval_path: str = ""
+    """Held-out prompts for evaluation (same format); needed when eval.every > 0."""
     question_key: str = "question"
+    """Field holding the question."""
     answer_key: str = "answer"
+    """Field holding the reference (gold) answer."""
     template: str = "{question}"
+    """Prompt template; {question} is replaced by the question."""
     use_chat_template: bool = False
+    """Wrap the templated prompt in the tokenizer's chat template as a user turn."""
     skip_malformed: bool = False
+    """Skip and count malformed rows instead of stopping with an error naming file:line."""
     eval_limit: int = 0
+    """Use only the first N held-out prompts (0: all)."""
 
 
 @dataclass
 class RolloutConfig:
-    """Sampling and the rollout engine.
+    """Sampling and the rollout engine."""
 
-    Attributes:
-        engine: "hf" (transformers, CPU/small GPU) or "sglang".
-        group_size: completions per prompt (G).
-        bucket_mb: weight-sync bucket size.
-    """
-
-    engine: str = "hf"
+    engine: EngineKind = "hf"
+    """hf (transformers, CPU or a small GPU) or sglang."""
     group_size: int = 16
+    """Completions per prompt (G of GRPO)."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
     top_p: float = 1.0
+    """Nucleus sampling mass of the rollouts (1.0: off)."""
     max_new_tokens: int = 512
+    """Longest completion in tokens."""
     stop: list[str] = field(default_factory=list)
+    """Strings that end a completion."""
     bucket_mb: int = 512
+    """Size of the weight-sync buckets pushed into the engine, in MiB."""
     sglang_mem_fraction: float = 0.5
+    """SGLang's mem_fraction_static: share of the GPU memory for its weights and KV cache."""
 
 
 @dataclass
 class RewardConfig:
-    """Rewards: ``rule`` (math-verify 0/1), ``static_rm`` (frozen VerifyRM), ``cooper``
-    (VerifyRM updated every step). In RM modes the policy reward is sigmoid(RM logit)."""
+    """The policy's reward."""
 
-    mode: str = "cooper"
+    mode: RewardMode = RewardMode.cooper
+    """rule (math-verify 0/1), static_rm (frozen VerifyRM) or cooper (VerifyRM updated every step)."""
+    rm_transform: RewardTransform = "sigmoid"
+    """RM logit -> reward: sigmoid (fp32), sigmoid_bf16 (the reference's bf16 grid) or binary (0/1 at 0.5)."""
     verifier_timeout_s: float = 5.0
+    """Hard time limit of one math-verify call; a timeout makes the item unverifiable."""
     verifier_workers: int = 2
+    """Processes verifying answers (on every model-parallel group leader)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mode, str) and not isinstance(self.mode, RewardMode):
+            try:
+                self.mode = RewardMode(self.mode)
+            except ValueError:
+                raise ValueError(f"reward.mode must be one of {[m.value for m in RewardMode]}, "
+                                 f"got {self.mode!r}") from None
 
 
 @dataclass
 class AlgoConfig:
-    """GRPO (paper settings by default)."""
+    """GRPO (the paper's settings by default)."""
 
     clip_low: float = 0.2
+    """PPO ratio clip below 1 (eps_low)."""
     clip_high: float = 0.2
+    """PPO ratio clip above 1 (eps_high; > clip_low is DAPO's clip-higher)."""
     kl_coef: float = 1e-3
-    kl_kind: str = "low_var_kl"
+    """Weight of the KL-to-reference loss term (0: no reference model is kept)."""
+    kl_kind: KLKind = "low_var_kl"
+    """KL estimator of the loss term (low_var_kl is k3, clamped, as the paper)."""
     adv_eps: float = 1e-6
+    """Added to the group's reward std before dividing (GRPO advantage)."""
+    adv_std_floor: float = 0.0
+    """Minimum group std in the advantage's divisor, so tiny RM differences stay small (0: plain GRPO)."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus subtracted from the loss (the paper: 0)."""
 
 
 @dataclass
@@ -106,70 +168,93 @@ class OptimSection:
     """One model's optimizer (AdamW) and schedule (linear warm-up, then constant)."""
 
     lr: float = 1e-6
+    """Peak learning rate."""
     weight_decay: float = 0.01
+    """Decoupled weight decay."""
     clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
 
 
 @dataclass
 class RMUpdateConfig:
-    """The reward model's contrastive update (cooper mode).
+    """The reward model's contrastive update (cooper mode)."""
 
-    Attributes:
-        negatives: "assistant" (LLM over an OpenAI-compatible API), "policy" (the policy's own
-            wrong rollouts), "perturb" (answer perturbation) or "random" (paper ablation).
-        assistant_url / assistant_model / api_key_env: the assistant LLM endpoint; the API key is
-            read from the environment variable named by ``api_key_env``, never from the config.
-        assistant_timeout_s / assistant_max_retries: per-attempt timeout and retries (exponential
-            backoff from 1 s) of each assistant request.
-        on_assistant_failure: when a request still fails after its retries: "mask" (that prompt's
-            pair is left out of the RM update and counted in ``pairs/assistant_failed``; the run
-            goes on) or "stop" (the run stops with an error naming the endpoint).
-    """
-
-    negatives: str = "assistant"
+    negatives: NegativeKind = "assistant"
+    """assistant (an LLM rewrites a verified-correct solution, the paper), policy (the policy's own
+    wrong rollouts), rewrite (a programmatic wrong rewrite of the positive's worked chain), perturb
+    (the positive's final answer perturbed) or random (another prompt's response, the paper's ablation)."""
+    pairs_per_prompt: int = 1
+    """Preference pairs per prompt (the paper: 1)."""
+    positive_pick: PositivePick = "first"
+    """Which rule-correct rollout is the positive: first (the reference code), hardest (lowest RM score) or random."""
+    negative_pick: NegativePick = "random"
+    """negatives=policy: which rule-wrong rollout: random, hardest (highest RM score: the exploit) or first."""
+    assistant_rounds: int = 3
+    """negatives=assistant: requests per prompt at most, asking again while the rewrite is still correct (3)."""
+    assistant_prompt: AssistantPrompt = "reference"
+    """negatives=assistant: the reference's request (problem and correct solution, no gold answer) or with_gold."""
+    rewrite_kinds: list[RewriteKind] = field(default_factory=lambda: ["step", "copy", "final"])
+    """negatives=rewrite: one step off, an intermediate copied as the answer, a near-miss final line."""
+    anchor_weight: float = 0.0
+    """Weight of a BCE anchor on each pair's own labels added to the pairwise loss (0: the paper)."""
+    question: RMQuestion = "prompt"
+    """The RM's <question>: the question through data.template as the policy reads it (the reference) or bare."""
     assistant_url: str = ""
+    """OpenAI-compatible endpoint of the assistant LLM."""
     assistant_model: str = ""
+    """Model name sent to the assistant endpoint."""
     api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the assistant's API key (never the key itself)."""
     assistant_timeout_s: float = 60.0
+    """Time limit of one assistant request attempt."""
     assistant_max_retries: int = 3
-    on_assistant_failure: str = "mask"
+    """Retries of a failed assistant request (exponential backoff from 1 s)."""
+    on_assistant_failure: FailureAction = "mask"
+    """A request still failing after its retries: mask (leave that pair out, counted) or stop the run."""
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_steps=0))
+    """The reward model's optimizer and schedule."""
 
 
 @dataclass
 class OffloadConfig:
-    """What to move to CPU memory while another phase runs (colocation)."""
+    """What leaves the GPU while the rollout engine generates (colocation)."""
 
     policy_params: bool = False
+    """Move the policy's parameters to host memory during rollouts."""
     policy_grads: bool = False
+    """Free the policy's gradient buffers during rollouts (the next step zeroes them anyway)."""
     policy_optimizer: bool = False
+    """Move the policy's optimizer state (fp32 main params, Adam moments) to host memory."""
     rm_params: bool = False
+    """Move the reward model's parameters to host memory during rollouts."""
     rm_grads: bool = False
+    """Free the reward model's gradient buffers during rollouts."""
     rm_optimizer: bool = False
+    """Move the reward model's optimizer state to host memory during rollouts."""
     release_engine: bool = True
+    """Release the engine's weights and KV cache between rollouts (weights are pushed again)."""
 
 
 @dataclass
 class TrainConfig:
-    """The loop.
-
-    Attributes:
-        steps: Cooper steps.
-        prompts_per_step: prompts per step across all data-parallel ranks.
-        micro_batch_size: sequences per forward/backward.
-        mini_batches: policy updates per step (1 = one update on the whole batch).
-        max_nonfinite_steps: stop (with a checkpoint, exit code 3) after this many steps in a
-            row whose policy or RM update was skipped for a non-finite loss or gradient norm;
-            0 never stops.
-    """
+    """The loop."""
 
     steps: int = 100
+    """Cooper steps."""
     prompts_per_step: int = 32
+    """Prompts per step over all data-parallel ranks."""
     micro_batch_size: int = 8
+    """Sequences per forward/backward."""
     mini_batches: int = 1
+    """Policy updates per step (1: one update on the whole batch)."""
     seed: int = 1234
+    """Seed of the data order, sampling and megatron's RNG."""
     max_nonfinite_steps: int = 3
+    """Stop (checkpoint, exit code 3) after this many steps in a row with a skipped non-finite update (0: never)."""
+    max_steps_without_pairs: int = 5
+    """Warn loudly when this many cooper steps in a row formed no valid RM pair (0: never)."""
 
 
 @dataclass
@@ -177,28 +262,43 @@ class EvalConfig:
     """Held-out evaluation: avg@k accuracy, temperature 0.7, top-p 0.95 (as the paper)."""
 
     every: int = 0
+    """Evaluate every N steps (0: never)."""
     k: int = 1
+    """Samples per held-out prompt (avg@k)."""
     temperature: float = 0.7
+    """Sampling temperature of the evaluation."""
     top_p: float = 0.95
+    """Nucleus sampling mass of the evaluation."""
     max_new_tokens: int = 512
+    """Longest evaluation completion in tokens."""
 
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints under ``<out>/checkpoints``; ``resume: auto`` continues from the newest."""
+    """Training checkpoints under ``<out>/checkpoints``."""
 
     every: int = 0
+    """Write a checkpoint every N steps and after the last (0: never)."""
     keep: int = 2
+    """Newest complete checkpoints kept."""
     resume: str = "none"
+    """none, auto (the newest checkpoint that verifies) or a checkpoint folder."""
 
 
 @dataclass
 class LoggingConfig:
+    """Metrics and reward-hacking detection."""
+
     wandb: bool = True
+    """Log to Weights & Biases too (offline without credentials)."""
     wandb_project: str = "cooper_mcore"
+    """wandb project."""
     run_name: str = ""
+    """wandb run name (default: wandb's)."""
     hacking_window: int = 10
+    """Steps of the reward-hacking detector's window."""
     stop_on_hacking: bool = False
+    """Stop the run when the detector fires (default: warn)."""
 
 
 @dataclass
@@ -206,52 +306,112 @@ class CooperConfig:
     """A whole run."""
 
     out: str = "runs/cooper"
+    """Run folder: config.yaml, metrics.jsonl, checkpoints/."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The models."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The model-parallel layout shared by the policy and the reward model."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling and the rollout engine."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The policy's reward."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """GRPO."""
     optim: OptimSection = field(default_factory=OptimSection)
+    """The policy's optimizer and schedule."""
     rm: RMUpdateConfig = field(default_factory=RMUpdateConfig)
+    """The reward model's update (cooper mode)."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Colocation: what leaves the GPU while the engine generates."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The loop."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Training checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and reward-hacking detection."""
 
 
 def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> CooperConfig:
     """Defaults <- YAML preset <- dotted overrides, type-checked.
 
-    Raises:
-        ValueError: unknown key, wrong type, or a missing preset file (naming it).
-    """
-    from omegaconf.errors import OmegaConfBaseException
+    A value outside a setting's choices (a ``Literal`` or enum field) is kept as given and
+    reported by :func:`validate` together with every other problem of the config; an unknown key
+    or a value of the wrong type is an error at once.
 
+    Raises:
+        ValueError: unknown key, wrong type, or an unreadable preset (naming it).
+        FileNotFoundError: the preset does not exist.
+    """
     cfg = OmegaConf.structured(CooperConfig)
+    items: list[tuple[str, str, Any]] = []
     try:
         if preset:
             if not os.path.isfile(preset):
                 raise FileNotFoundError(f"config preset {preset!r} not found")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(preset))
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            items += [(preset, k, v) for k, v in _leaves(OmegaConf.to_container(OmegaConf.load(preset)))]
+        for item in overrides or []:
+            items += [(f"override {item!r}", k, v) for k, v in _leaves(OmegaConf.to_container(
+                OmegaConf.from_dotlist([item])))]
     except OmegaConfBaseException as e:
-        raise ValueError(f"bad config ({preset or 'defaults'}): {e}") from None
+        raise ValueError(f"bad config ({preset or 'overrides'}): {e}") from None
+    off_choice: dict[str, Any] = {}
+    for source, key, value in items:
+        try:
+            cfg = OmegaConf.merge(cfg, _nested(key, value))
+            off_choice.pop(key, None)
+        except OmegaConfBaseException as e:
+            if not _is_choice(key):
+                raise ValueError(f"bad config ({source}): {e}") from None
+            off_choice[key] = value
     result: CooperConfig = OmegaConf.to_object(cfg)
+    for key, value in off_choice.items():  # left for validate() to report with the rest
+        *path, name = key.split(".")
+        obj = result
+        for part in path:
+            obj = getattr(obj, part)
+        object.__setattr__(obj, name, value)
     return result
 
 
+def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of nested mappings (lists are leaves)."""
+    if isinstance(tree, dict) and tree:
+        return [kv for k, v in tree.items() for kv in _leaves(v, f"{prefix}{k}.")]
+    return [(prefix[:-1], tree)]
+
+
+def _nested(key: str, value: Any) -> Any:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return OmegaConf.create(value)
+
+
+def _is_choice(key: str) -> bool:
+    """Whether ``key`` names a ``Literal`` or enum setting of :class:`CooperConfig`."""
+    cls: Any = CooperConfig
+    hint: Any = None
+    for part in key.split("."):
+        if not is_dataclass(cls):
+            return False
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return False
+        hint = cls = hints[part]
+    return typing.get_origin(hint) is Literal or (isinstance(hint, type) and issubclass(hint, Enum))
+
+
 def to_dict(cfg: CooperConfig) -> dict[str, Any]:
-    return asdict(cfg)
+    """The config as plain nested dicts (enums as their values)."""
+    return json.loads(json.dumps(asdict(cfg), default=lambda v: v.value if isinstance(v, Enum) else str(v)))
 
 
 def save_config(cfg: CooperConfig, path: str) -> None:
     """Write the resolved config as YAML, without secrets (:func:`cooper_mcore.redaction.scrub_config`:
     API keys live in the environment; a key pasted into a setting by mistake is written as ``***``)."""
-    from cooper_mcore.redaction import scrub_config
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     OmegaConf.save(OmegaConf.create(scrub_config(to_dict(cfg))), path)
 
@@ -275,21 +435,20 @@ def validate(cfg: CooperConfig, world_size: int) -> None:
     """
     problems = config_problems(cfg, world_size)
     if problems:
+        hint = ""
+        if any("does not exist" in p and "tiny_assets" in p for p in problems):
+            hint = ("\nThe tiny assets are made by `cooper tiny-assets --out runs/tiny_assets` "
+                    "(examples/tiny_cpu.yaml reads them from there).")
         raise ValueError(f"invalid config ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
-                         + "\n".join(f"  - {p}" for p in problems))
+                         + "\n".join(f"  - {p}" for p in problems) + hint)
 
 
 def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     """Every problem :func:`validate` reports, in a fixed order (empty when the config is fine)."""
     out: list[str] = []
     t, ro, r = cfg.train, cfg.rollout, cfg.reward
-    choices = [("reward.mode", r.mode, REWARD_MODES), ("rm.negatives", cfg.rm.negatives, NEGATIVE_KINDS),
-               ("rm.on_assistant_failure", cfg.rm.on_assistant_failure, FAILURE_ACTIONS),
-               ("rollout.engine", ro.engine, ("hf", "sglang")),
-               ("model.dtype", cfg.model.dtype, ("float32", "bfloat16")), ("algo.kl_kind", cfg.algo.kl_kind, KL_KINDS)]
-    out += [f"{name} must be one of {allowed}, got {value!r}"
-            for name, value, allowed in choices if value not in allowed]
-    if r.mode == "cooper" and cfg.rm.negatives == "assistant":
+    out += _choice_problems(cfg)
+    if _trains_rm(cfg) and cfg.rm.negatives == "assistant":
         out += [f"rm.negatives=assistant needs rm.{k} (or choose negatives policy/perturb/random)"
                 for k in ("assistant_url", "assistant_model") if not getattr(cfg.rm, k)]
     ranges = [("train.steps", t.steps, 0), ("train.prompts_per_step", t.prompts_per_step, 1),
@@ -316,6 +475,39 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     return out
 
 
+def _uses_rm(cfg: CooperConfig) -> bool:
+    """For the other checks: an invalid mode (reported on its own) counts as reading the RM."""
+    return not isinstance(cfg.reward.mode, RewardMode) or cfg.reward.mode.uses_rm
+
+
+def _trains_rm(cfg: CooperConfig) -> bool:
+    """For the other checks: an invalid mode (reported on its own) counts as not training the RM."""
+    return isinstance(cfg.reward.mode, RewardMode) and cfg.reward.mode.trains_rm
+
+
+def _choice_problems(cfg: Any, prefix: str = "") -> list[str]:
+    """Values outside their ``Literal``/enum choices (OmegaConf checks YAML and overrides; this also
+    covers configs built in Python)."""
+    out = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        name = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            out += _choice_problems(value, name + ".")
+        elif typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
+            out.append(f"{name} must be one of {typing.get_args(hint)}, got {value!r}")
+        elif isinstance(hint, type) and issubclass(hint, Enum) and not isinstance(value, hint):
+            try:
+                setattr(cfg, f.name, hint(value))
+            except ValueError:
+                out.append(f"{name} must be one of {tuple(m.value for m in hint)}, got {value!r}")
+        elif typing.get_origin(hint) is list and typing.get_origin(typing.get_args(hint)[0]) is Literal:
+            allowed = typing.get_args(typing.get_args(hint)[0])
+            out += [f"{name} must hold some of {allowed}, got {v!r}" for v in value if v not in allowed]
+    return out
+
+
 def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     """The parallel layout against the world size, the batch sizes and the models' shapes."""
     par, t = cfg.parallel, cfg.train
@@ -338,7 +530,7 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
                            f"dp {dp} * group_size {cfg.rollout.group_size}) are not divisible by "
                            f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
     models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
-    if cfg.reward.mode != "rule":
+    if _uses_rm(cfg):
         models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
     for name, ckpt in models:
         arch, dtype = _checkpoint_arch(ckpt)
@@ -360,8 +552,6 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
 def _checkpoint_arch(ckpt: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """(arch fields, dtype) from a checkpoint's ``cooper_model.json``; (None, None) when unreadable
     (the path checks report that)."""
-    import json
-
     try:
         with open(os.path.join(ckpt, "cooper_model.json"), encoding="utf-8") as f:
             meta = json.load(f)
@@ -374,7 +564,7 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
     """Every file or folder the run reads must exist (and be of the right kind)."""
     m, d = cfg.model, cfg.data
     ckpts = [("model.policy_ckpt", m.policy_ckpt)]
-    if cfg.reward.mode != "rule":
+    if _uses_rm(cfg):
         ckpts.append(("model.rm_ckpt", m.rm_ckpt))
     files = [("data.train_path", d.train_path)] + ([("data.eval_path", d.eval_path)] if cfg.eval.every else [])
     out = []
@@ -398,3 +588,36 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.isdir(cfg.checkpoint.resume):
         out.append(f"checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got {cfg.checkpoint.resume!r}")
     return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line doc written under each field of a config dataclass (megatron-core's style)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """``(dotted key, value, doc)`` of every leaf setting of ``cfg``, in declaration order."""
+    docs = field_docs(type(cfg))
+    rows = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            rows += describe(value, key + ".")
+        else:
+            rows.append((key, value.value if isinstance(value, Enum) else value, docs.get(f.name, "")))
+    return rows
+
+
+def format_settings(cfg: CooperConfig) -> str:
+    """Every setting with its value and doc, one per line (``cooper config --show``)."""
+    rows = describe(cfg)
+    width = max(len(k) + 2 + len(json.dumps(v)) for k, v, _ in rows)
+    return "\n".join(f"{(k + '=' + json.dumps(v)):<{width}}  # {doc}" for k, v, doc in rows)

@@ -55,61 +55,25 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional, TextIO
 from urllib.parse import urlsplit
 
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
 from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
+from cooper_mcore.mcore.collectives import all_reduce
+from cooper_mcore.redaction import scrub, scrub_config
 
 __all__ = [
-    "DEFAULT_PROGRESS_KEYS", "METRICS_FILE", "REDACTED", "MetricsLogger", "PhaseTimer", "ProgressBar",
-    "RewardHackingDetector", "read_metrics", "redact", "reduce_metrics", "resolve_wandb_mode", "reward_rule_gap",
+    "DEFAULT_PROGRESS_KEYS", "METRICS_FILE", "JsonlWriter", "MetricsLogger", "PhaseTimer", "ProgressBar",
+    "RewardHackingDetector", "read_metrics", "reduce_metrics", "resolve_wandb_mode", "reward_rule_gap",
+    "write_json_atomic",
 ]
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "run_config.json"
-REDACTED = "***REDACTED***"
-SECRET_KEY_PARTS = ("secret", "password", "passwd", "credential")
-SECRET_KEY_ENDINGS = ("key", "token", "apikey")
 DEFAULT_PROGRESS_KEYS = ("reward/mean", "rule/acc", "eval/acc")
-
-
-# ----------------------------------------------------------------------------- redaction
-
-
-# settings that name a data field ("answer_key: answer"), not secrets
-_FIELD_SELECTORS = {f"{f}_key" for f in ("question", "answer", "reference", "completion", "label", "id",
-                                          "answer_type", "gold", "pred", "prompt", "response")}
-
-
-def _is_secret_name(name: str) -> bool:
-    low = name.lower()
-    if low in _FIELD_SELECTORS:
-        return False
-    return any(p in low for p in SECRET_KEY_PARTS) or low.endswith(SECRET_KEY_ENDINGS)
-
-
-def redact(obj: Any) -> Any:
-    """Return a copy of ``obj`` with secret-looking values replaced by ``"***REDACTED***"``.
-
-    A mapping entry is redacted when its key's name (case-insensitive) contains "secret",
-    "password", "passwd" or "credential", or ends with "key" or "token" (``api_key``,
-    ``HF_TOKEN``, ``wandb_key``), whatever its value. Settings that merely mention tokens, name an
-    environment variable or a data field (``max_new_tokens``, ``tokenizer``, ``api_key_env``,
-    ``answer_key``) are kept.
-    Nested mappings, lists and tuples are walked. The input is not modified.
-
-    Args:
-        obj: a config (usually a dict; a dataclass should be passed through
-            ``dataclasses.asdict`` first).
-
-    Returns:
-        The redacted copy (mappings become plain dicts; other leaves are returned as-is).
-    """
-    if isinstance(obj, Mapping):
-        return {k: REDACTED if _is_secret_name(str(k)) else redact(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [redact(v) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
 
 
 # ----------------------------------------------------------------------------- wandb mode
@@ -219,21 +183,18 @@ class MetricsLogger:
         self.is_main = bool(is_main)
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, METRICS_FILE)
-        from cooper_mcore.redaction import scrub, scrub_config
-
         self.config = scrub_config(dict(config or {}))
         run_name = scrub(run_name) if run_name else run_name
         self.wandb_mode = resolve_wandb_mode(use_wandb)
-        self._file: Optional[TextIO] = None
+        self._file = JsonlWriter(None)
         self._run: Any = None
         self._closed = False
         if not self.is_main:
             return
         os.makedirs(out_dir, exist_ok=True)
-        _drop_torn_tail(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
+        self._file = JsonlWriter(self.path)
         if config is not None:
-            _write_json_atomic(os.path.join(out_dir, CONFIG_FILE), self.config)
+            write_json_atomic(os.path.join(out_dir, CONFIG_FILE), self.config)
         if self.wandb_mode != "disabled":
             self._run = self._init_wandb(run_name, wandb_project, dict(wandb_init_kwargs or {}))
 
@@ -288,11 +249,7 @@ class MetricsLogger:
             values[name] = _to_float(name, value)
         record: dict[str, Any] = {"step": step}
         record.update((k, v if math.isfinite(v) else None) for k, v in sorted(values.items()))
-        line = json.dumps(record, allow_nan=False) + "\n"
-        assert self._file is not None
-        self._file.write(line)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._file.write(record)
         if self._run is not None:
             try:
                 self._run.log(values, step=step)
@@ -316,15 +273,53 @@ class MetricsLogger:
             return
         self._closed = True
         self._finish_wandb()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._file.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class JsonlWriter:
+    """Appends one JSON object per line to a file (on the writing rank), flushed and fsync'd after
+    each line, so a killed job loses at most the line being written; a torn last line left by an
+    earlier crash is cut off when the file is opened. With no path every call is a no-op.
+
+    Args:
+        path: the file (appended to if it exists), or None.
+    """
+
+    def __init__(self, path: Optional[str]) -> None:
+        self._f: Optional[TextIO] = None
+        if path:
+            _drop_torn_tail(path)
+            self._f = open(path, "a", encoding="utf-8")  # closed in close()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append ``record`` as one line; NaN and infinities are written as null."""
+        if self._f is not None:
+            self._f.write(json.dumps(_finite(record), allow_nan=False, default=str) + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        """Close the file. Idempotent."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (at any depth of mappings and lists) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _drop_torn_tail(path: str) -> None:
@@ -340,7 +335,8 @@ def _drop_torn_tail(path: str) -> None:
         f.truncate(keep)
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON under a temporary name, then rename it to ``path``."""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
@@ -475,8 +471,6 @@ class PhaseTimer:
 def _is_main_process() -> bool:
     """Rank 0 of torch.distributed when initialised, else ``$RANK`` (default 0) == 0."""
     try:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank() == 0
     except ImportError:  # pragma: no cover - torch is a dependency
@@ -517,8 +511,6 @@ class ProgressBar:
         self._postfix: dict[str, float] = {}
         self._bar: Any = None
         if self.enabled:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                              file=file if file is not None else sys.stderr, desc="train")
 
@@ -561,7 +553,7 @@ def reduce_metrics(metrics: Mapping[str, Any], group: Any = None, op: str = "mea
     one ``all_reduce`` (plus one more if any key is max-reduced). A CRC of the key names rides
     along: ranks with different keys of the same count raise ValueError on every rank instead of
     mixing metrics up (different counts are the backend's problem: gloo errors, NCCL may hang).
-    CPU tensors for gloo, the current CUDA device for NCCL. Without an initialised process
+    Tensors go through :mod:`cooper_mcore.mcore.collectives` (on the compute device). Without an initialised process
     group this is the identity (values converted to float).
 
     Args:
@@ -585,8 +577,6 @@ def reduce_metrics(metrics: Mapping[str, Any], group: Any = None, op: str = "mea
         raise ValueError(f"keys both summed and maxed: {sorted(sum_set & max_set)}")
     values = {k: _to_float(k, metrics[k]) for k in sorted(metrics)}
 
-    import torch
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return values
@@ -594,18 +584,15 @@ def reduce_metrics(metrics: Mapping[str, Any], group: Any = None, op: str = "mea
     ops = {k: "sum" if k in sum_set else "max" if k in max_set else op for k in keys}
     add_keys = [k for k in keys if ops[k] != "max"]
     max_keys_l = [k for k in keys if ops[k] == "max"]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     checksum = float(zlib.crc32("\0".join(keys).encode()))  # < 2**32: exact in float64 even summed
     world = dist.get_world_size(group)
 
-    add = torch.tensor([checksum] + [values[k] for k in add_keys], dtype=torch.float64, device=device)
-    dist.all_reduce(add, op=dist.ReduceOp.SUM, group=group)
-    add = add.cpu().tolist()
+    add = all_reduce(torch.tensor([checksum] + [values[k] for k in add_keys], dtype=torch.float64),
+                     dist.ReduceOp.SUM, group).cpu().tolist()
     if add[0] != checksum * world:
         raise ValueError(f"reduce_metrics: metric keys differ between ranks (this rank has {keys})")
     out = {k: v / world if ops[k] == "mean" else v for k, v in zip(add_keys, add[1:])}
     if max_keys_l:
-        mx = torch.tensor([values[k] for k in max_keys_l], dtype=torch.float64, device=device)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+        mx = all_reduce(torch.tensor([values[k] for k in max_keys_l], dtype=torch.float64), dist.ReduceOp.MAX, group)
         out.update(zip(max_keys_l, mx.cpu().tolist()))
     return {k: out[k] for k in keys}

@@ -8,30 +8,34 @@ On machines with CUDA this uses NCCL; without it, gloo and the megatron-core CPU
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from cooper_mcore.compat.cpu import enable_cpu_mode
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ParallelConfig:
-    """Model-parallel layout. Data parallelism is whatever is left of the world size.
-
-    Attributes:
-        tp: tensor-parallel size.
-        pp: pipeline-parallel size.
-        sequence_parallel: shard activations along the sequence in TP regions (needs tp > 1).
-    """
+    """Model-parallel layout. Data parallelism is whatever is left of the world size."""
 
     tp: int = 1
+    """Tensor-parallel size."""
     pp: int = 1
+    """Pipeline-parallel size."""
     sequence_parallel: bool = False
+    """Shard activations along the sequence in tensor-parallel regions (needs tp > 1)."""
+    timeout_minutes: int = 60
+    """Collective timeout (NCCL's watchdog): ranks may wait this long while leaders generate or evaluate."""
 
     def validate(self, world_size: int) -> None:
         """Raise ValueError if the layout cannot be built on ``world_size`` processes."""
@@ -62,26 +66,23 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Initialise torch.distributed and megatron-core's model-parallel groups.
 
     Args:
-        parallel: the TP/PP layout.
+        parallel: the TP/PP layout and the collective timeout.
         seed: base seed for megatron's model-parallel RNG tracker.
     """
-    from megatron.core import parallel_state, tensor_parallel
-
-    from cooper_mcore.compat.cpu import enable_cpu_mode
-
     cuda = torch.cuda.is_available()
     if not cuda:
         enable_cpu_mode()
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
+        timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "RANK" in os.environ:  # torchrun / SLURM launcher
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:  # a plain single process
             dist.init_process_group(
                 backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                rank=0, world_size=1,
+                rank=0, world_size=1, timeout=timeout,
             )
     parallel.validate(dist.get_world_size())
     if not parallel_state.model_parallel_is_initialized():
@@ -100,8 +101,6 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
 
 def destroy_distributed() -> None:
     """Tear down the model-parallel groups and the default process group."""
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -121,3 +120,33 @@ def single_process_world(parallel: ParallelConfig | None = None, seed: int = 123
         yield
     finally:
         destroy_distributed()
+
+
+@contextlib.contextmanager
+def job_world(parallel: ParallelConfig, seed: int = 1234) -> Iterator[None]:
+    """The distributed world of a job (SFT, VerifyRM training or evaluation).
+
+    Uses what is initialised (under torchrun, or inside a caller's world) and sets up, then tears
+    down on exit, only what is missing: the default process group (a plain process gets a world
+    of one) and megatron's model-parallel groups.
+
+    Raises:
+        ValueError: model-parallel groups exist with another TP/PP layout.
+    """
+    owned_pg = not dist.is_initialized()
+    owned_mp = not parallel_state.model_parallel_is_initialized()
+    if not owned_mp:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (parallel.tp, parallel.pp):
+            raise ValueError(f"model-parallel groups are already initialised with tp={have[0]} pp={have[1]}, "
+                             f"not the requested tp={parallel.tp} pp={parallel.pp}")
+    if owned_pg or owned_mp:
+        init_distributed(parallel, seed=seed)
+    try:
+        yield
+    finally:
+        if owned_mp:
+            parallel_state.destroy_model_parallel()
+        if owned_pg and dist.is_initialized():
+            dist.destroy_process_group()

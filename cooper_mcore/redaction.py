@@ -1,15 +1,20 @@
 """Keep secrets (API keys, tokens) out of everything a run writes: logs, configs, wandb.
 
-Secrets come from the environment only. :func:`cooper_mcore.metrics.redact` hides config
-entries by their *names* (``api_key``, ``hf_token``); this module hides secret *values* wherever
-they appear, e.g. a key pasted into ``rm.api_key_env`` or into a URL by mistake. The secret
-values are those of the environment variables whose names look secret (``*KEY``, ``*TOKEN``,
-``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``: ``OPENAI_API_KEY``, ``WANDB_API_KEY``,
-``HF_TOKEN``) plus any variable named explicitly (a config's ``rm.api_key_env``), when at least
-:data:`MIN_SECRET_CHARS` long (so that short values such as ``1`` are never treated as secrets).
+Secrets come from the environment only. Two complementary guards, one rule for what looks
+secret (:func:`looks_secret`: a name containing ``secret``, ``password``, ``passwd`` or
+``credential``, or ending in ``key``, ``token`` or ``apikey``, in any case; data-field selectors
+such as ``answer_key`` excepted):
 
-:func:`scrub` replaces them in strings, mappings and lists; :func:`install_log_filter` puts a
-:class:`SecretFilter` on the root logger's handlers so that no log line (or traceback) shows one.
+* :func:`redact` hides config *entries* by their names (``api_key``, ``hf_token``);
+* :func:`scrub` hides secret *values* wherever they appear, e.g. a key pasted into
+  ``rm.api_key_env`` or into a URL by mistake. The secret values are those of the environment
+  variables whose names look secret (``OPENAI_API_KEY``, ``WANDB_API_KEY``, ``HF_TOKEN``) plus any
+  variable named explicitly (a config's ``rm.api_key_env``), when at least
+  :data:`MIN_SECRET_CHARS` long (so that short values such as ``1`` are never treated as secrets).
+
+Both write :data:`REDACTED` in place of what they hide. :func:`install_log_filter` puts a
+:class:`SecretFilter` on the root logger's handlers so that no log line (or traceback) shows a
+secret value.
 """
 
 from __future__ import annotations
@@ -21,14 +26,39 @@ from typing import Any, Optional
 
 REDACTED = "***"
 MIN_SECRET_CHARS = 8
-_SECRET_PARTS = ("SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
-_SECRET_ENDINGS = ("KEY", "TOKEN", "APIKEY")
+_SECRET_PARTS = ("secret", "password", "passwd", "credential")
+_SECRET_ENDINGS = ("key", "token", "apikey")
+# settings that name a data field ("answer_key: answer"), not secrets
+_FIELD_SELECTORS = {f"{f}_key" for f in ("question", "answer", "reference", "completion", "label", "id",
+                                          "answer_type", "gold", "pred", "prompt", "response")}
 
 
-def looks_secret(env_name: str) -> bool:
-    """Whether an environment variable's name marks its value as a secret."""
-    up = env_name.upper()
-    return any(p in up for p in _SECRET_PARTS) or up.endswith(_SECRET_ENDINGS)
+def looks_secret(name: str) -> bool:
+    """Whether a setting's or an environment variable's name marks its value as a secret."""
+    low = name.lower()
+    if low in _FIELD_SELECTORS:
+        return False
+    return any(p in low for p in _SECRET_PARTS) or low.endswith(_SECRET_ENDINGS)
+
+
+def redact(obj: Any) -> Any:
+    """A copy of ``obj`` with the values of secret-named entries (:func:`looks_secret`) replaced by
+    :data:`REDACTED`, whatever the value. Settings that merely mention tokens or name an environment
+    variable or a data field (``max_new_tokens``, ``tokenizer``, ``api_key_env``, ``answer_key``) are
+    kept. Nested mappings, lists and tuples are walked; the input is not modified.
+
+    Args:
+        obj: a config (usually a dict; a dataclass should be passed through ``dataclasses.asdict``).
+
+    Returns:
+        The redacted copy (mappings become plain dicts; other leaves are returned as-is).
+    """
+    if isinstance(obj, Mapping):
+        return {k: REDACTED if looks_secret(str(k)) else redact(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [redact(v) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
 
 
 def secret_values(extra_env: Iterable[str] = ()) -> list[str]:
@@ -56,8 +86,6 @@ def env_names_in(obj: Any) -> list[str]:
 def scrub_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config (nested mappings) with secret-named entries and every secret value hidden: the
     form in which configs are written to files and sent to wandb."""
-    from cooper_mcore.metrics import redact
-
     return scrub(redact(dict(config)), secret_values(env_names_in(config)))
 
 

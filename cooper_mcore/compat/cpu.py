@@ -28,7 +28,24 @@ import sys
 import types
 from typing import Any
 
+# the megatron-core modules the CPU paths use: imported here, so that enable_cpu_mode() proxies their torch
+import megatron.core.dist_checkpointing  # noqa: F401
+import megatron.core.dist_checkpointing.strategies.async_utils  # noqa: F401
+import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+import megatron.core.dist_checkpointing.strategies.fully_parallel  # noqa: F401
+import megatron.core.dist_checkpointing.strategies.state_dict_saver  # noqa: F401
+import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+import megatron.core.distributed  # noqa: F401
+import megatron.core.models.gpt  # noqa: F401
+import megatron.core.optimizer  # noqa: F401
+import megatron.core.optimizer.clip_grads  # noqa: F401
+import megatron.core.parallel_state  # noqa: F401
+import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
+import megatron.core.pipeline_parallel.schedules  # noqa: F401
+import megatron.core.tensor_parallel  # noqa: F401
+import megatron.core.transformer  # noqa: F401
 import torch
+from megatron.core.tensor_parallel import random as mrandom
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +184,6 @@ def _patch_tensor_methods() -> None:
 
 
 def _patch_rng() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
     def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
         return torch.get_rng_state()
 
@@ -188,25 +203,6 @@ def _proxy_megatron_modules(proxy: _TorchOnCpu) -> int:
     return n
 
 
-def _import_megatron_modules() -> None:
-    """Import the megatron-core modules that the CPU paths use, so they can be proxied."""
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.dist_checkpointing.strategies.async_utils  # noqa: F401
-    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
-    import megatron.core.dist_checkpointing.strategies.fully_parallel  # noqa: F401
-    import megatron.core.dist_checkpointing.strategies.state_dict_saver  # noqa: F401
-    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.optimizer.clip_grads  # noqa: F401
-    import megatron.core.parallel_state  # noqa: F401
-    import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
-    import megatron.core.pipeline_parallel.schedules  # noqa: F401
-    import megatron.core.tensor_parallel  # noqa: F401
-    import megatron.core.transformer  # noqa: F401
-
-
 def enable_cpu_mode(force: bool = False) -> bool:
     """Adapt megatron-core to CPU + gloo when CUDA is not available.
 
@@ -222,7 +218,6 @@ def enable_cpu_mode(force: bool = False) -> bool:
     global _ENABLED, _PROXY
     if torch.cuda.is_available() and not force:
         return False
-    _import_megatron_modules()
     if _PROXY is None:
         _PROXY = _TorchOnCpu()
     n = _proxy_megatron_modules(_PROXY)  # again on each call: covers modules imported since

@@ -21,6 +21,12 @@ import tempfile
 from typing import Any
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+from torch.distributed.checkpoint import FileSystemReader
 
 from cooper_mcore.convert.mapping import (
     _LAYER_RE,
@@ -34,6 +40,8 @@ from cooper_mcore.convert.mapping import (
 )
 from cooper_mcore.convert.safetensors_io import HFCheckpointReader, write_tensors
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
+from cooper_mcore.models.builder import build_model
+from cooper_mcore.parallel import ParallelConfig, single_process_world
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,7 @@ _EXTRA_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
 )
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,7 +72,8 @@ def read_meta(ckpt_dir: str) -> tuple[ArchSpec, dict[str, Any], torch.dtype]:
     return ArchSpec.from_dict(meta["arch"]), meta["hf_config"], _DTYPES[meta["dtype"]]
 
 
-def _write_meta(ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+def write_meta(ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+    """Write a checkpoint's ``cooper_model.json``: architecture, original HF config and dtype."""
     meta = {"format_version": FORMAT_VERSION, "arch": arch.to_dict(), "hf_config": hf_config,
             "dtype": dtype_name(dtype)}
     with open(os.path.join(ckpt_dir, META_FILE), "w", encoding="utf-8") as f:
@@ -162,16 +172,13 @@ def save_model_checkpoint(
             tensor that is a view (the gate and up halves of ``linear_fc1``); with ``consume``
             no second copy is made (see :func:`_detach_views`).
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import apply_factories
-
     sharded = model.sharded_state_dict()
     if consume:
         apply_factories(sharded)
         _detach_views(sharded, model)
     dist_checkpointing.save(sharded, ckpt_dir)
     if torch.distributed.get_rank() == 0:
-        _write_meta(ckpt_dir, arch, hf_config, dtype)
+        write_meta(ckpt_dir, arch, hf_config, dtype)
 
 
 def save_model_checkpoint_atomic(model: torch.nn.Module, dest: str, arch: ArchSpec, hf_config: dict[str, Any],
@@ -202,9 +209,6 @@ def _detach_views(sharded: dict, model: torch.nn.Module) -> None:
     shape, so any TP layout still loads it through the factory. Any other view is cloned, one
     parameter at a time, and that parameter freed.
     """
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
     owners = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
 
     def owner(sh) -> torch.nn.Parameter | None:
@@ -256,8 +260,6 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
     Raises:
         ValueError: the checkpoint's architecture or a tensor's global shape differs.
     """
-    from megatron.core import dist_checkpointing
-
     ckpt_arch, _, _ = read_meta(ckpt_dir)
     if arch is not None and arch != ckpt_arch:
         diffs = {k: (v, getattr(ckpt_arch, k)) for k, v in arch.to_dict().items()
@@ -276,10 +278,36 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
                 f"match the model's {tuple(sh.global_shape)} ({ckpt_dir})"
             )
     with torch.no_grad():
-        state = dist_checkpointing.load(sharded, ckpt_dir)
+        state = dist_checkpointing.load(drop_absent_extra_state(sharded, ckpt_dir), ckpt_dir)
         missing, _ = model.load_state_dict(state, strict=False)  # strict trips on _extra_state
     missing = [k for k in missing if not k.endswith("_extra_state")]
     assert not missing, f"parameters not loaded from {ckpt_dir}: {missing}"
+
+
+def drop_absent_extra_state(sharded: dict, ckpt_dir: str) -> dict:
+    """``sharded`` without the ``_extra_state`` objects that ``ckpt_dir`` does not hold.
+
+    Transformer Engine's modules (its norms among them) carry ``_extra_state`` (FP8 metadata) that
+    the torch-native spec's modules do not, so a checkpoint converted or trained with one spec
+    lacks objects the other asks for; megatron-core would refuse the load ("Missing key in
+    checkpoint state_dict"). The modules keep their freshly built extra state. Unexpected extra
+    state in the checkpoint is ignored by megatron-core already. Anything else that is missing
+    still fails (:func:`load_model_checkpoint` checks every tensor first).
+    """
+    saved = set(load_sharded_metadata(ckpt_dir))
+
+    def keep(v: Any) -> bool:
+        return not (isinstance(v, ShardedObject) and v.key.endswith("_extra_state")
+                    and v.unique_key not in saved and v.key not in saved)
+
+    def walk(d: Any) -> Any:
+        if isinstance(d, dict):
+            return {k: walk(v) for k, v in d.items() if keep(v)}
+        if isinstance(d, list):
+            return [walk(v) for v in d if keep(v)]
+        return d
+
+    return walk(sharded)
 
 
 def check_checkpoint_files(ckpt_dir: str) -> None:
@@ -293,8 +321,6 @@ def check_checkpoint_files(ckpt_dir: str) -> None:
         ValueError: a shard file is missing, or shorter than the bytes recorded for it (the
             message names the file, its expected and actual size, and the first tensor cut off).
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
         storage = FileSystemReader(ckpt_dir).read_metadata().storage_data
     except FileNotFoundError:
@@ -317,8 +343,6 @@ def check_checkpoint_files(ckpt_dir: str) -> None:
 
 
 def _sharded_tensors(sharded: dict) -> list:
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     out = []
     for v in nested_values(sharded):
@@ -338,9 +362,6 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None) -> ArchSpe
         out: output folder; must not exist.
         model_type: "causal_lm" or "reward"; default: from the config's architecture.
     """
-    from cooper_mcore.models.builder import build_model
-    from cooper_mcore.parallel import ParallelConfig, single_process_world
-
     cfg = load_hf_config(hf_dir)
     arch = ArchSpec.from_hf_config(cfg, model_type)
     reader = HFCheckpointReader(hf_dir)
@@ -425,9 +446,6 @@ def stream_checkpoint_tensors(ckpt: str, arch: ArchSpec):
     largest read is one parameter of all layers (e.g. ``linear_fc1``), never the whole model.
     The order is :func:`_export_order`'s. Needs torch.distributed initialised (one process).
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
-
     check_checkpoint_files(ckpt)
     meta = dist_checkpointing.load_tensors_metadata(ckpt)
     current_key, value = None, None
@@ -451,8 +469,6 @@ def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSp
 
     Streams: one stored tensor (one parameter of all layers) is in memory at a time.
     """
-    from cooper_mcore.parallel import single_process_world
-
     arch, base_cfg, dtype = read_meta(ckpt)
     tmp = _atomic_dir(out)
     try:

@@ -6,11 +6,13 @@ import logging
 
 import torch
 import torch.distributed as dist
+import transformers
 
 from cooper_mcore.convert.checkpoint import load_model_checkpoint, read_meta
+from cooper_mcore.mcore.collectives import all_reduce
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.forward import forward_only
-from cooper_mcore.parallel import ParallelConfig, device
+from cooper_mcore.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,6 @@ def logits_diff(model, arch, hf_dir: str, batch: int = 2, seq: int = 16, seed: i
     For reward models, the difference of the scalar scores at the last non-pad token.
     Collective over the initialised world; every rank returns the same value.
     """
-    import transformers
-
     dtype = model.config.params_dtype
     pad = arch.pad_token_id if arch.model_type == "reward" else None
     if arch.model_type == "reward" and pad is None:
@@ -70,9 +70,7 @@ def logits_diff(model, arch, hf_dir: str, batch: int = 2, seq: int = 16, seed: i
                 ref = hf(ids).logits
                 mask = torch.arange(seq)[None, :] < lengths[:, None]
                 diff = (out.cpu().double() - ref.double()).abs()[mask].max()
-    diff = diff.to(device())
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return float(diff.item())
+    return float(all_reduce(diff, dist.ReduceOp.MAX).item())
 
 
 def compare_logits(hf_dir: str, ckpt: str, parallel: ParallelConfig, batch: int = 2,

@@ -35,6 +35,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from cooper_mcore.types import Prompt
 
 T = TypeVar("T")
@@ -109,7 +112,6 @@ def iter_raw_rows(path: str) -> Iterator[RawRow]:
                     continue  # blank line
                 yield RawRow(where, default_id, record, error)
         return
-    import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
@@ -350,8 +352,5 @@ def write_prompts(prompts: Iterable[Prompt], path: str) -> int:
             for row in rows:
                 f.write(json.dumps({k: v for k, v in row.items() if v is not None}, ensure_ascii=False) + "\n")
     else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         pq.write_table(pa.Table.from_pylist(rows), path)
     return len(rows)

@@ -28,8 +28,12 @@ import io
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
+
+import sentencepiece as spm
+import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
 # The characters the chat template itself writes (role names, newline), always in the vocabulary.
 CHAT_CHARS = "".join(sorted(set("system user assistant\n")))
 SPIECE_SPACE = "\u2581"
@@ -50,7 +55,6 @@ SPM_FILE = "spm.model"
 
 
 def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits: bool, required: str) -> bytes:
-    import sentencepiece as spm
 
     model = io.BytesIO()
     # sentencepiece < 0.2.3 aborts the process (a CHECK, not an exception) when a required
@@ -89,9 +93,6 @@ def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits:
 
 def _to_tokenizers(spm_proto: bytes, model_type: str) -> Any:
     """A ``tokenizers.Tokenizer`` with the sentencepiece model's pieces, ids and segmentation."""
-    import sentencepiece as spm
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
     sp = spm.SentencePieceProcessor(model_proto=spm_proto)
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     assert tuple(pieces[: len(SPECIAL_TOKENS)]) == SPECIAL_TOKENS, pieces[:8]
@@ -148,8 +149,6 @@ def train_tiny_tokenizer(
         ValueError: no non-empty text, an unknown model type, or a ``vocab_size`` too small for the
             special tokens and the characters.
     """
-    import transformers
-
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown tokenizer model_type {model_type!r}; choose from {MODEL_TYPES}")
     corpus = [t for t in texts if t]
@@ -217,11 +216,22 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         path: the tokenizer (or model) folder.
         trust_remote_code: allow a folder's own Python tokenizer code to run (off unless asked).
     """
-    import transformers
-
     cfg_path = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(cfg_path):
         with open(cfg_path, encoding="utf-8") as f:
             if json.load(f).get("tokenizer_class") == "PreTrainedTokenizerFast":
                 return transformers.PreTrainedTokenizerFast.from_pretrained(path, trust_remote_code=trust_remote_code)
     return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def pad_id_of(source: Any) -> int:
+    """The id used for right padding: the pad token, else the EOS token, else 0.
+
+    Args:
+        source: a tokenizer, or a model's HF config as a mapping (``config.json``).
+    """
+    for name in ("pad_token_id", "eos_token_id"):
+        value = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 @dataclass
@@ -43,7 +44,7 @@ class ModelSection:
 
 @dataclass
 class SFTSection:
-    """Megatron SFT of the policy (:func:`cooper_mcore.train.sft.sft`)."""
+    """Megatron SFT of the policy (:func:`cooper_mcore.jobs.sft.sft`)."""
 
     steps: int = 400
     lr: float = 3e-3
@@ -143,8 +144,6 @@ def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]
     Raises:
         ValueError: an unknown preset, key or a wrongly typed value.
     """
-    from omegaconf.errors import OmegaConfBaseException
-
     presets = {None: {}, "full": FULL_PRESET, "smoke": SMOKE_PRESET}
     if preset not in presets:
         raise ValueError(f"unknown demo preset {preset!r}; choose from full, smoke")

@@ -34,7 +34,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cooper_mcore.config import CooperConfig, save_config
+from cooper_mcore.convert.checkpoint import mcore_to_hf
+from cooper_mcore.data.datasets import read_prompts
+from cooper_mcore.data.mathgen import MathTaskConfig
+from cooper_mcore.data.templates import template_prompts
+from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.config import DemoConfig
+from cooper_mcore.demo.report import HackExample, RunResult, write_report
+from cooper_mcore.jobs.sft import math_sft_examples, sft
+from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
+from cooper_mcore.reward.annotate import annotate
+from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.reward.verifier import RuleVerifier
+from cooper_mcore.rollout.base import SamplingParams
+from cooper_mcore.rollout.hf_engine import HFEngine
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +133,6 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
     Returns:
         One row per completion: ``question``, ``reference``, ``completion``, ``label`` (rule-correct).
     """
-    from cooper_mcore.data.datasets import read_prompts
-    from cooper_mcore.data.templates import template_prompts
-    from cooper_mcore.reward.verifier import RuleVerifier
-    from cooper_mcore.rollout.base import SamplingParams
-    from cooper_mcore.rollout.hf_engine import HFEngine
-
     engine = HFEngine.from_pretrained(hf_dir)
     prompts, _ = read_prompts(prompts_path)
     template_prompts(prompts, "{question}", engine.tokenizer, False, tokenize=True)
@@ -152,8 +161,6 @@ def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, out_prefix:
 
 def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float:
     """The RM's accuracy (sigmoid > 0.5 vs the rule label) on labeled completions, with predictions kept."""
-    from cooper_mcore.train.rm_jobs import eval_rm
-
     return float(eval_rm(rm_ckpt, labeled_path, data_format="labeled", predictions_path=predictions_path)["accuracy"])
 
 
@@ -185,7 +192,6 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _task(cfg: DemoConfig):
-    from cooper_mcore.data.mathgen import MathTaskConfig
 
     t = cfg.task
     return MathTaskConfig(num_steps=t.num_steps, max_operand=t.max_operand, operators=tuple(t.operators),
@@ -194,8 +200,6 @@ def _task(cfg: DemoConfig):
 
 def build_assets(cfg: DemoConfig, out: str) -> dict[str, Any]:
     """Stage 1: problems, tokenizer, random tiny policy and RM."""
-    from cooper_mcore.demo.assets import build_tiny_assets
-
     m = cfg.model
     paths = build_tiny_assets(out, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed, m.policy_hidden,
                               m.policy_layers, task=_task(cfg), rm_hidden_size=m.rm_hidden, rm_num_layers=m.rm_layers,
@@ -205,10 +209,6 @@ def build_assets(cfg: DemoConfig, out: str) -> dict[str, Any]:
 
 def train_sft(cfg: DemoConfig, assets: Stage, out: str) -> dict[str, Any]:
     """Stage 2: Megatron SFT, export through the converter, held-out accuracy of the result."""
-    from cooper_mcore.convert.checkpoint import mcore_to_hf
-    from cooper_mcore.data.tokenizer import load_tokenizer
-    from cooper_mcore.train.sft import math_sft_examples, sft
-
     s = cfg.sft
     tokenizer = load_tokenizer(assets.file("tokenizer"))
     examples = math_sft_examples(tokenizer, cfg.task.n_train, _task(cfg), seed=s.seed, mix_wrong=s.mix_wrong)
@@ -244,10 +244,6 @@ def sample_rm_data(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -
 
 def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
     """Keep the rows of ``path`` where the rule verifier and the configured LLM judge agree (in place)."""
-    from cooper_mcore.reward.annotate import annotate
-    from cooper_mcore.reward.openai_client import OpenAIChatClient
-    from cooper_mcore.reward.verifier import RuleVerifier
-
     r = cfg.rm
     if not r.judge_model:
         raise ValueError("rm.judge_url is set but rm.judge_model is empty; name the judge's model")
@@ -264,8 +260,6 @@ def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
 
 def train_verify_rm(cfg: DemoConfig, assets: Stage, data: Stage, out: str) -> dict[str, Any]:
     """Stage 4: BCE training of the tiny VerifyRM on the labeled completions."""
-    from cooper_mcore.train.rm_jobs import train_rm
-
     r = cfg.rm
     summary = train_rm(assets.file("rm_mcore"), data.file("rm_train.jsonl"), os.path.join(out, "train"),
                        eval_path=data.file("rm_eval.jsonl"), epochs=r.epochs, lr=r.lr,
@@ -278,8 +272,6 @@ def train_verify_rm(cfg: DemoConfig, assets: Stage, data: Stage, out: str) -> di
 
 def rl_config(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage: Stage, out: str):
     """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three)."""
-    from cooper_mcore.config import CooperConfig
-
     c, r = CooperConfig(), cfg.rl
     c.out = out
     c.model.policy_ckpt = sft_stage.file("policy_mcore")
@@ -305,9 +297,6 @@ def rl_config(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_st
 def run_rl(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage: Stage,
            out: str) -> dict[str, Any]:
     """Stage 5: one RL run in a subprocess, then the held-out numbers of its final policy and RM."""
-    from cooper_mcore.config import save_config
-    from cooper_mcore.convert.checkpoint import mcore_to_hf
-
     run_dir = os.path.join(out, "run")
     config_path = os.path.join(out, "config.yaml")
     save_config(rl_config(cfg, mode, assets, sft_stage, rm_stage, run_dir), config_path)
@@ -346,8 +335,6 @@ def run_demo(cfg: DemoConfig) -> str:
 
     Prints ``report: <folder>`` as the last line of output.
     """
-    from cooper_mcore.demo.report import HackExample, RunResult, write_report
-
     root = os.path.join(cfg.out, "stages")
     started = time.perf_counter()
     assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model}, [],

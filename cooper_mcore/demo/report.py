@@ -50,7 +50,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cooper_mcore.metrics import METRICS_FILE, read_metrics, redact
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from cooper_mcore.metrics import METRICS_FILE, read_metrics
+from cooper_mcore.redaction import redact
 
 __all__ = [
     "MIN_ACC_DROP", "MIN_REWARD_RISE", "MODES", "REWARD_WINDOW", "HackExample", "RunResult",
@@ -384,10 +389,6 @@ def _moved(a: float, b: float) -> str:
 def _plot(out_dir: str, metrics: Mapping[str, list[dict[str, Any]]],
           summary: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Write the PNGs with matplotlib's Agg canvas (no pyplot, no display); return name -> path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     specs = {  # plot -> (title, [(metrics key, y label), ...] one panel each)
         "train_reward": ("Training reward per step", [("reward/mean", "training reward (reward/mean)")]),
         "eval_acc": ("Held-out accuracy per eval step (x: demo eval before / after)",
@@ -519,7 +520,7 @@ def write_report(out_dir: str, runs: Mapping[str, RunResult], config: Mapping[st
     Args:
         out_dir: the report folder (created; existing report files are overwritten).
         runs: ``"rule"``, ``"static_rm"`` and ``"cooper"`` -> :class:`RunResult` (or its dict form).
-        config: the demo's settings, redacted (:func:`cooper_mcore.metrics.redact`) into
+        config: the demo's settings, redacted (:func:`cooper_mcore.redaction.redact`) into
             ``summary.json`` and ``report.md``.
 
     Returns:

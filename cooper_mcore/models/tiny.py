@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
+import transformers
 
 FAMILIES = ("qwen2", "qwen2_tied", "llama", "qwen3")
 
@@ -20,8 +21,6 @@ def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
         model_type: "causal_lm" or "reward" (``...ForSequenceClassification``, one label).
         overrides: config fields to change (e.g. hidden_size, num_hidden_layers).
     """
-    import transformers
-
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                   max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -53,8 +52,6 @@ def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
 def save_tiny_hf_model(out_dir: str, family: str, model_type: str = "causal_lm",
                        seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> str:
     """Build a random tiny HF model and save it (safetensors) to ``out_dir``."""
-    import transformers
-
     cfg = tiny_hf_config(family, model_type, **overrides)
     torch.manual_seed(seed)
     auto = (transformers.AutoModelForSequenceClassification if model_type == "reward"

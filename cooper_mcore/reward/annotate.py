@@ -13,7 +13,7 @@ A row is kept, with ``label`` = the common verdict, iff both verdicts are known 
 other row is dropped and counted. The output keeps every input field and adds ``label`` (true or
 false); JSONL or Parquet by the output's suffix, written under a temporary name and renamed.
 
-Rows are read like the RM training data of :mod:`cooper_mcore.train.rm_jobs` (field names
+Rows are read like the RM training data of :mod:`cooper_mcore.jobs.verify_rm` (field names
 configurable; a malformed row raises ``ValueError`` naming file and line, or is skipped and
 counted with ``skip_malformed``). Rows are processed in chunks of ``chunk_size``: the judge's
 requests (concurrent, bounded by the client) run in a thread while the verifier checks the same
@@ -33,6 +33,9 @@ import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from cooper_mcore.data.datasets import file_format, read_records, require_text
 from cooper_mcore.data.templates import truncate_completion
@@ -151,9 +154,6 @@ def _write_rows(rows: list[dict], path: str) -> None:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
         else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
             pq.write_table(pa.Table.from_pylist(rows), tmp)
         os.replace(tmp, path)
     except BaseException:

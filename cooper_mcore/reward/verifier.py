@@ -31,6 +31,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import resource
 import signal
 import tempfile
 import threading
@@ -41,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
+
+from math_verify import LatexExtractionConfig, parse, verify
 
 from cooper_mcore.reward.extract import extract_answer
 
@@ -75,8 +78,6 @@ class VerifyOutcome:
 
 def _parse_answer(text: str) -> list:
     """math-verify's parse of the final answer of ``text`` ([] if none); runs inside a worker."""
-    from math_verify import LatexExtractionConfig, parse
-
     if _BOXED in text:
         parsed = parse(text, [LatexExtractionConfig(boxed_match_priority=0)], parsing_timeout=None)
         if parsed:
@@ -98,8 +99,6 @@ def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str]
         (correct, status, error): (None, "error", why) if the gold has no parseable answer, else
         (verdict, "ok", None). A pred without a parseable answer is wrong.
     """
-    from math_verify import verify
-
     gold_parsed = _parse_answer(gold)
     if not gold_parsed:
         return None, "error", "gold has no parseable answer"
@@ -114,8 +113,6 @@ def _limit_memory(extra_mb: Optional[int]) -> None:
     if not extra_mb:
         return
     try:
-        import resource
-
         with open("/proc/self/status", encoding="ascii") as f:
             vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
         soft = vm_kb * 1024 + extra_mb * 2**20

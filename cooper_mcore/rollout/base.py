@@ -62,6 +62,23 @@ class GenerateOutput:
 
 Prompts = Union[Sequence[str], Sequence[Sequence[int]]]
 
+#: Memory an engine releases and resumes separately (SGLang's torch_memory_saver tags): the weights
+#: are resumed first and refilled by a weight push, the KV cache (and CUDA graphs) only then.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def memory_tags(tags: Optional[Sequence[str]]) -> list[str]:
+    """``tags`` checked against :data:`MEMORY_TAGS` (None: all of them).
+
+    Raises:
+        ValueError: an unknown tag.
+    """
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if unknown := [t for t in tags if t not in MEMORY_TAGS]:
+        raise ValueError(f"unknown memory tags {unknown}; expected some of {MEMORY_TAGS}")
+    return list(tags)
+
 
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine."""
@@ -74,11 +91,13 @@ class RolloutEngine(Protocol):
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
         """Load new weights given as buckets of ``(hf_name, tensor)``; then report ``version``."""
 
-    def release_memory(self) -> None:
-        """Free device memory (weights and KV cache) while training runs."""
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Free device memory while training runs: the ``tags`` of :data:`MEMORY_TAGS` (all by
+        default). Released weights are lost (SGLang keeps no copy unless told to): after
+        resuming them, every weight must be pushed again before generating."""
 
-    def resume_memory(self) -> None:
-        """Take device memory back before generating."""
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Take device memory back (the ``tags``, all by default) before pushing weights or generating."""
 
     def flush_cache(self) -> None:
         """Drop cached prefixes (they were computed with the old weights)."""

@@ -5,17 +5,28 @@ attention mask, so padding does not change the result), temperature / top-p / ma
 strings, per-token log-probabilities of the sampled tokens under the model's raw distribution
 (temperature 1, as the trainer's old-policy log-probabilities). Weights arrive through the same
 ``update_weights`` path as SGLang's: buckets of named Hugging Face tensors.
+
+Memory behaves as SGLang's (torch_memory_saver) does, so that a CPU run exercises the trainer's
+order of operations as a GPU run would: :meth:`HFEngine.release_memory` with the ``weights`` tag
+frees the weights' storage and, without ``weights_cpu_backup``, loses them: after
+:meth:`HFEngine.resume_memory` they hold undefined values (NaN here) until every weight has been
+pushed again with :meth:`HFEngine.update_weights`. Generating while any memory is released, or with
+weights that were lost and not pushed again, raises ``RuntimeError``; so does pushing weights
+into released weight memory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
 import torch
+import transformers
 
-from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
+from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams, memory_tags
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +40,13 @@ class HFEngine:
             prompts (then ``text`` is empty and stop strings are not supported).
         eos_token_id / pad_token_id: default: from the tokenizer or the model config.
         max_batch_size: prompts generated together at most.
+        weights_cpu_backup: keep a host copy of the weights while they are released (SGLang's
+            ``enable_weights_cpu_backup``), so that resuming restores them.
     """
 
     def __init__(self, model, tokenizer=None, eos_token_id: Optional[int] = None,
-                 pad_token_id: Optional[int] = None, max_batch_size: int = 64) -> None:
+                 pad_token_id: Optional[int] = None, max_batch_size: int = 64,
+                 weights_cpu_backup: bool = False) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         cfg = model.config
@@ -43,7 +57,11 @@ class HFEngine:
         self.weight_version = 0
         self._device = next(model.parameters()).device
         self._params = dict(model.named_parameters())
-        self._released = False
+        self._released: set[str] = set()
+        self._stale: set[str] = set()  # weights lost by a release and not pushed since
+        self._backup: Optional[dict[str, torch.Tensor]] = None
+        self._shapes = {n: p.shape for n, p in self._params.items()}
+        self.weights_cpu_backup = weights_cpu_backup
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -53,17 +71,11 @@ class HFEngine:
         Weights are read from safetensors only (a folder with only ``pytorch_model.bin`` pickles is
         refused); ``trust_remote_code`` lets the folder's own Python code run (off unless asked).
         """
-        import os
-
-        import transformers
-
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code).to(device)
         tok = None
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
                                                                  "tokenizer_config.json")):
-            from cooper_mcore.data.tokenizer import load_tokenizer
-
             tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
         return cls(model, tok, **kwargs)
 
@@ -73,7 +85,12 @@ class HFEngine:
         """Complete each prompt once (outputs in input order)."""
         params.validate()
         if self._released:
-            raise RuntimeError("HFEngine.generate called while memory is released; call resume_memory()")
+            raise RuntimeError(f"HFEngine.generate called while memory is released ({sorted(self._released)}); "
+                               "call resume_memory() first")
+        if self._stale:
+            raise RuntimeError(f"HFEngine.generate: {len(self._stale)} weights were released without a CPU backup "
+                               f"and not pushed again (e.g. {sorted(self._stale)[0]!r}); push the weights "
+                               "after resuming them")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         ids = [self._encode(p) for p in prompts]
@@ -98,8 +115,6 @@ class HFEngine:
         return ids
 
     def _generate_batch(self, ids: list[list[int]], params: SamplingParams, gen: torch.Generator):
-        import transformers
-
         width = max(len(x) for x in ids)
         input_ids = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -164,7 +179,11 @@ class HFEngine:
 
         Raises:
             ValueError: an unknown name or a shape mismatch (naming the tensor and both shapes).
+            RuntimeError: the weight memory is released.
         """
+        if "weights" in self._released:
+            raise RuntimeError("HFEngine.update_weights called while the weights are released; "
+                               "resume_memory(['weights']) first")
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         seen = set()
         for bucket in buckets:
@@ -179,24 +198,45 @@ class HFEngine:
                                      f"engine's model {tuple(param.shape)}")
                 param.copy_(tensor.to(param.device, non_blocking=True))
                 seen.add(name)
+                self._stale.discard(name)
         missing = set(self._params) - seen
         if missing:
             logger.warning("weight update v%d left %d parameters unchanged, e.g. %s",
                            version, len(missing), sorted(missing)[:3])
         self.weight_version = version
 
-    def release_memory(self) -> None:
-        """Move the weights to CPU memory while training runs (no-op on CPU)."""
-        if self._device.type != "cpu":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-        self._released = True
+    @torch.no_grad()
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Free the ``tags`` (all by default); released weights are lost unless ``weights_cpu_backup``.
 
-    def resume_memory(self) -> None:
-        """Bring the weights back to the device before generating."""
-        if self._device.type != "cpu":
-            self.model.to(self._device)
-        self._released = False
+        The KV cache and CUDA graphs of this engine live only inside a ``generate`` call, so their
+        tags only mark the engine as not ready to generate.
+        """
+        tags = [t for t in memory_tags(tags) if t not in self._released]
+        if "weights" in tags:
+            if self.weights_cpu_backup:
+                self._backup = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
+            for p in self._params.values():  # tied weights are one Parameter: freed once
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._released.update(tags)
+
+    @torch.no_grad()
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Take the ``tags`` back (all by default). Resumed weights hold undefined values (NaN)
+        until pushed again, unless they were backed up."""
+        tags = [t for t in memory_tags(tags) if t in self._released]
+        if "weights" in tags:
+            for n, p in self._params.items():
+                p.data = torch.full(self._shapes[n], float("nan"), dtype=p.dtype, device=p.device)
+            if self._backup is not None:
+                for n, p in self._params.items():
+                    p.copy_(self._backup[n])
+                self._backup = None
+            else:
+                self._stale = set(self._params)
+        self._released.difference_update(tags)
 
     def flush_cache(self) -> None:
         """No prefix cache is kept between calls: nothing to flush."""

@@ -19,23 +19,19 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from cooper_mcore.convert.mapping import canonical_mcore_name, param_mappings, to_hf
+from cooper_mcore.mcore.collectives import unwrap
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.rollout.base import RolloutEngine, bucketize
 
 logger = logging.getLogger(__name__)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def layer_offset(model: torch.nn.Module) -> int:
     """Global index of this pipeline stage's first transformer layer."""
-    layers = _unwrap(model).decoder.layers
+    layers = unwrap(model).decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
@@ -63,7 +59,7 @@ def gathered_params(model: torch.nn.Module, tp_group, pp_group) -> Iterator[tupl
     TP shards are gathered to TP rank 0 of each stage; the stages' TP-rank-0 processes then
     broadcast along their pipeline group, which contains the replica's first rank.
     """
-    inner = _unwrap(model)
+    inner = unwrap(model)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     tp_root = dist.get_rank(tp_group) == 0
     receiver = tp_root and pp_rank == 0
@@ -139,8 +135,6 @@ def sync_weights(
     Returns:
         ``{"seconds", "bytes", "buckets"}`` (bytes and buckets on the first rank).
     """
-    from megatron.core import parallel_state
-
     tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
     pp_group = pp_group or parallel_state.get_pipeline_model_parallel_group()
     first = dist.get_rank(tp_group) == 0 and dist.get_rank(pp_group) == 0

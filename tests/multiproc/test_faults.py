@@ -1,4 +1,4 @@
-"""Faults on a tiny CPU Cooper run (cooper_mcore.train.fault_trials): SIGKILL at seeded moments,
+"""Faults on a tiny CPU Cooper run (tests.harness.fault_trials): SIGKILL at seeded moments,
 SIGTERM (checkpoint, exit 75) and a corrupt newest checkpoint (the previous one is used), each
 followed by ``--resume auto`` and compared bitwise with an uninterrupted run; non-finite losses
 (skipped updates, then a checkpoint and exit 3)."""
@@ -23,7 +23,7 @@ def trials(tmp_path_factory):
     """10 seeded SIGKILL trials, one SIGTERM and one corrupt-checkpoint trial (and the tiny assets
     the NaN test reuses)."""
     work = tmp_path_factory.mktemp("faults")
-    r = subprocess.run([sys.executable, "-m", "cooper_mcore.train.fault_trials", "--work", str(work),
+    r = subprocess.run([sys.executable, "-m", "tests.harness.fault_trials", "--work", str(work),
                         "--trials", "10", "--seed", "0", "--steps", str(STEPS)],
                        capture_output=True, text=True, timeout=900, cwd=ROOT, env=ENV)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -34,7 +34,7 @@ def trials(tmp_path_factory):
 
 
 def _args(assets, out, *extra):
-    from cooper_mcore.train.fault_trials import train_args
+    from tests.harness.fault_trials import train_args
 
     return [*train_args(assets, str(out), STEPS), *extra]
 

@@ -19,15 +19,15 @@ pytestmark = pytest.mark.multiproc
 
 def _reference(ckpt, data):
     from cooper_mcore.convert.compare import load_checkpoint_model
-    from cooper_mcore.parallel import ParallelConfig, single_process_world
-    from cooper_mcore.train.megatron_setup import OptimConfig
-    from cooper_mcore.train.reward_model import (
+    from cooper_mcore.mcore.reward_model import (
         RMBatch,
         bce_train_step,
         pairwise_train_step,
         rm_scores,
         wrap_reward_model,
     )
+    from cooper_mcore.mcore.training import OptimConfig
+    from cooper_mcore.parallel import ParallelConfig, single_process_world
 
     with single_process_world():
         model, _ = load_checkpoint_model(ckpt, ParallelConfig())
@@ -58,7 +58,7 @@ def test_rm_layouts_equal_single_process(tmp_path):
     from cooper_mcore.data.mathgen import tokenizer_corpus
     from cooper_mcore.data.templates import rm_input
     from cooper_mcore.data.tokenizer import train_tiny_tokenizer
-    from cooper_mcore.train.rm_jobs import eval_rm, train_rm
+    from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "mcore")
     save_tiny_hf_model(hf_dir, "qwen2", "reward", seed=3, num_hidden_layers=2)

@@ -133,12 +133,23 @@ def test_bad_config_fails_before_work(assets, tmp_path):
 
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
 def test_tp_pp_runs_match_one_process(assets, tmp_path, layout):
-    common = ("train.steps=2", "checkpoint.every=2", "eval.every=2", "eval.k=1", "data.eval_limit=4")
+    """TP=2 and PP=2 compute the step that one process computes.
+
+    What the layout must not change is the first step, run on the same weights with the same
+    rollouts: its losses, KL, entropy, rewards and gradient norm, which differ only by fp32
+    reduction order (~1e-7 relative here; tolerances 1e-5 absolute on O(0.1) values, 1e-4 relative
+    on the norm). Later steps are not compared: Adam's first update moves every weight by about
+    ``lr * sign(grad)``, so a near-zero gradient whose sign the reduction order flips moves a weight
+    by 2 lr in one layout and not the other, and sampled rollouts then diverge (issue 11).
+    """
+    common = ("train.steps=1", "checkpoint.every=1", "eval.every=1", "eval.k=1", "data.eval_limit=4")
     one = _train(assets, tmp_path / "one", *common)
     two = _train(assets, tmp_path / "two", *common, layout, nproc=2)
-    assert (tmp_path / "two" / "checkpoints" / "step_2" / "trainer.json").exists()
-    for a, b in zip(one, two):
-        assert a["rule/acc"] == b["rule/acc"] and a["response/length"] == b["response/length"]  # same rollouts
-        for key in ("reward/mean", "loss", "kl", "entropy", "rm/loss"):
-            assert a[key] == pytest.approx(b[key], abs=2e-5), (layout, key)
-    assert "eval/acc" in two[1] and one[1]["eval/acc"] == two[1]["eval/acc"]
+    assert (tmp_path / "two" / "checkpoints" / "step_1" / "trainer.json").exists()
+    (a,), (b,) = one, two
+    assert a["rule/acc"] == b["rule/acc"] and a["response/length"] == b["response/length"]  # same rollouts
+    assert a["pairs/valid"] == b["pairs/valid"]
+    for key in ("reward/mean", "loss", "kl", "entropy", "rm/loss", "rm/pair_acc"):
+        assert a[key] == pytest.approx(b[key], abs=1e-5), (layout, key)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), layout
+    assert 0.0 <= b["eval/acc"] <= 1.0

@@ -24,7 +24,7 @@ from cooper_mcore.demo.report import (
     train_reward_final,
     write_report,
 )
-from cooper_mcore.metrics import REDACTED
+from cooper_mcore.redaction import REDACTED
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "demo_run"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -21,15 +21,14 @@ import torch.distributed as dist
 from cooper_mcore import metrics as M
 from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
 from cooper_mcore.metrics import (
-    REDACTED,
     MetricsLogger,
     PhaseTimer,
     ProgressBar,
     read_metrics,
-    redact,
     reduce_metrics,
     resolve_wandb_mode,
 )
+from cooper_mcore.redaction import REDACTED, redact
 
 SECRET = "sk-live-0123456789abcdef"
 
@@ -511,7 +510,7 @@ def test_redact_keeps_data_field_selectors_and_saved_config_loads_back(tmp_path)
     from cooper_mcore.config import load_config, save_config
 
     assert redact({"answer_key": "answer", "question_key": "q", "api_key": "sk-x"}) == {
-        "answer_key": "answer", "question_key": "q", "api_key": "***REDACTED***"}
+        "answer_key": "answer", "question_key": "q", "api_key": REDACTED}
     cfg = load_config(None, ["data.answer_key=solution", "data.question_key=problem"])
     save_config(cfg, str(tmp_path / "config.yaml"))
     back = load_config(str(tmp_path / "config.yaml"))

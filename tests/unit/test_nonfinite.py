@@ -6,16 +6,20 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+import cooper_mcore.rl.policy as policy
+from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.jobs import sft as sft_job
+from cooper_mcore.mcore.reward_model import pairwise_train_step, wrap_reward_model
+from cooper_mcore.mcore.tokens import compute_logprobs
+from cooper_mcore.mcore.training import OptimConfig, adam_step, guarded_step, train_step, wrap_for_training
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import ParallelConfig, single_process_world
-from cooper_mcore.train.checkpoint import adam_step
-from cooper_mcore.train.megatron_setup import OptimConfig, guarded_step, train_step, wrap_for_training
+from tests.unit.test_policy_update import _batch
 
 
 def _load(ckpt):
-    from cooper_mcore.convert.compare import load_checkpoint_model
-
     return load_checkpoint_model(ckpt, ParallelConfig())
 
 
@@ -58,8 +62,6 @@ def _forward_step(nan_grad=False):
 
 def _fb_then(ddp, opt, ids, step_fn):
     """Forward/backward over two micro-batches, then ``step_fn(opt)``."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     ddp.train()
     ddp.zero_grad_buffer()
     opt.zero_grad()
@@ -98,25 +100,23 @@ def test_nan_gradient_with_finite_loss_skips_the_update(tiny_models):
         ids = _tokens(arch.vocab_size)
         train_step(ddp, opt, _forward_step(), iter(ids.split(2)), 2, ids.shape[1], 2)  # a real step first
         before = _state(model, opt)
-        metrics, norm = train_step(ddp, opt, _forward_step(nan_grad=True), iter(ids.split(2)), 2, ids.shape[1], 2)
+        r = train_step(ddp, opt, _forward_step(nan_grad=True), iter(ids.split(2)), 2, ids.shape[1], 2)
         after = _state(model, opt)
-        assert all(math.isfinite(float(m["loss"])) for m in metrics) and math.isnan(norm)
-        assert _same(before, after) and adam_step(opt) == 1.0
-        _, norm = train_step(ddp, opt, _forward_step(), iter(ids.split(2)), 2, ids.shape[1], 2)
-        assert math.isfinite(norm) and not _same(after, _state(model, opt)) and adam_step(opt) == 2.0
+        assert all(math.isfinite(float(m["loss"])) for m in r.metrics) and math.isnan(r.grad_norm)
+        assert not r.updated and _same(before, after) and adam_step(opt) == 1.0
+        r = train_step(ddp, opt, _forward_step(), iter(ids.split(2)), 2, ids.shape[1], 2)
+        assert r.updated and math.isfinite(r.grad_norm) and not _same(after, _state(model, opt))
+        assert adam_step(opt) == 2.0
 
 
 def test_policy_update_with_nan_loss_is_skipped(tiny_models, monkeypatch):
-    import cooper_mcore.train.policy as policy
-    from tests.unit.test_policy_update import _batch
-
     _, ckpt = tiny_models[("qwen2", "causal_lm")]
     real_loss = policy.policy_loss
     with single_process_world():
         model, arch = _load(ckpt)
         ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0), per_token_loss=True)
         batch = _batch(arch.vocab_size)
-        batch.old_logp = policy.compute_logprobs(model, batch, 4)
+        batch.old_logp = compute_logprobs(model, batch, 4)
         before = _state(model, opt)
 
         def nan_loss(*args, **kwargs):
@@ -124,18 +124,34 @@ def test_policy_update_with_nan_loss_is_skipped(tiny_models, monkeypatch):
             return tok * float("nan"), stats
 
         monkeypatch.setattr(policy, "policy_loss", nan_loss)
-        m = policy.policy_update(ddp, opt, batch, 4, 0.2, 0.2, 0.0, "low_var_kl")
+        m = policy.policy_update(ddp, opt, batch, 4, policy.GRPOLoss())
         assert m["nonfinite"] == 1.0 and math.isnan(m["grad_norm"]) and math.isnan(m["loss"])
         assert _same(before, _state(model, opt)) and adam_step(opt) == 0.0
         monkeypatch.setattr(policy, "policy_loss", real_loss)
-        m = policy.policy_update(ddp, opt, batch, 4, 0.2, 0.2, 0.0, "low_var_kl")
+        m = policy.policy_update(ddp, opt, batch, 4, policy.GRPOLoss())
         assert m["nonfinite"] == 0.0 and m["grad_norm"] > 0 and adam_step(opt) == 1.0
         assert not _same(before, _state(model, opt))  # the check above could have failed
 
 
-def test_pairwise_rm_step_with_nan_loss_is_skipped(tiny_models, monkeypatch):
-    from cooper_mcore.train.reward_model import pairwise_train_step, wrap_reward_model
+def test_sft_step_with_nan_loss_is_skipped(tiny_models, monkeypatch):
+    """SFT goes through the same guarded step: a NaN loss leaves weights and Adam untouched."""
+    _, ckpt = tiny_models[("qwen2", "causal_lm")]
+    with single_process_world():
+        model, arch = _load(ckpt)
+        ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-3), per_token_loss=True)
+        examples = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10])]
+        before = _state(model, opt)
+        real = sft_job.token_logprobs
+        monkeypatch.setattr(sft_job, "token_logprobs", lambda *a: real(*a) * float("nan"))
+        loss_sum, tokens, norm = sft_job._sft_step(ddp, opt, examples, 0, 1)
+        assert math.isnan(loss_sum) and math.isnan(norm) and tokens == 5
+        assert _same(before, _state(model, opt)) and adam_step(opt) == 0.0
+        monkeypatch.setattr(sft_job, "token_logprobs", real)
+        _, _, norm = sft_job._sft_step(ddp, opt, examples, 0, 1)
+        assert math.isfinite(norm) and adam_step(opt) == 1.0 and not _same(before, _state(model, opt))
 
+
+def test_pairwise_rm_step_with_nan_loss_is_skipped(tiny_models, monkeypatch):
     _, ckpt = tiny_models[("qwen2", "reward")]
     with single_process_world():
         model, arch = _load(ckpt)

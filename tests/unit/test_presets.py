@@ -182,14 +182,13 @@ def test_placeholders_are_documented():
 
 def test_each_sglang_engine_starts_on_its_own_gpu(monkeypatch):
     """One engine per model-parallel group: on the group leader's GPU (``base_gpu_id``), not GPU 0."""
-    from cooper_mcore.rollout import sglang_engine
-    from cooper_mcore.train import run_setup
+    from cooper_mcore.rl import setup as run_setup
 
     seen = []
-    monkeypatch.setattr(sglang_engine.SGLangEngine, "offline", classmethod(lambda cls, config: seen.append(config)))
+    monkeypatch.setattr(run_setup.SGLangEngine, "offline", classmethod(lambda cls, config: seen.append(config)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 6)
     cfg = load_config(str(ROOT / "examples" / "qwen2.5-7b_multinode.yaml"))
-    run_setup._build_engine(cfg)
+    run_setup.build_engine(cfg)
     assert len(seen) == 1
     assert (seen[0].base_gpu_id, seen[0].tp_size, seen[0].dtype) == (6, 2, "bfloat16")
     assert seen[0].model_path == "/models/Qwen2.5-7B-Instruct"

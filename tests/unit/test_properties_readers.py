@@ -27,8 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cooper_mcore.data.datasets import read_prompts
-from cooper_mcore.data.verifybench import read_verifybench
-from cooper_mcore.train.rm_jobs import read_rm_examples
+from cooper_mcore.data.rm_data import read_rm_examples, read_verifybench
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -38,7 +37,7 @@ MISSING = object()  # a field left out of the row
 # --------------------------------------------------------------------------- the schemas (model)
 
 # Each reader: (function, [(field, kind)], output attribute per field). Kinds follow the
-# docstrings of datasets.py / verifybench.py / rm_jobs.py.
+# docstrings of datasets.py / rm_data.py.
 READERS = {
     "prompts": (read_prompts, [("question", "text"), ("answer", "text_or_number"), ("id", "id"),
                                ("source", "opt_text")],
@@ -46,8 +45,8 @@ READERS = {
     "verifybench": (read_verifybench, [("question", "text"), ("answer", "text_or_number"), ("completion", "text"),
                                        ("gold_correct", "bool"), ("answer_type", "opt_text"),
                                        ("answer_subtype", "opt_text"), ("id", "id")],
-                    {"question": "question", "answer": "answer", "completion": "completion",
-                     "gold_correct": "gold_correct", "answer_type": "answer_type",
+                    {"question": "question", "answer": "reference", "completion": "completion",
+                     "gold_correct": "label", "answer_type": "answer_type",
                      "answer_subtype": "answer_subtype"}),
     "rm": (read_rm_examples, [("question", "text"), ("reference", "text_or_number"), ("completion", "text"),
                               ("label", "bool01"), ("answer_type", "opt_text"), ("id", "id")],

@@ -11,8 +11,15 @@ import torch.nn.functional as F
 
 from cooper_mcore.data.mathgen import generate_problems, tokenizer_corpus
 from cooper_mcore.data.templates import rm_input
-from cooper_mcore.train.megatron_setup import OptimConfig
-from cooper_mcore.train.reward_model import (
+from cooper_mcore.jobs.verify_rm import (
+    RMExample,
+    accuracy_report,
+    eval_rm,
+    read_eval_examples,
+    read_rm_examples,
+    train_rm,
+)
+from cooper_mcore.mcore.reward_model import (
     RMBatch,
     bce_train_step,
     load_rm_tokenizer,
@@ -23,14 +30,7 @@ from cooper_mcore.train.reward_model import (
     tokenize_texts,
     wrap_reward_model,
 )
-from cooper_mcore.train.rm_jobs import (
-    RMExample,
-    accuracy_report,
-    eval_rm,
-    read_eval_examples,
-    read_rm_examples,
-    train_rm,
-)
+from cooper_mcore.mcore.training import OptimConfig
 from tests.conftest import ROOT
 
 FIXTURE = str(ROOT / "tests" / "fixtures" / "verifybench_tiny.jsonl")
@@ -229,7 +229,7 @@ def test_wrong_inputs_raise(tiny_rm):
         tok = load_rm_tokenizer(ckpt)
         batch = make_batch(tok, _texts(1)[0], [1.0, 0.0])
         model = _load(ckpt)
-        from cooper_mcore.train.megatron_setup import wrap_for_training
+        from cooper_mcore.mcore.training import wrap_for_training
 
         ddp, opt = wrap_for_training(model, OptimConfig())  # mean-loss mode: not exact for pairs
         with pytest.raises(ValueError, match="wrap_reward_model"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_problems, worked_solution
-from cooper_mcore.train.sft import example_stream, math_sft_examples, sft, wrong_worked_solution
+from cooper_mcore.jobs.sft import example_stream, math_sft_examples, sft, wrong_worked_solution
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_output_checkpoint_exports_with_tokenizer_and_holds_the_trained_weights(
 _DP_WORKER = """
 import json, os, sys
 from cooper_mcore.data.tokenizer import load_tokenizer
-from cooper_mcore.train.sft import math_sft_examples, sft
+from cooper_mcore.jobs.sft import math_sft_examples, sft
 
 if __name__ == "__main__":
     tokenizer_dir, ckpt, out = sys.argv[1:4]

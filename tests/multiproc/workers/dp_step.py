@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cooper_mcore.convert.checkpoint import load_model_checkpoint, read_meta
+from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
-from cooper_mcore.train.megatron_setup import OptimConfig, train_step, wrap_for_training
 
 
 def main():
@@ -50,14 +50,15 @@ def main():
 
         return logits, loss_fn
 
-    metrics, grad_norm = train_step(ddp, opt, forward_step, micro, num_microbatches=share.shape[0],
-                                    seq_length=16, micro_batch_size=1)
-    loss = torch.stack([m["loss"] for m in metrics]).mean()
+    result = train_step(ddp, opt, forward_step, micro, num_microbatches=share.shape[0],
+                        seq_length=16, micro_batch_size=1)
+    loss = torch.stack([m["loss"] for m in result.metrics]).mean()
     dist.all_reduce(loss)
     loss /= world
     if rank == 0:
         state = {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
-        torch.save({"params": state, "initial": initial, "loss": loss, "grad_norm": torch.tensor(grad_norm)}, args.out)
+        torch.save({"params": state, "initial": initial, "loss": loss,
+                    "grad_norm": torch.tensor(result.grad_norm)}, args.out)
     destroy_distributed()
 
 

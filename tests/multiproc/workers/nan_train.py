@@ -1,7 +1,8 @@
 """`cooper train` with a NaN injected into the policy's GRPO loss from step NAN_FROM_STEP on.
 
-Test-only: wraps ``cooper_mcore.train.policy.policy_loss`` so that every token's loss is NaN
-while the step being run (set by a wrapper around ``cooper_step``) is >= NAN_FROM_STEP, then runs
+Test-only: wraps the GRPO loss's ``policy_loss`` (as :mod:`cooper_mcore.rl.policy` calls it) so that
+every token's loss is NaN while the step being run (set by a wrapper around the loop's
+``cooper_step``) is >= NAN_FROM_STEP, then runs
 the CLI with the given arguments and exits with its code.
 
     NAN_FROM_STEP=2 python tests/multiproc/workers/nan_train.py train --out DIR ...
@@ -10,13 +11,13 @@ the CLI with the given arguments and exits with its code.
 import os
 import sys
 
-import cooper_mcore.train.cooper as cooper
-import cooper_mcore.train.policy as policy
+import cooper_mcore.rl.loop as loop
+import cooper_mcore.rl.policy as policy
 from cooper_mcore.cli import main
 
 NAN_FROM = int(os.environ["NAN_FROM_STEP"])
 _now = {"step": 0}
-_loss, _step = policy.policy_loss, cooper.cooper_step
+_loss, _step = policy.policy_loss, loop.cooper_step
 
 
 def nan_loss(*args, **kwargs):
@@ -31,5 +32,5 @@ def step(run, prompts, timer):
 
 if __name__ == "__main__":
     policy.policy_loss = nan_loss
-    cooper.cooper_step = step
+    loop.cooper_step = step
     sys.exit(main(sys.argv[1:]))

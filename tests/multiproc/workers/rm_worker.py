@@ -17,9 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.mcore.reward_model import RMBatch, bce_train_step, pairwise_train_step, rm_scores, wrap_reward_model
+from cooper_mcore.mcore.training import OptimConfig
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
-from cooper_mcore.train.megatron_setup import OptimConfig
-from cooper_mcore.train.reward_model import RMBatch, bce_train_step, pairwise_train_step, rm_scores, wrap_reward_model
 
 # (sequence parallelism needs Transformer Engine's norms: not on the CPU)
 LAYOUTS = {"dp2": ParallelConfig(), "tp2": ParallelConfig(tp=2), "pp2": ParallelConfig(pp=2)}
@@ -60,7 +60,7 @@ def main():
         out[name] = run(args.ckpt, data, parallel)
         parallel_state.destroy_model_parallel()
     if args.train:
-        from cooper_mcore.train.rm_jobs import eval_rm, train_rm
+        from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
 
         out["train"] = train_rm(args.ckpt, args.train, args.out, eval_path=args.train, epochs=2, lr=1e-3,
                                 micro_batch_size=2, global_batch_size=4, seed=0)

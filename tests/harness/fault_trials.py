@@ -3,7 +3,7 @@
 One uninterrupted reference run, then for every trial a fresh run of the same job:
 
 * ``kill`` trials (seeded; ``--trials``): SIGKILL at a fault point
-  (:mod:`cooper_mcore.train.faults`: a training phase of a step, with a seeded random delay into
+  (:mod:`cooper_mcore.mcore.faults`: a training phase of a step, with a seeded random delay into
   it, or a place inside a checkpoint write), then a restart with ``--resume auto``;
 * one ``sigterm`` trial: SIGTERM during step 1 (a preemption; checkpoints every 2 steps, so the
   step-1 checkpoint can only come from the handler), which must exit 75, then the restart;
@@ -22,7 +22,7 @@ that exercises everything: tiny Qwen2 policy and RM (``cooper tiny-assets`` at h
 one layer), 8 prompts x 4 samples per step, a checkpoint every step, single-digit questions so
 that the untrained policy is sometimes right and the RM gets valid pairs.
 
-    python -m cooper_mcore.train.fault_trials --work DIR [--trials 10] [--seed 0] [--steps 3]
+    python -m tests.harness.fault_trials --work DIR [--trials 10] [--seed 0] [--steps 3]
 
 prints one JSON line: ``faults`` (took effect), ``resumed``, ``bitwise_equal``, ``rm_moved``,
 ``policy_moved`` and the trials.
@@ -45,8 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from cooper_mcore.train.cooper import EXIT_PREEMPTED
-from cooper_mcore.train.faults import FAULT_ENV, format_fault
+from cooper_mcore.mcore.faults import FAULT_ENV, format_fault
+from cooper_mcore.rl.loop import EXIT_PREEMPTED
 
 logger = logging.getLogger(__name__)
 
@@ -219,23 +219,29 @@ def _state(path: str, assets: dict[str, str], steps: int) -> dict[str, Any]:
     import torch
 
     from cooper_mcore.config import ParallelConfig
+    from cooper_mcore.convert.checkpoint import read_meta
     from cooper_mcore.convert.compare import load_checkpoint_model
-    from cooper_mcore.train.checkpoint import _inner_optimizers, load_training_checkpoint
-    from cooper_mcore.train.megatron_setup import OptimConfig, build_scheduler, wrap_for_training
-    from cooper_mcore.train.reward_model import wrap_reward_model
+    from cooper_mcore.mcore.checkpoint import load_training_checkpoint
+    from cooper_mcore.mcore.model_state import ModelState
+    from cooper_mcore.mcore.offload import ModelOffloader
+    from cooper_mcore.mcore.training import OptimConfig, build_scheduler, inner_optimizers, wrap_for_training
 
-    policy, _ = load_checkpoint_model(assets["policy_ckpt"], ParallelConfig())
-    policy, policy_opt = wrap_for_training(policy, OptimConfig(), per_token_loss=True)
-    rm, _ = load_checkpoint_model(assets["rm_ckpt"], ParallelConfig())
-    rm, rm_opt = wrap_reward_model(rm, OptimConfig())
-    models = {name: (ddp, opt, build_scheduler(opt, 1e-4, 0, steps, 0.01))
-              for name, ddp, opt in (("policy", policy, policy_opt), ("rm", rm, rm_opt))}
+    models = []
+    for name in ("policy", "rm"):
+        ckpt = assets[f"{name}_ckpt"]
+        module, arch = load_checkpoint_model(ckpt, ParallelConfig())
+        ddp, opt = wrap_for_training(module, OptimConfig(), per_token_loss=True)
+        _, hf_config, dtype = read_meta(ckpt)
+        models.append(ModelState(name, module, arch, hf_config, dtype, ckpt, tokenizer=None,
+                                 offloader=ModelOffloader(ddp, opt), ddp=ddp, optimizer=opt,
+                                 scheduler=build_scheduler(opt, 1e-4, 0, steps, 0.01)))
     out: dict[str, Any] = {"trainer": load_training_checkpoint(path, models)}
-    for name, (ddp, opt, _) in models.items():
-        for k, v in ddp.module.state_dict().items():
+    for m in models:
+        name, opt = m.name, m.optimizer
+        for k, v in m.module.state_dict().items():
             if isinstance(v, torch.Tensor):
                 out[f"{name}/model/{k}"] = v.detach().clone()
-        for i, inner in enumerate(_inner_optimizers(opt)):
+        for i, inner in enumerate(inner_optimizers(opt)):
             for g, group in enumerate(inner.param_groups):
                 for j, p in enumerate(group["params"]):
                     out[f"{name}/main/{i}.{g}.{j}"] = p.detach().clone()
@@ -313,9 +319,8 @@ def _preload() -> None:
     import cooper_mcore.cli  # noqa: F401
     import cooper_mcore.compat.cpu  # noqa: F401
     import cooper_mcore.reward.verifier  # noqa: F401
+    import cooper_mcore.rl.loop  # noqa: F401
     import cooper_mcore.rollout.hf_engine  # noqa: F401
-    import cooper_mcore.train.cooper  # noqa: F401
-    import cooper_mcore.train.run_setup  # noqa: F401
 
 
 def _flip_byte(path: str) -> None:

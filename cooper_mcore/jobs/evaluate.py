@@ -13,7 +13,12 @@ import tempfile
 
 import torch
 
+from cooper_mcore.convert.checkpoint import META_FILE, mcore_to_hf
+from cooper_mcore.data.datasets import read_prompts
+from cooper_mcore.data.templates import template_prompts
+from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rollout.base import SamplingParams
+from cooper_mcore.rollout.hf_engine import HFEngine
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +37,6 @@ def evaluate_policy(model_dir: str, data_path: str, k: int = 8, temperature: flo
     Returns:
         ``{"acc", "prompts", "samples", "unverifiable", "pass@k"}``.
     """
-    from cooper_mcore.convert.checkpoint import META_FILE, mcore_to_hf
-    from cooper_mcore.data.datasets import read_prompts
-    from cooper_mcore.data.templates import template_prompts
-    from cooper_mcore.reward.verifier import RuleVerifier
-    from cooper_mcore.rollout.hf_engine import HFEngine
-
     with tempfile.TemporaryDirectory(prefix="cooper-eval-") as tmp:
         hf_dir = model_dir
         if os.path.isfile(os.path.join(model_dir, META_FILE)):

@@ -36,160 +36,41 @@ temporary name and renamed when complete, with the tokenizer in ``hf_extra/``) a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
-from cooper_mcore.data.datasets import (
-    MalformedRow,
-    iter_raw_rows,
-    optional_text,
-    read_records,
-    require_text,
-)
-from cooper_mcore.data.templates import rm_input
-from cooper_mcore.parallel import ParallelConfig, device
-from cooper_mcore.train.reward_model import (
+from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
+from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
+from cooper_mcore.data.tokenizer import pad_id_of
+from cooper_mcore.mcore.collectives import all_gather
+from cooper_mcore.mcore.reward_model import (
     bce_train_step,
     load_rm_tokenizer,
-    pad_id_of,
     pad_token_lists,
     rm_scores,
     tokenize_texts,
     wrap_reward_model,
 )
+from cooper_mcore.mcore.training import OptimConfig
+from cooper_mcore.metrics import JsonlWriter, write_json_atomic
+from cooper_mcore.parallel import ParallelConfig, job_world
 
 logger = logging.getLogger(__name__)
 
-DATA_FORMATS = ("auto", "labeled", "verifybench")
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 FINAL_DIR = "final"
 CHECKPOINTS_DIR = "checkpoints"
-
-
-# --------------------------------------------------------------------------- data
-
-
-@dataclass
-class RMExample:
-    """One labeled (question, reference, completion) triple.
-
-    Attributes:
-        id: stable identifier.
-        question: the problem statement.
-        reference: the reference answer.
-        completion: the completion to judge.
-        label: whether the completion is correct.
-        answer_type: optional answer category (evaluation reports accuracy per type).
-    """
-
-    id: str
-    question: str
-    reference: str
-    completion: str
-    label: bool
-    answer_type: Optional[str] = None
-
-    def rm_text(self, truncate: bool = True) -> str:
-        """The reward model's input (:func:`~cooper_mcore.data.templates.rm_input`)."""
-        return rm_input(self.question, self.reference, self.completion, truncate=truncate)
-
-
-def _label(record: dict[str, Any], key: str, where: str) -> bool:
-    if key not in record or record[key] is None:
-        raise MalformedRow(f"{where}: missing field {key!r}")
-    value = record[key]
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    raise MalformedRow(f"{where}: field {key!r} must be true/false or 0/1, got {type(value).__name__} {value!r}")
-
-
-def read_rm_examples(
-    path: str,
-    question_key: str = "question",
-    reference_key: str = "reference",
-    completion_key: str = "completion",
-    label_key: str = "label",
-    id_key: Optional[str] = "id",
-    answer_type_key: Optional[str] = "answer_type",
-    skip_malformed: bool = False,
-) -> tuple[list[RMExample], int]:
-    """Read labeled reward-model triples (schema in the module docstring).
-
-    Returns:
-        ``(examples, skipped)`` in file order.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: a malformed row (unless skipped), naming the file and line/row; no valid row.
-    """
-    def build(rec: dict, raw) -> RMExample:
-        return RMExample(
-            id=optional_text(rec, id_key, raw.where, allow_int=True) or raw.default_id,
-            question=require_text(rec, question_key, raw.where),
-            reference=require_text(rec, reference_key, raw.where, allow_numbers=True),
-            completion=require_text(rec, completion_key, raw.where),
-            label=_label(rec, label_key, raw.where),
-            answer_type=optional_text(rec, answer_type_key, raw.where),
-        )
-
-    return read_records(path, build, skip_malformed, what="rows")
-
-
-def detect_format(path: str) -> str:
-    """``"verifybench"`` if the first decodable row has ``gold_correct``, ``"labeled"`` if it has ``label``.
-
-    Raises:
-        ValueError: neither field, or no decodable row.
-    """
-    for raw in iter_raw_rows(path):
-        if raw.record is None:
-            continue
-        if "gold_correct" in raw.record:
-            return "verifybench"
-        if "label" in raw.record:
-            return "labeled"
-        raise ValueError(f"{raw.where}: cannot tell the data format (no 'gold_correct' or 'label' field); "
-                         "pass data_format='labeled' or 'verifybench'")
-    raise ValueError(f"{path}: no readable row")
-
-
-def read_eval_examples(
-    path: str, data_format: str = "auto", skip_malformed: bool = False
-) -> tuple[list[RMExample], int]:
-    """Evaluation triples from a labeled or a VerifyBench-format file.
-
-    Args:
-        path: the data file.
-        data_format: ``"labeled"``, ``"verifybench"`` or ``"auto"`` (:func:`detect_format`).
-        skip_malformed: skip and count malformed rows.
-
-    Returns:
-        ``(examples, skipped)``.
-    """
-    if data_format not in DATA_FORMATS:
-        raise ValueError(f"unknown data_format {data_format!r}; choose from {DATA_FORMATS}")
-    if data_format == "auto":
-        data_format = detect_format(path)
-    if data_format == "labeled":
-        return read_rm_examples(path, skip_malformed=skip_malformed)
-    from cooper_mcore.data.verifybench import read_verifybench
-
-    items, skipped = read_verifybench(path, skip_malformed=skip_malformed)
-    return [RMExample(it.id, it.question, it.answer, it.completion, it.gold_correct, it.answer_type)
-            for it in items], skipped
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -252,8 +133,6 @@ def score_texts(
     Returns:
         ``[len(texts)]`` float32 logits on the CPU, on every rank.
     """
-    from megatron.core import parallel_state
-
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     n = len(texts)
@@ -271,45 +150,13 @@ def score_texts(
             rows = order[start:start + chunk]
             ids, lengths = pad_token_lists([tokens[j] for j in rows], pad)
             local[rows] = rm_scores(model, ids, lengths, micro_batch_size)
-    if dp == 1:
-        return local[:n]
-    gathered = [torch.zeros(share, dtype=torch.float32, device=device()) for _ in range(dp)]
-    dist.all_gather(gathered, local.to(device()), group=dp_group)
-    return torch.cat(gathered).cpu()[:n]
+    return all_gather(local, dp_group).cpu()[:n]
 
 
-# --------------------------------------------------------------------------- distributed set-up
-
-
-@contextlib.contextmanager
-def _world(parallel: ParallelConfig, seed: int):
-    """Initialise torch.distributed / megatron groups if needed; tear down what was set up here."""
-    from megatron.core import parallel_state
-
-    from cooper_mcore.parallel import init_distributed
-
-    owned_pg = not dist.is_initialized()
-    owned_mp = not parallel_state.model_parallel_is_initialized()
-    if not owned_mp:
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (parallel.tp, parallel.pp):
-            raise ValueError(f"model-parallel groups are already initialised with tp={have[0]} pp={have[1]}, "
-                             f"not the requested tp={parallel.tp} pp={parallel.pp}")
-    init_distributed(parallel, seed=seed)
-    try:
-        yield
-    finally:
-        if owned_mp:
-            parallel_state.destroy_model_parallel()
-        if owned_pg and dist.is_initialized():
-            dist.destroy_process_group()
+# --------------------------------------------------------------------------- checkpoints
 
 
 def _load_rm(ckpt: str, parallel: ParallelConfig):
-    from cooper_mcore.convert.checkpoint import read_meta
-    from cooper_mcore.convert.compare import load_checkpoint_model
-
     arch, hf_config, dtype = read_meta(ckpt)
     if arch.model_type != "reward":
         raise ValueError(f"checkpoint {ckpt!r} is a {arch.model_type} model, not a reward model "
@@ -320,8 +167,6 @@ def _load_rm(ckpt: str, parallel: ParallelConfig):
 
 def _save_checkpoint(model, arch, hf_config, dtype, src_ckpt: str, dest: str) -> None:
     """Save under ``dest + ".tmp"``, copy the tokenizer files, rename to ``dest``. Collective."""
-    from cooper_mcore.convert.checkpoint import save_model_checkpoint_atomic
-
     if os.path.exists(dest):
         raise FileExistsError(f"checkpoint {dest!r} already exists")
     save_model_checkpoint_atomic(model, dest, arch, hf_config, dtype, extra_from=src_ckpt)
@@ -364,7 +209,7 @@ def eval_rm(
     """
     parallel = parallel or ParallelConfig()
     examples, skipped = read_eval_examples(data_path, data_format, skip_malformed)
-    with _world(parallel, seed):
+    with job_world(parallel, seed):
         model, arch, _, _ = _load_rm(ckpt, parallel)
         tokenizer = load_rm_tokenizer(ckpt)
         scores = score_texts(model, tokenizer, [ex.rm_text() for ex in examples], micro_batch_size,
@@ -462,11 +307,7 @@ def train_rm(
                                       skip_malformed=skip_malformed)
     evals = read_eval_examples(eval_path, eval_format, skip_malformed)[0] if eval_path else None
 
-    from cooper_mcore.train.megatron_setup import OptimConfig
-
-    with _world(parallel, seed):
-        from megatron.core import parallel_state
-
+    with job_world(parallel, seed):
         dp = parallel_state.get_data_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
         if global_batch_size % (micro_batch_size * dp):
@@ -485,7 +326,7 @@ def train_rm(
         if rank0:
             os.makedirs(os.path.join(out_dir, CHECKPOINTS_DIR), exist_ok=True)
         metrics_path = os.path.join(out_dir, METRICS_FILE)
-        log = _MetricsLog(metrics_path if rank0 else None)
+        log = JsonlWriter(metrics_path if rank0 else None)
         local = global_batch_size // dp
         steps_per_epoch = -(-len(train) // global_batch_size)
         logger.info("train-rm: %d rows (%d skipped), %d epochs x %d steps, global batch %d, dp %d",
@@ -540,30 +381,6 @@ def train_rm(
             "eval": last_eval, "metrics_path": metrics_path,
         }
         if rank0:
-            _write_json(os.path.join(out_dir, SUMMARY_FILE), summary)
+            write_json_atomic(os.path.join(out_dir, SUMMARY_FILE), summary)
         log.close()
     return summary
-
-
-class _MetricsLog:
-    """Append JSON lines to a file (rank 0), flushed after each line; a no-op without a path."""
-
-    def __init__(self, path: Optional[str]):
-        self._f = open(path, "a", encoding="utf-8") if path else None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-def _write_json(path: str, doc: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
-    os.replace(tmp, path)

@@ -1,4 +1,4 @@
-"""VerifyBench-format reader against the shipped fixture and malformed variants."""
+"""Judged-triple readers (VerifyBench format) against the shipped fixture and malformed variants."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cooper_mcore.data.verifybench import VerifyBenchItem, read_verifybench, summarize
+from cooper_mcore.data.rm_data import RMExample, read_verifybench, summarize
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "verifybench_tiny.jsonl"
 
@@ -19,11 +19,11 @@ def test_fixture_reads_against_raw_json():
     raw = [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines() if line.strip()]
     assert skipped == 0 and len(items) == len(raw) == 12
     for it, r in zip(items, raw):
-        assert (it.id, it.question, it.completion, it.gold_correct) == (
+        assert (it.id, it.question, it.completion, it.label) == (
             r["id"], r["question"], r["completion"], r["gold_correct"])
-        assert it.answer == str(r["answer"])
+        assert it.reference == str(r["answer"])
         assert (it.answer_type, it.answer_subtype) == (r["answer_type"], r["answer_subtype"])
-    assert items[1].answer == "10"  # the fixture has a JSON number as its reference answer
+    assert items[1].reference == "10"  # the fixture has a JSON number as its reference answer
     assert summarize(items) == {
         "expression": {"items": 3, "gold_correct": 2},
         "multiple_choice": {"items": 3, "gold_correct": 1},
@@ -53,7 +53,7 @@ def test_malformed_rows(tmp_path, row, why):
     assert f"{path}:line 2: " in str(err.value) and why in str(err.value)
     items, skipped = read_verifybench(str(path), skip_malformed=True)
     assert skipped == 1
-    assert items == [VerifyBenchItem(id="vb.jsonl:1", question="q", answer="a", completion="c", gold_correct=False)]
+    assert items == [RMExample(id="vb.jsonl:1", question="q", reference="a", completion="c", label=False)]
 
 
 def test_parquet_and_custom_keys(tmp_path):
@@ -63,7 +63,7 @@ def test_parquet_and_custom_keys(tmp_path):
     }), path)
     items, _ = read_verifybench(path, question_key="problem", answer_key="gold", completion_key="output",
                                 label_key="label")
-    assert [(i.id, i.answer, i.completion, i.gold_correct, i.answer_type) for i in items] == [
+    assert [(i.id, i.reference, i.completion, i.label, i.answer_type) for i in items] == [
         ("vb.parquet:0", "2", "2", True, None), ("vb.parquet:1", "4", "5", False, None)]
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         read_verifybench(str(tmp_path / "missing.jsonl"))

@@ -25,8 +25,8 @@ it within few steps (the demo's design; leave ``mix_wrong`` at 0 for plain SFT).
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
 import os
 import random
 import time
@@ -35,9 +35,26 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
-from cooper_mcore.data.mathgen import MathProblem, MathTaskConfig, format_answer, generate_problems, worked_solution
-from cooper_mcore.parallel import ParallelConfig
+from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
+from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.data.iterator import epoch_order
+from cooper_mcore.data.mathgen import (
+    MathProblem,
+    MathTaskConfig,
+    format_answer,
+    generate_problems,
+    to_prompts,
+    worked_solution,
+)
+from cooper_mcore.data.templates import template_prompts
+from cooper_mcore.data.tokenizer import pad_id_of
+from cooper_mcore.mcore.collectives import all_reduce
+from cooper_mcore.mcore.tokens import build_token_batch, token_logprobs
+from cooper_mcore.mcore.training import OptimConfig, build_scheduler, train_step, wrap_for_training
+from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.parallel import ParallelConfig, job_world
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +129,6 @@ def math_sft_examples(
         ValueError: ``mix_wrong`` outside [0, 1], a tokenizer without EOS, or as
             :func:`~cooper_mcore.data.mathgen.generate_problems` and the template functions.
     """
-    from cooper_mcore.data.mathgen import to_prompts
-    from cooper_mcore.data.templates import template_prompts
-
     if not 0.0 <= mix_wrong <= 1.0:
         raise ValueError(f"mix_wrong must be in [0, 1], got {mix_wrong}")
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -143,8 +157,6 @@ def example_stream(num_examples: int, global_batch_size: int, seed: int, dp_rank
     the epochs are concatenated (a batch may span two epochs) and cut into global batches, of which
     rank ``dp_rank`` gets the ``dp_rank``-th of ``dp_size`` contiguous slices.
     """
-    from cooper_mcore.data.iterator import epoch_order
-
     share = global_batch_size // dp_size
     epoch, pending = 0, []
     while True:
@@ -155,92 +167,28 @@ def example_stream(num_examples: int, global_batch_size: int, seed: int, dp_rank
         yield batch[dp_rank * share:(dp_rank + 1) * share]
 
 
-@contextlib.contextmanager
-def _world(parallel: ParallelConfig, seed: int):
-    """Use the initialised world, or set up (and afterwards tear down) what is missing."""
-    from megatron.core import parallel_state
-
-    from cooper_mcore.parallel import init_distributed, single_process_world
-
-    if not dist.is_initialized():  # one process, or torchrun before any set-up
-        with single_process_world(parallel, seed=seed):
-            yield
-        return
-    owned = not parallel_state.model_parallel_is_initialized()
-    if not owned:
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (parallel.tp, parallel.pp):
-            raise ValueError(f"model-parallel groups are already initialised with tp={have[0]} pp={have[1]}, "
-                             f"not the requested tp={parallel.tp} pp={parallel.pp}")
-    else:
-        init_distributed(parallel, seed=seed)
-    try:
-        yield
-    finally:
-        if owned:
-            parallel_state.destroy_model_parallel()
-
-
 def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
               micro_batch_size: int) -> tuple[float, float, float]:
-    """One optimizer step on this rank's examples; returns (this rank's loss sum, token count, grad norm)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from cooper_mcore.models.forward import position_ids_for
-    from cooper_mcore.parallel import device
-    from cooper_mcore.train.policy import build_token_batch, token_logprobs
-
+    """One guarded optimizer step on this rank's examples; returns (this rank's loss sum, token
+    count, grad norm: NaN when a non-finite loss or gradient skipped the update)."""
     batch = build_token_batch([p for p, _ in examples], [r for _, r in examples], pad_id)
-    dev = device()
-    mbs = [(batch.input_ids[i:i + micro_batch_size].to(dev), batch.labels[i:i + micro_batch_size].to(dev),
-            batch.loss_mask[i:i + micro_batch_size].to(dev)) for i in range(0, len(batch), micro_batch_size)]
 
     def step(data_iterator, model):
-        input_ids, labels, mask = next(data_iterator)
-        logits = model(input_ids, position_ids_for(input_ids), None)
+        mb = next(data_iterator)
+        logits = model(mb.input_ids, position_ids_for(mb.input_ids), None)
 
         def loss_fn(output):
-            nll = -token_logprobs(output, labels) * mask
-            n = mask.sum()
-            return nll.sum(), n.int(), {"loss_sum": nll.sum().detach(), "tokens": n.detach()}
+            nll = -token_logprobs(output, mb.labels) * mb.loss_mask
+            n = mb.loss_mask.sum()
+            return nll.sum(), n.int(), {"loss": nll.sum().detach(), "tokens": n.detach()}
 
         return logits, loss_fn
 
-    ddp.train()
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    results = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(mbs), model=[ddp], num_microbatches=len(mbs),
-        seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size, forward_only=False)
-    ok, grad_norm, _ = optimizer.step()
-    assert ok, "optimizer step failed"
-    loss_sum = float(sum(r["loss_sum"] for r in results)) if results else 0.0  # last pipeline stage only
-    tokens = float(sum(r["tokens"] for r in results)) if results else 0.0
-    return loss_sum, tokens, float(grad_norm or 0.0)
-
-
-def _save(model, arch, hf_config: dict, dtype: torch.dtype, src_ckpt: str, dest: str) -> None:
-    """Save under ``dest + ".tmp"`` with the source's ``hf_extra/``, then rename to ``dest``. Collective."""
-    from cooper_mcore.convert.checkpoint import save_model_checkpoint_atomic
-
-    save_model_checkpoint_atomic(model, dest, arch, hf_config, dtype, extra_from=src_ckpt)
-
-
-def _scheduler(optimizer, lr: float, warmup_steps: int, steps: int, weight_decay: float, min_lr: Optional[float]):
-    """The trainer's schedule (warm-up, then constant), or warm-up then cosine decay to ``min_lr``."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from cooper_mcore.train.megatron_setup import build_scheduler
-
-    if min_lr is None:
-        return build_scheduler(optimizer, lr, warmup_steps, steps, weight_decay)
-    for group in optimizer.param_groups:  # megatron's groups carry their own bounds (min_lr None from its config)
-        group["max_lr"], group["min_lr"] = lr, min_lr
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
-        lr_decay_steps=max(steps, warmup_steps + 1), lr_decay_style="cosine", start_wd=weight_decay,
-        end_wd=weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant")
+    mbs = batch.micro_batches(micro_batch_size)
+    result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), batch.input_ids.shape[1], micro_batch_size)
+    loss_sum = float(sum(r["loss"] for r in result.metrics))  # last pipeline stage only
+    tokens = float(sum(r["tokens"] for r in result.metrics))
+    return loss_sum, tokens, result.grad_norm
 
 
 def sft(
@@ -294,13 +242,6 @@ def sft(
             positions, a non-causal-LM checkpoint, or inconsistent sizes.
         FileExistsError: ``out_ckpt`` exists.
     """
-    from megatron.core import parallel_state as ps
-
-    from cooper_mcore.convert.checkpoint import read_meta
-    from cooper_mcore.convert.compare import load_checkpoint_model
-    from cooper_mcore.parallel import device
-    from cooper_mcore.train.megatron_setup import OptimConfig, wrap_for_training
-
     parallel = parallel or ParallelConfig()
     if steps < 1 or lr <= 0 or global_batch_size < 1 or micro_batch_size < 1 or warmup_steps < 0:
         raise ValueError(f"sft needs steps >= 1, lr > 0, batch sizes >= 1 and warmup_steps >= 0; got steps={steps} "
@@ -322,17 +263,17 @@ def sft(
     if longest > arch.max_position_embeddings:
         raise ValueError(f"sft: an example has {longest} tokens, more than the model's "
                          f"max_position_embeddings={arch.max_position_embeddings}")
-    pad_id = hf_config.get("pad_token_id") if isinstance(hf_config.get("pad_token_id"), int) else 0
+    pad_id = pad_id_of(hf_config)
 
-    with _world(parallel, seed):
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    with job_world(parallel, seed):
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         if global_batch_size % (micro_batch_size * dp):
             raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * dp = "
                              f"{micro_batch_size} * {dp}")
         model, arch = load_checkpoint_model(ckpt_in, parallel)
         ddp, optimizer = wrap_for_training(
             model, OptimConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad), per_token_loss=True)
-        scheduler = _scheduler(optimizer, lr, warmup_steps, steps, weight_decay, min_lr)
+        scheduler = build_scheduler(optimizer, lr, warmup_steps, steps, weight_decay, min_lr)
         stream = example_stream(len(examples), global_batch_size, seed, dp_rank, dp)
         history: dict[str, Any] = {"loss": [], "grad_norm": [], "lr": [], "tokens": 0, "steps": steps}
         start = time.perf_counter()
@@ -340,10 +281,12 @@ def sft(
             history["lr"].append(float(optimizer.param_groups[0]["lr"]))
             loss_sum, tokens, grad_norm = _sft_step(
                 ddp, optimizer, [examples[i] for i in next(stream)], pad_id, micro_batch_size)
-            scheduler.step(1)
+            if math.isfinite(grad_norm):  # as megatron: a skipped (non-finite) update does not advance the schedule
+                scheduler.step(1)
+            else:
+                logger.warning("sft step %d: non-finite loss or gradient norm; update skipped", step + 1)
             # over the world: TP replicas count each sum tp times (cancels in the ratio), non-last stages add 0
-            totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=device())
-            dist.all_reduce(totals)
+            totals = all_reduce(torch.tensor([loss_sum, tokens], dtype=torch.float64))
             loss = float(totals[0] / totals[1])
             history["loss"].append(loss)
             history["grad_norm"].append(grad_norm)
@@ -353,7 +296,7 @@ def sft(
                 logger.info("sft step %d/%d: loss %.4f, grad norm %.3f, lr %.2e, %.0f tokens/s", step + 1, steps,
                             loss, grad_norm, history["lr"][-1], history["tokens"] / max(elapsed, 1e-9))
         history["seconds"] = time.perf_counter() - start
-        _save(model, arch, hf_config, dtype, ckpt_in, out_ckpt)
+        save_model_checkpoint_atomic(model, out_ckpt, arch, hf_config, dtype, extra_from=ckpt_in)
         if dist.get_rank() == 0:
             logger.info("sft: %d steps in %.1f s, loss %.4f -> %.4f; wrote %s", steps, history["seconds"],
                         history["loss"][0], history["loss"][-1], out_ckpt)

@@ -44,10 +44,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
 
-from cooper_mcore.convert.checkpoint import EXTRA_DIR, _write_meta
-from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.train.faults import fault_point
+from cooper_mcore.convert.checkpoint import EXTRA_DIR, drop_absent_extra_state, write_meta
+from cooper_mcore.mcore.faults import fault_point
+from cooper_mcore.mcore.model_state import ModelState
+from cooper_mcore.mcore.training import adam_step, restore_adam_step
 
 logger = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -57,8 +59,6 @@ _CHUNK = 8 << 20
 
 
 def _rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
     state = {"torch": torch.get_rng_state(),
              "numpy": torch.tensor(np.frombuffer(json.dumps(_np_state()).encode(), dtype=np.uint8).copy()),
              "python": torch.tensor(np.frombuffer(json.dumps(random.getstate()).encode(), dtype=np.uint8).copy()),
@@ -74,8 +74,6 @@ def _np_state() -> list:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     torch.set_rng_state(state["torch"])
     np_state = json.loads(bytes(state["numpy"].numpy()).decode())
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
@@ -86,82 +84,52 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _inner_optimizers(optimizer) -> list:
-    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def adam_step(optimizer) -> float:
-    """Adam's step count (the same for every parameter)."""
-    steps = {float(st["step"]) for inner in _inner_optimizers(optimizer) for st in inner.state.values()
-             if "step" in st}
-    assert len(steps) <= 1, steps
-    return steps.pop() if steps else 0.0
-
-
-def _restore_adam_step(optimizer, step: float) -> None:
-    """Give every parameter's Adam state its own ``step`` tensor.
-
-    megatron-core's DistributedOptimizer.load_state_dict (torch Adam path) puts one shared step
-    tensor into every parameter's state; torch Adam increments each state's step in place, so
-    the shared tensor would advance once per parameter per update and bias-correct wrongly.
-    """
-    for inner in _inner_optimizers(optimizer):
-        for st in inner.state.values():
-            st["step"] = torch.tensor(float(step))
-
-
-def _model_state(ddp, optimizer, scheduler) -> dict:
-    model_sd = ddp.module.sharded_state_dict() if hasattr(ddp, "module") else ddp.sharded_state_dict()
+def _sharded_state(model: ModelState) -> dict:
+    model_sd = model.module.sharded_state_dict()
     state = {"model": model_sd}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(
+    if model.optimizer is not None:
+        state["optimizer"] = model.optimizer.sharded_state_dict(
             model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+    if model.scheduler is not None:
+        state["scheduler"] = model.scheduler.state_dict()
     return state
 
 
 def save_training_checkpoint(
-    out_dir: str, step: int, models: dict[str, tuple], trainer_state: dict[str, Any],
-    archs: dict[str, tuple[ArchSpec, dict, torch.dtype]], keep: int = 2,
-    extra_dirs: Optional[dict[str, str]] = None,
+    out_dir: str, step: int, models: list[ModelState], trainer_state: dict[str, Any], keep: int = 2,
 ) -> str:
     """Save a complete training checkpoint (collective).
 
     Args:
         out_dir: the run's ``checkpoints/`` folder.
         step: the number of finished steps.
-        models: ``{"policy": (ddp, optimizer, scheduler), "rm": (...)}``.
+        models: the models to save, each with its optimizer and schedule, each into the folder
+            named by its ``name``, with its ``cooper_model.json`` and its source's tokenizer files.
         trainer_state: JSON-able loop state (data position, ...).
-        archs: ``{name: (arch, hf_config, dtype)}`` for each model's ``cooper_model.json``.
         keep: newest complete checkpoints to keep (older ones are deleted).
-        extra_dirs: ``{name: folder}`` of tokenizer files to copy into each model's ``hf_extra/``.
 
     Returns:
         The checkpoint folder.
     """
-    from megatron.core import dist_checkpointing
-
     rank = dist.get_rank()
     final = os.path.join(out_dir, f"step_{step}")
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        for name in models:
-            os.makedirs(os.path.join(tmp, name))
+        for m in models:
+            os.makedirs(os.path.join(tmp, m.name))
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    for name, (ddp, opt, sched) in models.items():
-        dist_checkpointing.save(_model_state(ddp, opt, sched), os.path.join(tmp, name))
-        fault_point(f"ckpt_{name}", step)
+    for m in models:
+        dist_checkpointing.save(_sharded_state(m), os.path.join(tmp, m.name))
+        fault_point(f"ckpt_{m.name}", step)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     if rank == 0:
-        for name, (arch, cfg, dtype) in archs.items():
-            _write_meta(os.path.join(tmp, name), arch, cfg, dtype)
-            src = (extra_dirs or {}).get(name)
-            if src and os.path.isdir(src):  # tokenizer files: the folder exports as a full HF model
-                shutil.copytree(src, os.path.join(tmp, name, EXTRA_DIR))
-        adam = {name: adam_step(opt) for name, (_, opt, _) in models.items() if opt is not None}
+        for m in models:
+            write_meta(os.path.join(tmp, m.name), m.arch, m.hf_config, m.dtype)
+            if os.path.isdir(m.extra_dir):  # tokenizer files: the folder exports as a full HF model
+                shutil.copytree(m.extra_dir, os.path.join(tmp, m.name, EXTRA_DIR))
+        adam = {m.name: adam_step(m.optimizer) for m in models if m.optimizer is not None}
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
             json.dump({"step": step, "world_size": dist.get_world_size(), "adam_steps": adam, **trainer_state}, f)
     dist.barrier()
@@ -321,26 +289,24 @@ def find_resume(out_dir: str, resume: str) -> Optional[str]:
     return resume
 
 
-def load_training_checkpoint(path: str, models: dict[str, tuple]) -> dict[str, Any]:
+def load_training_checkpoint(path: str, models: list[ModelState]) -> dict[str, Any]:
     """Restore models, optimizers, schedulers and this rank's RNG; return the trainer state."""
-    from megatron.core import dist_checkpointing
-
     with open(os.path.join(path, "trainer.json")) as f:
         trainer_state = json.load(f)
     if trainer_state["world_size"] != dist.get_world_size():
         raise ValueError(f"{path} was written by {trainer_state['world_size']} processes, this run has "
                          f"{dist.get_world_size()} (exact resume needs the same layout)")
-    for name, (ddp, opt, sched) in models.items():
+    for m in models:
         with torch.no_grad():
-            state = dist_checkpointing.load(_model_state(ddp, opt, sched), os.path.join(path, name))
-            module = ddp.module if hasattr(ddp, "module") else ddp
-            missing, _ = module.load_state_dict(state["model"], strict=False)
+            folder = os.path.join(path, m.name)
+            state = dist_checkpointing.load(drop_absent_extra_state(_sharded_state(m), folder), folder)
+            missing, _ = m.module.load_state_dict(state["model"], strict=False)
             assert not [k for k in missing if not k.endswith("_extra_state")], missing
-            if opt is not None:
-                opt.load_state_dict(state["optimizer"])
-                _restore_adam_step(opt, trainer_state["adam_steps"][name])
-            if sched is not None:
-                sched.load_state_dict(state["scheduler"])
+            if m.optimizer is not None:
+                m.optimizer.load_state_dict(state["optimizer"])
+                restore_adam_step(m.optimizer, trainer_state["adam_steps"][m.name])
+            if m.scheduler is not None:
+                m.scheduler.load_state_dict(state["scheduler"])
     rng = torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=True)
     _set_rng_state(rng)
     logger.info("resumed from %s (step %d)", path, trainer_state["step"])

@@ -1,18 +1,29 @@
-"""Wrap a Megatron model for training: DDP (grad buffers), the distributed optimizer, one step.
+"""Wrap a Megatron model for training (DDP grad buffers, the distributed optimizer), its
+learning-rate schedule, and the one guarded optimizer step every job uses.
 
-Used for the policy and for the reward model; each gets its own wrapper and optimizer.
+Used for the policy (RL and SFT) and for the reward model (Cooper's pairwise step and VerifyRM's
+BCE training); each model gets its own wrapper and optimizer. :func:`train_step` is the only place
+that runs megatron's forward-backward schedule for training and steps an optimizer, and it never
+writes a non-finite update (:func:`guarded_step`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from cooper_mcore.mcore.collectives import any_rank
 
 
 @dataclass
@@ -41,10 +52,15 @@ def wrap_for_training(
 ) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """Wrap ``model`` in megatron DDP and build its optimizer (fp32 main params for bf16).
 
+    The optimizer uses the process groups as :func:`cooper_mcore.parallel.init_distributed`
+    creates them on every machine: no gloo twins of the data-parallel groups (NCCL runs have
+    none, so megatron's default ``use_gloo_process_groups=True`` would assert on a GPU).
+
     Args:
         per_token_loss: megatron-core's per-token loss mode: loss functions return
             ``(loss_sum, count, metrics)`` and gradients are divided by the total count over
-            micro-batches and data-parallel ranks (a global token / pair mean).
+            micro-batches and data-parallel ranks (a global token / pair mean). Must be set here,
+            before the DDP wrapper is built (it reads the flag to drop its own ``1/dp`` scaling).
     """
     config = model.config
     config.calculate_per_token_loss = per_token_loss
@@ -75,34 +91,89 @@ def wrap_for_training(
     return ddp, optimizer
 
 
+def inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a (chained) megatron optimizer."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o.optimizer is not None]
+
+
+def _per_parameter_step(inner: torch.optim.Optimizer) -> bool:
+    """torch's Adam/AdamW keep a ``step`` in every parameter's state; TE's and apex's FusedAdam keep
+    one in each param group (and their ``state_dict`` rejects any other per-parameter entry)."""
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def _init_adam_states(optimizer: MegatronOptimizer) -> None:
     """Create Adam's state (zero moments, step 0: the same as a fresh Adam) before any step.
 
-    torch creates it lazily at the first step, and megatron-core's optimizer ``state_dict``
-    requires a ``step``: without this, a model whose first update has not happened yet (a
-    reward model that has seen no valid pair) could not be checkpointed.
+    Optimizers create it lazily at the first step, and megatron-core's optimizer ``state_dict``
+    needs it: without this, a model whose first update has not happened yet (a reward model that
+    has seen no valid pair) could not be checkpointed.
     """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
+    for inner in inner_optimizers(optimizer):
+        per_param = _per_parameter_step(inner)
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    if per_param:
+                        state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def build_scheduler(optimizer: MegatronOptimizer, lr: float, warmup_steps: int, total_steps: int,
-                    weight_decay: float):
-    """Linear warm-up to ``lr`` over ``warmup_steps`` optimizer steps, then constant (as the paper)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def adam_step(optimizer: MegatronOptimizer) -> float:
+    """Adam's step count (the same for every parameter), wherever the optimizer keeps it."""
+    steps = set()
+    for inner in inner_optimizers(optimizer):
+        if _per_parameter_step(inner):
+            steps |= {float(st["step"]) for st in inner.state.values() if "step" in st}
+        else:
+            steps |= {float(g.get("step", 0)) for g in inner.param_groups}
+    assert len(steps) <= 1, steps
+    return steps.pop() if steps else 0.0
 
+
+def restore_adam_step(optimizer: MegatronOptimizer, step: float) -> None:
+    """Give every parameter's Adam state its own ``step`` tensor after a checkpoint load.
+
+    megatron-core's DistributedOptimizer.load_state_dict (torch Adam path) puts one shared step
+    tensor into every parameter's state; torch Adam increments each state's step in place, so
+    the shared tensor would advance once per parameter per update and bias-correct wrongly.
+    Optimizers that keep the step in their param groups are restored by megatron already.
+    """
+    for inner in inner_optimizers(optimizer):
+        if _per_parameter_step(inner):
+            for st in inner.state.values():
+                st["step"] = torch.tensor(float(step))
+
+
+def build_scheduler(optimizer: MegatronOptimizer, lr: float, warmup_steps: int, total_steps: int,
+                    weight_decay: float, min_lr: Optional[float] = None) -> OptimizerParamScheduler:
+    """Linear warm-up to ``lr`` over ``warmup_steps`` optimizer steps, then constant (the paper's
+    schedule), or, with ``min_lr``, cosine decay from ``lr`` to ``min_lr`` over the remaining steps."""
+    if min_lr is not None:  # megatron's param groups carry their own bounds (min_lr None from its config)
+        for group in optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = lr, min_lr
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=lr,
+        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=lr if min_lr is None else min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=max(total_steps, warmup_steps + 1),
-        lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
+        lr_decay_style="constant" if min_lr is None else "cosine", start_wd=weight_decay, end_wd=weight_decay,
         wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
+
+
+@dataclass
+class StepResult:
+    """What one :func:`train_step` did.
+
+    Attributes:
+        metrics: the per-micro-batch metric dicts of the last pipeline stage (empty elsewhere).
+        grad_norm: the global gradient norm; NaN when the update was skipped.
+        updated: whether the optimizer updated the weights.
+    """
+
+    metrics: list[dict[str, Any]]
+    grad_norm: float
+    updated: bool
 
 
 def train_step(
@@ -113,17 +184,17 @@ def train_step(
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
-) -> tuple[list[dict], float | None]:
+) -> StepResult:
     """One optimizer step over ``num_microbatches`` micro-batches (gradient accumulation).
+
+    Zeroes the gradient buffers, runs megatron's forward-backward schedule (1F1B under pipeline
+    parallelism) and steps the optimizer through :func:`guarded_step`.
 
     Args:
         forward_step: megatron ``forward_step_func(data_iterator, model) -> (output, loss_fn)``;
-            ``loss_fn(output) -> (loss, metrics dict)``.
-
-    Returns:
-        The per-micro-batch metrics of the last pipeline stage and the gradient norm, which is
-        NaN when the update was skipped because a micro-batch's ``loss`` metric or the norm was
-        not finite (see :func:`guarded_step`).
+            ``loss_fn(output)`` returns ``(loss, metrics)`` or, with per-token loss,
+            ``(loss_sum, count, metrics)``. A ``"loss"`` entry of ``metrics`` is checked for
+            finiteness before the update.
     """
     ddp.train()
     ddp.zero_grad_buffer()
@@ -137,10 +208,11 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
+    metrics = list(metrics or [])
     loss_finite = all(bool(torch.isfinite(torch.as_tensor(m["loss"])).all())
-                      for m in metrics or [] if isinstance(m, dict) and "loss" in m)
-    _, grad_norm = guarded_step(optimizer, loss_finite)
-    return metrics, grad_norm
+                      for m in metrics if isinstance(m, dict) and "loss" in m)
+    updated, grad_norm = guarded_step(optimizer, loss_finite)
+    return StepResult(metrics, grad_norm, updated)
 
 
 @torch.no_grad()
@@ -151,9 +223,9 @@ def guarded_step(optimizer: MegatronOptimizer, loss_finite: bool = True) -> tupl
     ``step()`` clips with a NaN norm (a no-op) and writes NaN into every weight and Adam moment.
     This does the same work as ``step()`` (prepare the main grads, the global gradient norm,
     clipping, the inner step; bitwise the same result) but first decides, identically on every
-    rank, whether to update: when ``loss_finite`` is False on any rank (one
-    ``all_reduce`` over the default group: every rank steps the same optimizer) or the norm is
-    not finite, nothing is updated: weights, Adam moments and Adam's step count stay as they were.
+    rank, whether to update: when ``loss_finite`` is False on any rank (one all-reduce over the
+    world: every rank steps the same optimizer) or the norm is not finite, nothing is updated:
+    weights, Adam moments and Adam's step count stay as they were.
 
     Collective over all ranks.
 
@@ -164,20 +236,13 @@ def guarded_step(optimizer: MegatronOptimizer, loss_finite: bool = True) -> tupl
     Returns:
         ``(updated, grad_norm)``; ``grad_norm`` is NaN when the update was skipped.
     """
-    import math
-
-    import torch.distributed as dist
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-    from cooper_mcore.parallel import device
-
     if optimizer.prepare_grads():  # fp16: the loss scaler found inf/NaN (and lowered its scale)
         return False, float("nan")
     grad_norm = float(optimizer.get_grad_norm())
-    bad = torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0], device=device())
+    bad = not (loss_finite and math.isfinite(grad_norm))
     if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if bad.item() > 0:
+        bad = any_rank(bad)
+    if bad:
         return False, float("nan")
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:

@@ -31,23 +31,25 @@ over the data-parallel group first).
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
+from cooper_mcore.algo import rm_bce_loss, rm_pair_losses
+from cooper_mcore.convert.checkpoint import EXTRA_DIR
+from cooper_mcore.data.tokenizer import load_tokenizer, pad_id_of
+from cooper_mcore.mcore.collectives import all_reduce, broadcast_from_last_stage, unwrap
+from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
+from cooper_mcore.models.builder import RewardGPTModel
 from cooper_mcore.models.forward import forward_only, position_ids_for
 from cooper_mcore.parallel import device
-from cooper_mcore.train.megatron_setup import OptimConfig, train_step, wrap_for_training
 
 logger = logging.getLogger(__name__)
-
-EXTRA_DIR = "hf_extra"
 
 
 # --------------------------------------------------------------------------- tokenised batches
@@ -95,22 +97,11 @@ def load_rm_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     Raises:
         ValueError: no tokenizer files in the folder.
     """
-    from cooper_mcore.data.tokenizer import load_tokenizer
-
     folder = os.path.join(path, EXTRA_DIR) if os.path.isdir(os.path.join(path, EXTRA_DIR)) else path
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, n)) for n in names):
         raise ValueError(f"no tokenizer files in {folder!r} (expected one of {names})")
     return load_tokenizer(folder, trust_remote_code=trust_remote_code)
-
-
-def pad_id_of(tokenizer: Any) -> int:
-    """The id used for right padding: the tokenizer's pad token, else its EOS token, else 0."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def tokenize_texts(
@@ -175,9 +166,12 @@ def make_batch(
     texts: Sequence[str],
     labels: Optional[Sequence[float]] = None,
     max_length: Optional[int] = None,
+    multiple_of: int = 1,
 ) -> RMBatch:
-    """Tokenise reward-model input texts (e.g. :func:`~cooper_mcore.data.templates.rm_input`) into a batch."""
-    ids, lengths = pad_token_lists(tokenize_texts(tokenizer, texts, max_length), pad_id_of(tokenizer))
+    """Tokenise reward-model input texts (e.g. :func:`~cooper_mcore.data.templates.rm_input`) into a
+    right-padded batch whose width is a multiple of ``multiple_of``."""
+    ids, lengths = pad_token_lists(tokenize_texts(tokenizer, texts, max_length), pad_id_of(tokenizer),
+                                   multiple_of=multiple_of)
     lab = None if labels is None else torch.tensor([float(x) for x in labels], dtype=torch.float32)
     return RMBatch(ids, lengths, lab)
 
@@ -185,30 +179,15 @@ def make_batch(
 # --------------------------------------------------------------------------- helpers
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _groups(model: torch.nn.Module):
     """(tp, pp, dp) process groups of a (possibly DDP-wrapped) model."""
-    from megatron.core import parallel_state
-
-    pgs = _unwrap(model).pg_collection
+    pgs = unwrap(model).pg_collection
     dp = getattr(pgs, "dp", None) or parallel_state.get_data_parallel_group()
     return pgs.tp, pgs.pp, dp
 
 
-def _broadcast_from_last_stage(t: torch.Tensor, pp_group) -> torch.Tensor:
-    """Broadcast ``t`` from the last pipeline stage to every stage of ``pp_group`` (in place)."""
-    if pp_group.size() > 1:
-        dist.broadcast(t, src=dist.get_global_rank(pp_group, pp_group.size() - 1), group=pp_group)
-    return t
-
-
 def _seq_multiple(model: torch.nn.Module) -> int:
-    config = _unwrap(model).config
+    config = unwrap(model).config
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
@@ -244,7 +223,7 @@ def _as_batch(x: Any, what: str) -> RMBatch:
 
 
 def _check_wrapped(ddp: torch.nn.Module) -> None:
-    if not getattr(_unwrap(ddp).config, "calculate_per_token_loss", False):
+    if not getattr(unwrap(ddp).config, "calculate_per_token_loss", False):
         raise ValueError("the reward model was not wrapped with wrap_reward_model (its config needs "
                          "calculate_per_token_loss=True before the DDP wrapper is built)")
 
@@ -260,18 +239,12 @@ def _global_sums(ddp: torch.nn.Module, per_micro: list[dict], keys: Sequence[str
     t = torch.zeros(len(keys), dtype=torch.float64, device=device())
     for m in per_micro:
         t += torch.stack([m[k].to(t) for k in keys])
-    _broadcast_from_last_stage(t, pp)
-    if dp.size() > 1:
-        dist.all_reduce(t, group=dp)
+    t = all_reduce(broadcast_from_last_stage(t, pp), group=dp)
     return dict(zip(keys, t.tolist()))
 
 
 def _global_count(ddp: torch.nn.Module, n: int) -> int:
-    _, _, dp = _groups(ddp)
-    t = torch.tensor(n, dtype=torch.long, device=device())
-    if dp.size() > 1:
-        dist.all_reduce(t, group=dp)
-    return int(t.item())
+    return int(all_reduce(torch.tensor(n, dtype=torch.long), group=_groups(ddp)[2]).item())
 
 
 # --------------------------------------------------------------------------- scores and training
@@ -280,16 +253,14 @@ def _global_count(ddp: torch.nn.Module, n: int) -> int:
 def wrap_reward_model(model: torch.nn.Module, optim: OptimConfig):
     """Wrap a reward model for :func:`bce_train_step` / :func:`pairwise_train_step`.
 
-    The same as :func:`~cooper_mcore.train.megatron_setup.wrap_for_training` with
+    The same as :func:`~cooper_mcore.mcore.training.wrap_for_training` with
     ``per_token_loss=True`` (``config.calculate_per_token_loss``, see the module docstring), after
     checking that ``model`` is a reward model.
 
     Returns:
         ``(ddp, optimizer)``.
     """
-    from cooper_mcore.models.builder import RewardGPTModel
-
-    if not isinstance(_unwrap(model), RewardGPTModel):
+    if not isinstance(unwrap(model), RewardGPTModel):
         raise ValueError("wrap_reward_model needs a reward model (RewardGPTModel), got a policy model")
     return wrap_for_training(model, optim, per_token_loss=True)
 
@@ -332,8 +303,7 @@ def rm_scores(
     scores = torch.zeros(ids.shape[0], dtype=torch.float32, device=device())
     if out is not None:
         scores.copy_(out.float())
-    _broadcast_from_last_stage(scores, _groups(model)[1])
-    return scores[:b].cpu()
+    return broadcast_from_last_stage(scores, _groups(model)[1])[:b].cpu()
 
 
 def bce_train_step(
@@ -390,7 +360,7 @@ def bce_train_step(
         def loss_fn(scores):
             scores = scores.float()
             w = mb["weight"]
-            per_row = F.binary_cross_entropy_with_logits(scores, mb["labels"], reduction="none")
+            per_row, _ = rm_bce_loss(scores, mb["labels"], reduction="none")
             loss_sum = (per_row * w).sum()
             count = w.sum().to(torch.int)
             with torch.no_grad():
@@ -401,21 +371,24 @@ def bce_train_step(
 
         return out, loss_fn
 
-    metrics, grad_norm = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, micro_batch_size)
-    sums = _global_sums(ddp, metrics, ("loss", "correct", "count", "score"))
+    result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, micro_batch_size)
+    sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "score"))
     n = sums["count"]
     return {"loss": sums["loss"] / n, "acc": sums["correct"] / n, "mean_score": sums["score"] / n,
-            "num_samples": int(n), "grad_norm": _float(grad_norm)}
+            "num_samples": int(n), "grad_norm": result.grad_norm, "nonfinite": not result.updated}
 
 
 def pairwise_train_step(
     ddp, optimizer, chosen: RMBatch | tuple, rejected: RMBatch | tuple, valid_mask: torch.Tensor,
-    micro_batch_size: int,
+    micro_batch_size: int, anchor_weight: float = 0.0,
 ) -> dict[str, Any]:
-    """One optimizer step of Cooper's pairwise loss.
+    """One optimizer step of Cooper's pairwise loss (:func:`cooper_mcore.algo.rm_pair_losses`).
 
-    ``loss = sum_{valid i} -log sigmoid(s(chosen_i) - s(rejected_i)) / n_valid`` over the valid
-    pairs of all data-parallel ranks. Only valid rows are run through the model; invalid rows may
+    ``loss = sum_{valid i} [-log sigmoid(s(chosen_i) - s(rejected_i)) + anchor_weight * anchor_i] / n_valid``
+    over the valid pairs of all data-parallel ranks, where ``anchor_i`` is the mean BCE of the pair's
+    two rows against their own labels (chosen 1, rejected 0; ``anchor_weight=0`` is the paper's loss).
+    megatron divides by the integer global count; the reference code's ``n_valid + 1e-6`` differs by
+    a factor ``1 - 1e-6 / n_valid``. Only valid rows are run through the model; invalid rows may
     hold anything of the right shape. With no valid pair anywhere the step is skipped (see the
     module docstring): no weight or optimizer-state change.
 
@@ -426,14 +399,16 @@ def pairwise_train_step(
         rejected: the rejected completions, aligned with ``chosen``.
         valid_mask: ``[b]`` bool, the pairs to train on.
         micro_batch_size: pairs per micro-batch (each micro-batch forwards ``2 * micro_batch_size`` rows).
+        anchor_weight: weight of the calibration anchor (0: the paper's loss).
 
     Returns:
-        Global metrics, the same on every rank: ``loss`` (before the step), ``pair_acc`` (share of
-        valid pairs with ``s(chosen) > s(rejected)``), ``num_valid``, ``mean_chosen``,
-        ``mean_rejected``, ``grad_norm``, ``skipped`` and ``nonfinite`` (the update was skipped
-        because the loss or the gradient norm was not finite; ``grad_norm`` is then NaN). Without
-        valid pairs: ``loss`` 0.0, the others NaN / None, ``num_valid`` 0, ``skipped`` True,
-        ``nonfinite`` False.
+        Global metrics, the same on every rank: ``loss`` (before the step), ``pairwise_loss`` and
+        ``anchor_loss`` (its two terms, the anchor unweighted), ``pair_acc`` (share of valid pairs with
+        ``s(chosen) > s(rejected)``), ``threshold_acc`` (share of the pairs' rows on the right side of
+        logit 0), ``num_valid``, ``mean_chosen``, ``mean_rejected``, ``grad_norm``, ``skipped`` and
+        ``nonfinite`` (the update was skipped because the loss or the gradient norm was not finite;
+        ``grad_norm`` is then NaN). Without valid pairs: ``loss`` 0.0, the others NaN / None,
+        ``num_valid`` 0, ``skipped`` True, ``nonfinite`` False.
     """
     chosen, rejected = _as_batch(chosen, "chosen"), _as_batch(rejected, "rejected")
     b = len(chosen)
@@ -450,8 +425,9 @@ def pairwise_train_step(
     if n_global == 0:
         logger.info("pairwise_train_step: no valid pair on any rank; step skipped")
         nan = float("nan")
-        return {"loss": 0.0, "pair_acc": nan, "num_valid": 0, "mean_chosen": nan, "mean_rejected": nan,
-                "grad_norm": None, "skipped": True, "nonfinite": False}
+        return {"loss": 0.0, "pairwise_loss": 0.0, "anchor_loss": 0.0, "pair_acc": nan, "threshold_acc": nan,
+                "num_valid": 0, "mean_chosen": nan, "mean_rejected": nan, "grad_norm": None, "skipped": True,
+                "nonfinite": False}
     index, weight = _fill_rows(b, micro_batch_size, valid)
     mult = _seq_multiple(ddp)
     s = -(-max(chosen.input_ids.shape[1], rejected.input_ids.shape[1]) // mult) * mult
@@ -470,25 +446,23 @@ def pairwise_train_step(
 
         def loss_fn(scores):
             scores = scores.float()
-            pos, neg = scores[:m], scores[m:]
-            w = mb["weight"]
-            loss_sum = (-F.logsigmoid(pos - neg) * w).sum()
-            count = w.sum().to(torch.int)
-            with torch.no_grad():
-                metrics = {"loss": loss_sum.detach(), "correct": ((pos > neg).float() * w).sum(),
-                           "count": w.sum(), "chosen": (pos * w).sum(), "rejected": (neg * w).sum()}
-            return loss_sum, count, metrics
+            per_pair, sums = rm_pair_losses(scores[:m], scores[m:], mb["weight"] > 0, anchor_weight)
+            loss_sum = per_pair.sum()
+            metrics = {"loss": loss_sum.detach(), "correct": sums["correct_sum"], "count": sums["num_valid"],
+                       "chosen": sums["chosen_sum"], "rejected": sums["rejected_sum"],
+                       "pairwise": sums["pairwise_sum"], "anchor": sums["anchor_sum"],
+                       "threshold_correct": sums["threshold_correct_sum"]}
+            return loss_sum, sums["num_valid"].to(torch.int), metrics
 
         return out, loss_fn
 
-    metrics, grad_norm = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, 2 * m)
-    sums = _global_sums(ddp, metrics, ("loss", "correct", "count", "chosen", "rejected"))
+    result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, 2 * m)
+    sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "chosen", "rejected", "pairwise", "anchor",
+                                              "threshold_correct"))
     n = sums["count"]
     assert int(n) == n_global, (n, n_global)
     return {"loss": sums["loss"] / n, "pair_acc": sums["correct"] / n, "num_valid": int(n),
             "mean_chosen": sums["chosen"] / n, "mean_rejected": sums["rejected"] / n,
-            "grad_norm": _float(grad_norm), "skipped": False, "nonfinite": math.isnan(grad_norm)}
-
-
-def _float(x: Any) -> Optional[float]:
-    return None if x is None else float(x)
+            "pairwise_loss": sums["pairwise"] / n, "anchor_loss": sums["anchor"] / n,
+            "threshold_acc": sums["threshold_correct"] / (2 * n),
+            "grad_norm": result.grad_norm, "skipped": False, "nonfinite": not result.updated}

@@ -1,0 +1,146 @@
+"""Token batches of ``prompt + response`` sequences and their per-token log-probabilities.
+
+Sequences are right-padded. Everything is aligned to labels: position ``t`` holds the
+log-probability of token ``t + 1``, and the loss mask is 1 where token ``t + 1`` belongs to the
+response. Log-probabilities come from megatron's vocab-parallel cross entropy, so they are exact
+at any TP size without gathering the vocabulary. Used by the GRPO update (RL) and by SFT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from cooper_mcore.mcore.collectives import all_reduce, broadcast_from_last_stage
+from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.parallel import device
+
+
+@dataclass
+class TokenBatch:
+    """Sequences for the policy.
+
+    Attributes:
+        input_ids: ``[n, s]`` prompt + response, right-padded.
+        loss_mask: ``[n, s]`` 1 where the label (token ``t + 1``) is a response token.
+        advantages: ``[n]`` one per sequence.
+        old_logp / ref_logp: ``[n, s]`` label-aligned log-probabilities (filled by the trainer).
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: Optional[torch.Tensor] = None
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """``[n, s]`` the next token of every position (the last column repeats the last token)."""
+        return torch.cat([self.input_ids[:, 1:], self.input_ids[:, -1:]], dim=1)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, start: int, end: int) -> TokenBatch:
+        """Rows ``start:end``."""
+        def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t[start:end]
+
+        return TokenBatch(self.input_ids[start:end], self.loss_mask[start:end], cut(self.advantages),
+                          cut(self.old_logp), cut(self.ref_logp))
+
+    def to(self, dev: torch.device) -> TokenBatch:
+        """A copy with every tensor on ``dev``."""
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(dev)
+
+        return TokenBatch(self.input_ids.to(dev), self.loss_mask.to(dev), move(self.advantages),
+                          move(self.old_logp), move(self.ref_logp))
+
+    def micro_batches(self, size: int) -> list[TokenBatch]:
+        """Consecutive micro-batches of ``size`` rows, on this rank's device."""
+        dev = device()
+        return [self.slice(i, i + size).to(dev) for i in range(0, len(self), size)]
+
+
+def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                      pad_to_multiple: int = 8) -> TokenBatch:
+    """Right-pad ``prompt + response`` sequences into a :class:`TokenBatch`.
+
+    Raises:
+        ValueError: no sequences, or a sequence with an empty prompt.
+    """
+    if not prompts or len(prompts) != len(responses):
+        raise ValueError(f"build_token_batch: {len(prompts)} prompts and {len(responses)} responses")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("build_token_batch: a prompt has no tokens")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    width = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        mask[i, len(p) - 1:len(p) + len(r) - 1] = 1.0  # labels p..p+r-1 are the response
+    return TokenBatch(ids, mask)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of ``labels`` under vocab-parallel ``logits`` ``[b, s, v/tp]`` (float32).
+
+    megatron's vocab-parallel cross entropy works in place on its input; it gets an fp32 copy, so
+    ``logits`` stays valid for other terms (the entropy) whatever its dtype (``.float()`` of an fp32
+    tensor would be the tensor itself).
+    """
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True), labels)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy per position of vocab-parallel logits ``[b, s, v/tp]``, differentiable.
+
+    ``H = log Z + m - S / Z`` with ``Z = sum_v exp(l_v - m)`` and ``S = sum_v exp(l_v - m) l_v``
+    summed over the whole vocabulary (all-reduced over the tensor-parallel group; the backward of
+    the sum hands each rank the gradient of its own part). ``m`` is the global max, held constant
+    (it cancels).
+    """
+    logits = logits.float()
+    m = logits.detach().max(dim=-1).values
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    m = all_reduce(m, dist.ReduceOp.MAX, tp_group)
+    e = torch.exp(logits - m.unsqueeze(-1))
+    z = tensor_parallel.reduce_from_tensor_model_parallel_region(e.sum(-1), group=tp_group)
+    s = tensor_parallel.reduce_from_tensor_model_parallel_region((e * logits).sum(-1), group=tp_group)
+    return torch.log(z) + m - s / z
+
+
+@torch.no_grad()
+def compute_logprobs(model: torch.nn.Module, batch: TokenBatch, micro_batch_size: int) -> torch.Tensor:
+    """Label-aligned log-probabilities ``[n, s]`` (forward only), on every rank of the model.
+
+    Collective over the model's TP and PP groups: the last pipeline stage computes them and
+    broadcasts them to the other stages. Returned on the host.
+    """
+    model.eval()
+    mbs = batch.micro_batches(micro_batch_size)
+
+    def step(data_iterator, m):
+        mb = next(data_iterator)
+        logits = m(mb.input_ids, position_ids_for(mb.input_ids), None)
+
+        def collect(output):
+            return torch.zeros((), device=output.device), {"logp": token_logprobs(output, mb.labels)}
+
+        return logits, collect
+
+    results = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
+        seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size, forward_only=True)
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    if results:
+        out = torch.cat([r["logp"] for r in results], dim=0).float()
+    return broadcast_from_last_stage(out).cpu()

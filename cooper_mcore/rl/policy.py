@@ -1,0 +1,111 @@
+"""The GRPO update of the policy: the clipped surrogate, the KL to the frozen reference and the
+entropy bonus, as a token mean over the whole mini-batch.
+
+The per-token terms are the pure functions of :mod:`cooper_mcore.algo` (``policy_loss``,
+``kl_penalty``). The update uses megatron-core's per-token loss mode: each micro-batch returns
+the *sum* of its masked token losses and its token count, and megatron divides the gradients by
+the total count over all micro-batches and data-parallel ranks. The loss is therefore the token
+mean over the whole mini-batch (the paper's ``token-mean`` aggregation), and splitting it into
+1x8 or 8x1 micro-batches gives the same gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import MegatronOptimizer
+
+from cooper_mcore.algo import kl_penalty, masked_sum, policy_loss
+from cooper_mcore.mcore.collectives import broadcast_from_last_stage
+from cooper_mcore.mcore.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
+from cooper_mcore.mcore.training import train_step
+from cooper_mcore.models.forward import position_ids_for
+
+METRIC_KEYS = ("loss", "kl", "ratio/mean", "clip_frac", "entropy")
+
+
+@dataclass
+class GRPOLoss:
+    """The loss settings of one update.
+
+    Attributes:
+        clip_low / clip_high: the ratio's clip range ``[1 - clip_low, 1 + clip_high]``.
+        kl_coef: weight of the per-token KL to the reference (0: no KL term).
+        kl_kind: KL estimator (:func:`cooper_mcore.algo.kl_penalty`).
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_kind: str = "low_var_kl"
+    entropy_coef: float = 0.0
+
+
+def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
+                    loss: GRPOLoss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GRPO loss ``[b, s]`` of one micro-batch (0 outside the response) and detached
+    per-token terms for the metrics."""
+    logp = token_logprobs(logits, mb.labels)
+    tok, _ = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask,
+                         clip_low=loss.clip_low, clip_high=loss.clip_high)
+    kl = kl_penalty(logp, mb.ref_logp, loss.kl_kind) if loss.kl_coef else torch.zeros_like(logp)
+    ent = vocab_parallel_entropy(logits) if loss.entropy_coef else None
+    total = tok + loss.kl_coef * kl
+    if ent is not None:
+        total = total - loss.entropy_coef * ent
+    with torch.no_grad():
+        ratio = torch.exp(logp - mb.old_logp)
+        adv = mb.advantages[:, None].expand_as(logp)
+        clipped = ((ratio < 1 - loss.clip_low) & (adv < 0)) | ((ratio > 1 + loss.clip_high) & (adv > 0))
+        terms = {"loss": total.detach(), "kl": kl.detach(), "ratio/mean": ratio, "clip_frac": clipped.float(),
+                 "entropy": (ent if ent is not None else vocab_parallel_entropy(logits)).detach()}
+    return total, terms
+
+
+def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, batch: TokenBatch,
+                  micro_batch_size: int, loss: GRPOLoss) -> dict[str, float]:
+    """One optimizer step of GRPO on ``batch`` (token-mean loss over the whole batch).
+
+    Requires ``calculate_per_token_loss`` (``wrap_for_training(..., per_token_loss=True)``).
+
+    Returns:
+        Metrics (means over this rank's response tokens): ``loss``, ``kl``, ``ratio/mean``,
+        ``clip_frac``, ``entropy``, ``grad_norm``, and ``nonfinite``: 1.0 when the update was
+        skipped because the loss or the gradient norm was not finite (``grad_norm`` is then NaN;
+        see :func:`~cooper_mcore.mcore.training.guarded_step`), else 0.0.
+
+    Raises:
+        ValueError: ``kl_coef > 0`` without reference log-probabilities.
+    """
+    assert ddp.config.calculate_per_token_loss, "wrap the policy with per-token loss"
+    assert batch.advantages is not None and batch.old_logp is not None
+    if loss.kl_coef and batch.ref_logp is None:
+        raise ValueError("kl_coef > 0 needs reference log-probabilities")
+
+    def step(data_iterator, model):
+        mb = next(data_iterator)
+        logits = model(mb.input_ids, position_ids_for(mb.input_ids), None)
+
+        def loss_fn(output):
+            total, terms = grpo_token_loss(output, mb, loss)
+            n = mb.loss_mask.sum()
+            sums = {k: masked_sum(v, mb.loss_mask).detach() for k, v in terms.items()}
+            sums["tokens"] = n.detach()
+            return masked_sum(total, mb.loss_mask), n.int(), sums
+
+        return logits, loss_fn
+
+    mbs = batch.micro_batches(micro_batch_size)
+    result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), batch.input_ids.shape[1], micro_batch_size)
+    values = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+    if result.metrics:  # the last pipeline stage
+        tokens = float(sum(r["tokens"] for r in result.metrics))
+        values = torch.tensor([float(sum(r[k] for r in result.metrics)) / max(tokens, 1.0) for k in METRIC_KEYS],
+                              dtype=torch.float64)
+    values = broadcast_from_last_stage(values)  # every stage reports the same metrics
+    metrics = {"grad_norm": result.grad_norm, "nonfinite": 0.0 if result.updated else 1.0}
+    metrics.update({k: float(v) for k, v in zip(METRIC_KEYS, values.tolist())})
+    return metrics

@@ -1,0 +1,73 @@
+"""Cooper's reward-model update: per prompt a verified-correct positive against a verified-wrong
+negative, trained with the pairwise loss ``-logsigmoid(s_pos - s_neg)``; prompts without a valid
+pair are masked out.
+
+Pairs are built on each model-parallel group's leader (where the verifier and the assistant
+client live; positives and the policy-rollout negatives are picked by
+:mod:`cooper_mcore.algo.pairs` from the rule verdicts and the pre-update RM scores), broadcast to
+the group, tokenised as the reward model reads them and trained with
+:func:`cooper_mcore.mcore.reward_model.pairwise_train_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from cooper_mcore.config import CooperConfig, RMUpdateConfig
+from cooper_mcore.mcore.collectives import broadcast_object_in_model_parallel_group, is_group_leader
+from cooper_mcore.mcore.model_state import ModelState
+from cooper_mcore.mcore.reward_model import pairwise_train_step
+from cooper_mcore.reward.negatives import build_pairs, check_negative_failures, make_negative_generator, pair_stats
+from cooper_mcore.reward.protocols import BatchVerifier, ChatBatchClient
+from cooper_mcore.rl.rewards import rm_batch, rm_texts
+from cooper_mcore.types import PreferencePair, RolloutGroup
+
+
+def make_pairs(groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: RMUpdateConfig,
+               verifier: Optional[BatchVerifier], assistant: Optional[ChatBatchClient],
+               seed: int) -> list[PreferencePair]:
+    """This step's preference pairs, the same on every rank of the model-parallel group."""
+    pairs = None
+    if is_group_leader():
+        negatives = make_negative_generator(cfg.negatives, verifier, client=assistant, seed=seed,
+                                            negative_pick=cfg.negative_pick, assistant_rounds=cfg.assistant_rounds,
+                                            assistant_prompt=cfg.assistant_prompt,
+                                            rewrite_kinds=tuple(cfg.rewrite_kinds))
+        pairs = build_pairs(groups, negatives, logits, pairs_per_prompt=cfg.pairs_per_prompt,
+                            positive_pick=cfg.positive_pick, seed=seed)
+    return broadcast_object_in_model_parallel_group(pairs)
+
+
+def train_on_pairs(rm: ModelState, pairs: Sequence[PreferencePair], cfg: CooperConfig) -> dict[str, float]:
+    """One pairwise optimizer step of the reward model on ``pairs`` (masked where invalid)."""
+    chosen = rm_batch(rm, rm_texts(cfg, [(p.prompt, p.chosen or "") for p in pairs]))
+    rejected = rm_batch(rm, rm_texts(cfg, [(p.prompt, p.rejected or "") for p in pairs]))
+    valid = torch.tensor([p.valid for p in pairs], dtype=torch.bool)
+    m = pairwise_train_step(rm.ddp, rm.optimizer, chosen, rejected, valid, cfg.train.micro_batch_size,
+                            anchor_weight=cfg.rm.anchor_weight)
+    if not m["nonfinite"]:  # as megatron: a skipped non-finite update does not advance the schedule
+        rm.scheduler.step(1)
+    return {"rm/loss": m["loss"], "rm/pairwise_loss": m["pairwise_loss"], "rm/anchor_loss": m["anchor_loss"],
+            "rm/pair_acc": m["pair_acc"], "rm/threshold_acc": m["threshold_acc"],
+            "rm/nonfinite": float(m["nonfinite"])}
+
+
+def update_reward_model(rm: ModelState, groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: CooperConfig,
+                        verifier: Optional[BatchVerifier], assistant: Optional[ChatBatchClient],
+                        seed: int) -> dict[str, float]:
+    """Build this step's pairs and train the reward model on them; returns the step's RM metrics.
+
+    Raises:
+        cooper_mcore.reward.negatives.AssistantUnavailable: an assistant request failed after its
+            retries and ``rm.on_assistant_failure`` is ``stop``.
+    """
+    pairs = make_pairs(groups, logits, cfg.rm, verifier, assistant, seed)
+    failed = check_negative_failures(pairs, cfg.rm.on_assistant_failure, cfg.rm.assistant_url)
+    metrics = train_on_pairs(rm, pairs, cfg)
+    stats = pair_stats(pairs)
+    metrics.update({"pairs/valid": float(stats["valid"]), "pairs/no_positive": float(stats["no_positive"]),
+                    "pairs/no_negative": float(stats["no_negative"]), "pairs/assistant_failed": float(failed)})
+    return metrics

@@ -1,0 +1,180 @@
+"""Build everything a Cooper run needs from its config: the distributed world, the policy and its
+frozen reference, the reward model, optimizers and schedules, the rollout engine and its
+colocation with the models, the rule verifier, the assistant client and the data.
+
+Validation happens before any heavy work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from cooper_mcore.config import CooperConfig, OptimSection, validate
+from cooper_mcore.convert.checkpoint import read_meta
+from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.data.datasets import read_prompts
+from cooper_mcore.data.iterator import PromptIterator
+from cooper_mcore.data.templates import template_prompts
+from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.mcore.collectives import is_group_leader
+from cooper_mcore.mcore.model_state import ModelState
+from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
+from cooper_mcore.mcore.reward_model import load_rm_tokenizer
+from cooper_mcore.mcore.training import OptimConfig, build_scheduler, wrap_for_training
+from cooper_mcore.parallel import init_distributed
+from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.reward.verifier import RuleVerifier
+from cooper_mcore.rl.colocate import Colocation
+from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
+from cooper_mcore.rollout.hf_engine import HFEngine
+from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
+from cooper_mcore.types import Prompt
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Run:
+    """Everything a Cooper step needs, built once by :func:`build_run`.
+
+    Attributes:
+        cfg: the run's config.
+        policy: the policy, trained.
+        rm: the reward model (trained in cooper mode, frozen in static_rm mode; None in rule mode).
+        reference: the frozen KL reference, swapped into the policy's parameters on demand
+            (None when ``algo.kl_coef`` is 0).
+        colocation: the rollout engine and the order in which it shares the GPUs with the models.
+        verifier: the rule verifier (on model-parallel group leaders; None elsewhere).
+        assistant: the assistant LLM's client (leaders, cooper mode with assistant negatives).
+        data: this data-parallel rank's prompt stream.
+        eval_prompts: the held-out prompts (all of them; evaluation splits them across replicas).
+        step: steps finished.
+    """
+
+    cfg: CooperConfig
+    policy: ModelState
+    rm: Optional[ModelState]
+    reference: Optional[ReferenceSwap]
+    colocation: Colocation
+    verifier: Optional[RuleVerifier]
+    assistant: Optional[OpenAIChatClient]
+    data: PromptIterator
+    eval_prompts: list[Prompt] = field(default_factory=list)
+    step: int = 0
+
+    @property
+    def trained_models(self) -> list[ModelState]:
+        """The models a training checkpoint holds (with their optimizers)."""
+        return [m for m in (self.policy, self.rm) if m is not None and m.trains]
+
+    def sampling(self, seed: int) -> SamplingParams:
+        """Rollout sampling with ``seed``."""
+        ro = self.cfg.rollout
+        return SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                              stop=list(ro.stop), seed=seed)
+
+    def eval_sampling(self) -> SamplingParams:
+        """Held-out sampling (temperature 0.7, top-p 0.95 by default, as the paper)."""
+        e = self.cfg.eval
+        return SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                              stop=list(self.cfg.rollout.stop), seed=self.cfg.train.seed)
+
+
+def _optim(o: OptimSection) -> OptimConfig:
+    return OptimConfig(lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad)
+
+
+def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Optional[OptimSection],
+               schedule_steps: int) -> ModelState:
+    """Load a model checkpoint at the run's layout; wrap it for training when ``optim`` is given."""
+    module, arch = load_checkpoint_model(ckpt, cfg.parallel)
+    _, hf_config, dtype = read_meta(ckpt)
+    if dtype != DTYPES[cfg.model.dtype]:
+        raise ValueError(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype}; convert the checkpoint "
+                         "in the dtype you train in")
+    ddp = optimizer = scheduler = None
+    if optim is not None:
+        ddp, optimizer = wrap_for_training(module, _optim(optim), per_token_loss=True)
+        scheduler = build_scheduler(optimizer, optim.lr, optim.warmup_steps, schedule_steps, optim.weight_decay)
+    offloader = ModelOffloader(ddp if ddp is not None else module, optimizer)
+    return ModelState(name=name, module=module, arch=arch, hf_config=hf_config, dtype=dtype, source_ckpt=ckpt,
+                      tokenizer=tokenizer, offloader=offloader, ddp=ddp, optimizer=optimizer, scheduler=scheduler)
+
+
+def build_engine(cfg: CooperConfig) -> RolloutEngine:
+    """This model-parallel group's rollout engine, started from the policy's HF folder."""
+    if cfg.rollout.engine == "sglang":
+        # One engine per model-parallel group, on this group leader's GPU and the next tp-1 (its TP
+        # group's GPUs on this node); without base_gpu_id every engine of a node would start on GPU 0.
+        return SGLangEngine.offline(SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp,
+                                                 dtype=cfg.model.dtype,
+                                                 mem_fraction_static=cfg.rollout.sglang_mem_fraction,
+                                                 base_gpu_id=torch.cuda.current_device(),
+                                                 trust_remote_code=cfg.model.trust_remote_code))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return HFEngine.from_pretrained(cfg.model.policy_hf, dtype=DTYPES[cfg.model.dtype], device=device,
+                                    trust_remote_code=cfg.model.trust_remote_code)
+
+
+def read_data(cfg: CooperConfig, tokenizer) -> tuple[PromptIterator, list[Prompt]]:
+    """This data-parallel rank's training prompt stream and the held-out prompts, templated."""
+    d = cfg.data
+    prompts, skipped = read_prompts(d.train_path, question_key=d.question_key, answer_key=d.answer_key,
+                                    skip_malformed=d.skip_malformed)
+    template_prompts(prompts, d.template, tokenizer, d.use_chat_template, tokenize=True)
+    data = PromptIterator(prompts, cfg.train.prompts_per_step, dp_rank=parallel_state.get_data_parallel_rank(),
+                          dp_size=parallel_state.get_data_parallel_world_size(), seed=cfg.train.seed)
+    eval_prompts: list[Prompt] = []
+    if cfg.eval.every:
+        eval_prompts, _ = read_prompts(d.eval_path, question_key=d.question_key, answer_key=d.answer_key,
+                                       skip_malformed=d.skip_malformed)
+        if d.eval_limit:
+            eval_prompts = eval_prompts[:d.eval_limit]
+        template_prompts(eval_prompts, d.template, tokenizer, d.use_chat_template, tokenize=True)
+    if dist.get_rank() == 0:
+        logger.info("run: %d train prompts (%d skipped), %d eval prompts, reward mode %s, world %d",
+                    len(prompts), skipped, len(eval_prompts), cfg.reward.mode.value, dist.get_world_size())
+    return data, eval_prompts
+
+
+def build_run(cfg: CooperConfig) -> Run:
+    """Initialise the distributed world and build the run (collective)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world)  # before anything is loaded or any process group is made
+    init_distributed(cfg.parallel, seed=cfg.train.seed)
+    if dist.get_world_size() != world:  # a launcher without WORLD_SIZE: check the real layout
+        validate(cfg, dist.get_world_size())
+    mode = cfg.reward.mode
+
+    tokenizer = load_tokenizer(cfg.model.policy_hf, trust_remote_code=cfg.model.trust_remote_code)
+    policy = load_model("policy", cfg.model.policy_ckpt, cfg, tokenizer, cfg.optim,
+                        cfg.train.steps * cfg.train.mini_batches)
+    reference = ReferenceSwap(policy.module) if cfg.algo.kl_coef else None
+    rm = None
+    if mode.uses_rm:
+        has_tokenizer = os.path.isdir(os.path.join(cfg.model.rm_ckpt, "hf_extra"))
+        rm_tokenizer = (load_rm_tokenizer(cfg.model.rm_ckpt, trust_remote_code=cfg.model.trust_remote_code)
+                        if has_tokenizer else tokenizer)
+        rm = load_model("rm", cfg.model.rm_ckpt, cfg, rm_tokenizer, cfg.rm.optim if mode.trains_rm else None,
+                        cfg.train.steps)
+
+    engine = verifier = assistant = None
+    if is_group_leader():
+        engine = build_engine(cfg)
+        verifier = RuleVerifier(timeout_s=cfg.reward.verifier_timeout_s, num_workers=cfg.reward.verifier_workers)
+        if mode.trains_rm and cfg.rm.negatives == "assistant":
+            assistant = OpenAIChatClient(cfg.rm.assistant_url, cfg.rm.assistant_model, api_key_env=cfg.rm.api_key_env,
+                                         timeout_s=cfg.rm.assistant_timeout_s,
+                                         max_retries=cfg.rm.assistant_max_retries)
+    colocation = Colocation(engine, policy, rm, cfg.offload, bucket_bytes=cfg.rollout.bucket_mb * 2**20)
+    data, eval_prompts = read_data(cfg, tokenizer)
+    return Run(cfg=cfg, policy=policy, rm=rm, reference=reference, colocation=colocation, verifier=verifier,
+               assistant=assistant, data=data, eval_prompts=eval_prompts)

@@ -1,0 +1,111 @@
+"""One Cooper step, top to bottom.
+
+rollouts (G per prompt, verified by the rule) -> rewards (the RM's, or the rule's) -> group
+advantages -> old and reference log-probabilities -> GRPO update of the policy -> the reward
+model's pairwise update on this step's pairs (cooper mode) -> metrics.
+
+As in the reference implementation, the policy step of step t uses the RM before its step-t
+update. The new policy weights reach the engine at the start of the next generation
+(:mod:`cooper_mcore.rl.colocate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from cooper_mcore.algo import group_advantages, reward_from_logits
+from cooper_mcore.data.tokenizer import pad_id_of
+from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
+from cooper_mcore.metrics import PhaseTimer
+from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.rl.rewards import rollout_logits, rule_verdicts
+from cooper_mcore.rl.rm_update import update_reward_model
+from cooper_mcore.rl.rollouts import generate_groups
+from cooper_mcore.rl.setup import Run
+from cooper_mcore.types import Prompt, RolloutGroup
+
+
+def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> dict[str, float]:
+    """One Cooper step on this data-parallel rank's prompts; returns its metrics (this rank's)."""
+    cfg = run.cfg
+    seed = cfg.train.seed * 100003 + run.step * 1009 + dist.get_rank()
+    with run.colocation.generating(version=run.step, timer=timer) as engine:
+        with timer.phase("rollout"):
+            groups = generate_groups(engine, run.verifier, prompts, cfg.rollout.group_size, run.sampling(seed),
+                                     run.step)
+    with timer.phase("rm_score"):
+        logits = rollout_logits(run.rm, groups, cfg) if run.rm is not None else None
+    rewards = reward_from_logits(logits, cfg.reward.rm_transform) if logits is not None else rule_verdicts(groups)
+    advantages = group_advantages(rewards, eps=cfg.algo.adv_eps, std_floor=cfg.algo.adv_std_floor)
+    batch = policy_batch(run, groups, advantages)
+    with timer.phase("logprobs"):
+        fill_logprobs(run, batch)
+    with timer.phase("policy_update"):
+        metrics = update_policy(run, batch)
+    if cfg.reward.mode.trains_rm:
+        with timer.phase("rm_update"):
+            rm_metrics = update_reward_model(run.rm, groups, logits, cfg, run.verifier, run.assistant,
+                                             seed=cfg.train.seed + run.step)
+        metrics["skipped/nonfinite"] += rm_metrics.pop("rm/nonfinite")
+        metrics.update(rm_metrics)
+    metrics.update(rollout_metrics(groups, rewards, run))
+    return metrics
+
+
+def policy_batch(run: Run, groups: Sequence[RolloutGroup], advantages: torch.Tensor) -> TokenBatch:
+    """The step's ``prompt + response`` sequences with their advantages."""
+    batch = build_token_batch([g.prompt.token_ids for g in groups for _ in g.samples],
+                              [s.token_ids for g in groups for s in g.samples], pad_id_of(run.policy.tokenizer))
+    batch.advantages = advantages.flatten()
+    return batch
+
+
+def fill_logprobs(run: Run, batch: TokenBatch) -> None:
+    """The old policy's log-probabilities, and the reference's when the KL term is on."""
+    mbs = run.cfg.train.micro_batch_size
+    batch.old_logp = compute_logprobs(run.policy.module, batch, mbs)
+    if run.reference is not None:
+        with run.reference.swapped():
+            batch.ref_logp = compute_logprobs(run.policy.module, batch, mbs)
+
+
+def update_policy(run: Run, batch: TokenBatch) -> dict[str, float]:
+    """``train.mini_batches`` GRPO updates on consecutive slices of the batch; mean metrics and the
+    number of skipped (non-finite) updates."""
+    cfg, policy = run.cfg, run.policy
+    loss = GRPOLoss(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, kl_coef=cfg.algo.kl_coef,
+                    kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef)
+    per_mini = len(batch) // cfg.train.mini_batches
+    updates = []
+    for i in range(cfg.train.mini_batches):
+        u = policy_update(policy.ddp, policy.optimizer, batch.slice(i * per_mini, (i + 1) * per_mini),
+                          cfg.train.micro_batch_size, loss)
+        if not u["nonfinite"]:  # as megatron: a skipped update does not advance the schedule
+            policy.scheduler.step(1)
+        updates.append(u)
+    metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "nonfinite"}
+    metrics["skipped/nonfinite"] = float(sum(u["nonfinite"] for u in updates))
+    metrics["lr"] = float(policy.optimizer.param_groups[0]["lr"])
+    return metrics
+
+
+def rollout_metrics(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Run) -> dict[str, float]:
+    """Reward, rule accuracy, their gap, lengths and (RM modes) the reward of right and wrong rollouts."""
+    samples = [s for g in groups for s in g.samples]
+    flat = rewards.flatten().tolist()
+    rule = rule_verdicts(groups).flatten()
+    m = {"reward/mean": float(rewards.mean()), "rule/acc": float(rule.mean()),
+         "reward_rule_gap": float(rewards.mean() - rule.mean()),
+         "response/length": sum(len(s.token_ids) for s in samples) / len(samples),
+         "rule/unverifiable": sum(s.rule_correct is None for s in samples) / len(samples)}
+    if run.rm is not None:
+        m["rm/reward_correct"] = _mean([r for r, s in zip(flat, samples) if s.rule_correct])
+        m["rm/reward_wrong"] = _mean([r for r, s in zip(flat, samples) if not s.rule_correct])
+    return m
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
