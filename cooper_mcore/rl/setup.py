@@ -23,7 +23,7 @@ from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
-from cooper_mcore.mcore.collectives import is_group_leader
+from cooper_mcore.mcore.collectives import any_rank, is_group_leader
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
 from cooper_mcore.mcore.reward_model import load_rm_tokenizer
@@ -104,7 +104,8 @@ def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Option
     if optim is not None:
         ddp, optimizer = wrap_for_training(module, _optim(optim), per_token_loss=True)
         scheduler = build_scheduler(optimizer, optim.lr, optim.warmup_steps, schedule_steps, optim.weight_decay)
-    offloader = ModelOffloader(ddp if ddp is not None else module, optimizer)
+    # gradients are not copied out and back: every update zeroes them first (issue 12.9)
+    offloader = ModelOffloader(ddp if ddp is not None else module, optimizer, discard_grads=True)
     return ModelState(name=name, module=module, arch=arch, hf_config=hf_config, dtype=dtype, source_ckpt=ckpt,
                       tokenizer=tokenizer, offloader=offloader, ddp=ddp, optimizer=optimizer, scheduler=scheduler)
 
@@ -122,6 +123,31 @@ def build_engine(cfg: CooperConfig) -> RolloutEngine:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return HFEngine.from_pretrained(cfg.model.policy_hf, dtype=DTYPES[cfg.model.dtype], device=device,
                                     trust_remote_code=cfg.model.trust_remote_code)
+
+
+def connect_assistant(cfg: CooperConfig) -> Optional[OpenAIChatClient]:
+    """The assistant LLM's client on the model-parallel group leaders (cooper mode, assistant
+    negatives), after checking once that its endpoint answers and serves the model: a run whose
+    assistant is not there would otherwise train with every pair masked (collective).
+
+    Raises:
+        ValueError: the endpoint did not answer on some leader (the message names the URL).
+    """
+    if not (cfg.reward.mode.trains_rm and cfg.rm.negatives == "assistant"):
+        return None
+    client, problem = None, None
+    if is_group_leader():
+        client = OpenAIChatClient(cfg.rm.assistant_url, cfg.rm.assistant_model, api_key_env=cfg.rm.api_key_env,
+                                  timeout_s=cfg.rm.assistant_timeout_s, max_retries=cfg.rm.assistant_max_retries)
+        try:
+            client.check_ready(hint="start the assistant server first (examples/launch_multinode.sh starts a "
+                                    "colocated one) or point rm.assistant_url at one; rm.negatives=policy/rewrite/"
+                                    "perturb need no server")
+        except ValueError as e:
+            problem = str(e)
+    if any_rank(problem is not None):
+        raise ValueError(problem or "the assistant endpoint check failed on another rank (see its log)")
+    return client
 
 
 def read_data(cfg: CooperConfig, tokenizer) -> tuple[PromptIterator, list[Prompt]]:
@@ -166,14 +192,11 @@ def build_run(cfg: CooperConfig) -> Run:
         rm = load_model("rm", cfg.model.rm_ckpt, cfg, rm_tokenizer, cfg.rm.optim if mode.trains_rm else None,
                         cfg.train.steps)
 
-    engine = verifier = assistant = None
+    assistant = connect_assistant(cfg)
+    engine = verifier = None
     if is_group_leader():
         engine = build_engine(cfg)
         verifier = RuleVerifier(timeout_s=cfg.reward.verifier_timeout_s, num_workers=cfg.reward.verifier_workers)
-        if mode.trains_rm and cfg.rm.negatives == "assistant":
-            assistant = OpenAIChatClient(cfg.rm.assistant_url, cfg.rm.assistant_model, api_key_env=cfg.rm.api_key_env,
-                                         timeout_s=cfg.rm.assistant_timeout_s,
-                                         max_retries=cfg.rm.assistant_max_retries)
     colocation = Colocation(engine, policy, rm, cfg.offload, bucket_bytes=cfg.rollout.bucket_mb * 2**20)
     data, eval_prompts = read_data(cfg, tokenizer)
     return Run(cfg=cfg, policy=policy, rm=rm, reference=reference, colocation=colocation, verifier=verifier,

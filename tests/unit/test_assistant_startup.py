@@ -1,0 +1,48 @@
+"""A Cooper run with assistant negatives checks its assistant endpoint once, before step 1: a dead
+endpoint stops the run with one line naming the URL, before any checkpoint or metrics file is
+written (issue 15 item 2: the first SLURM example used to train with every pair masked)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from cooper_mcore.cli import main as cli_main
+from cooper_mcore.demo.assets import build_tiny_assets
+from tests.chat_server import ChatServer
+from tests.conftest import ROOT
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _args(assets, out, url):
+    return ["train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "--out", str(out),
+            f"model.policy_ckpt={assets['policy_ckpt']}", f"model.policy_hf={assets['policy_hf']}",
+            f"model.rm_ckpt={assets['rm_ckpt']}", f"data.train_path={assets['train']}",
+            f"data.eval_path={assets['eval']}", "logging.wandb=false", "rm.negatives=assistant",
+            f"rm.assistant_url={url}", "rm.assistant_model=tiny", "train.steps=1", "eval.every=0",
+            "checkpoint.every=0", "rollout.max_new_tokens=4"]
+
+
+def test_dead_assistant_stops_the_run_before_step_one(tmp_path, caplog):
+    assets = build_tiny_assets(str(tmp_path / "assets"), n_train=32, n_eval=4)
+    url = _closed_port_url()
+    with caplog.at_level(logging.ERROR):
+        rc = cli_main(_args(assets, tmp_path / "run", url))
+    assert rc == 2
+    assert url in caplog.text and "rm.assistant_url" in caplog.text and "Traceback" not in caplog.text
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_live_assistant_lets_the_run_start(tmp_path):
+    assets = build_tiny_assets(str(tmp_path / "assets"), n_train=32, n_eval=4)
+    server = ChatServer(canned="1+1=3 \\\\boxed{3}").start()
+    try:
+        assert cli_main(_args(assets, tmp_path / "run", server.url)) == 0
+    finally:
+        server.stop()
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
