@@ -1,12 +1,15 @@
 """Rollout engine on SGLang 0.5.23 (``docs/sglang.md``): offline ``sglang.Engine`` in this process
 (:meth:`SGLangEngine.offline`, colocated) or an HTTP server (:meth:`SGLangEngine.launch` /
-:meth:`SGLangEngine.connect`).
+:meth:`SGLangEngine.connect`), on CUDA or on SGLang's CPU backend (:meth:`SGLangConfig.cpu`).
 
 Weights travel in SGLang's ``flattened_bucket`` load format: a bucket becomes one ``uint8``
-buffer plus per-tensor metadata, pickled with torch's multiprocessing reductions (CUDA tensors go
-as CUDA-IPC handles, so the server must share the host and GPUs) and base64-encoded over HTTP,
-inside the ``begin_weight_update`` / ``end_weight_update`` session SGLang 0.5.23 requires.
-``sglang`` is imported lazily, only inside the functions that need it.
+buffer plus per-tensor metadata, pickled with shared tensors (CUDA tensors as CUDA-IPC handles,
+so the server must share the host and GPUs; CPU tensors as shared-memory file names), one
+payload per SGLang TP rank (possibly made by different trainer ranks), base64-encoded over HTTP,
+inside the ``begin_weight_update`` / ``end_weight_update`` session SGLang 0.5.23 requires. Each
+engine of a node gets its own ports from its local rank, and building ``sglang.Engine`` leaves
+the trainer's logging as it was. ``sglang`` is imported lazily, only inside the functions that
+need it.
 """
 
 from __future__ import annotations

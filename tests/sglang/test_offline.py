@@ -6,9 +6,9 @@ logging surviving the engine's construction.
 Tolerance: SGLang and Megatron both run the tiny model in fp32 with different kernels (SGLang's
 torch_native attention and its own RMSNorm/rotary code), so their log-probabilities differ by
 accumulated fp32 rounding: about 1e-6 per op for dot products of length <= 96, over 4 layers and
-a 128-way log-softmax, i.e. a few 1e-6 (measured: below 2e-6 with ATEN_CPU_CAPABILITY default,
-avx2 and avx512). ``TOL = 5e-5`` leaves margin for other CPUs; a wrong weight mapping, a broken
-tie or stale weights move them by 1e-2 or more.
+an 80-way log-softmax, about 1e-6 (measured: at most 8.8e-7 with ATEN_CPU_CAPABILITY=default and
+1.1e-6 with avx2; this machine has no AVX-512). ``TOL = 5e-5`` leaves margin for other CPUs; a
+wrong weight mapping, a broken tie or stale weights move them by 1e-2 or more.
 """
 
 from __future__ import annotations
