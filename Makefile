@@ -41,6 +41,7 @@ test: $(STAMP)
 # The real-SGLang tier (tests/sglang, docs/sglang.md): its own venv with sglang 0.5.23 and the
 # torch 2.14.1 it pins (~11 GB, a few minutes), kept apart from .venv; its pins replace
 # constraints-cpu.txt. SGLang runs there on its CPU backend with a test-only sgl_kernel stand-in.
+# As for .venv, pip's output is filtered and the import check below is what fails a bad install.
 SGL_VENV := .venv-sglang
 SGL_PY := $(SGL_VENV)/bin/python
 SGL_STAMP := $(SGL_VENV)/.installed
@@ -48,9 +49,9 @@ SGL_PIP := PIP_CONSTRAINT=$(CURDIR)/tests/sglang/constraints.txt $(SGL_PY) -m pi
 
 $(SGL_STAMP): setup.py tests/sglang/constraints.txt
 	$(PY) -m venv $(SGL_VENV)
-	$(SGL_PIP) --upgrade pip setuptools wheel
-	$(SGL_PIP) "sglang==0.5.23"
-	$(SGL_PIP) -e ".[dev]"
+	$(SGL_PIP) --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored" || true
+	$(SGL_PIP) "sglang==0.5.23" 2>&1 | grep -v "is ignored" || true
+	$(SGL_PIP) -e ".[dev]" 2>&1 | grep -v "is ignored" || true
 	$(SGL_PY) -c "import torch, sglang, megatron.core, transformers, cooper_mcore; assert torch.__version__.startswith('2.14.1'), torch.__version__"
 	touch $(SGL_STAMP)
 
