@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 PIP := $(VPY) -m pip install -q --progress-bar off
 
-.PHONY: venv demo test test-fast test-sglang lint bench clean
+.PHONY: venv demo test test-fast test-sglang gpu-check gpu-wheels lint bench clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,21 @@ $(SGL_STAMP): setup.py tests/sglang/constraints.txt
 
 test-sglang: $(SGL_STAMP)
 	$(SGL_PY) -m pytest -q -p no:cacheprovider -m sglang tests/sglang
+
+# The GPU checks (tools/gpu_check.py): on a GPU machine without network, with the image's python
+# (torch + transformers) and the wheels of GPU_WHEELS (made by `make gpu-wheels` where there is a
+# network) installed offline first. Writes runs/gpu_check/report.md; exits 1 without a GPU.
+GPU_WHEELS ?= wheels/gpu
+GPU_PKGS := megatron-core==0.16.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 omegaconf==2.4.0
+GPU_PYVER ?= 3.12
+
+gpu-check:
+	@if [ -d "$(GPU_WHEELS)" ]; then $(PY) -m pip install -q --no-index --no-deps --find-links $(GPU_WHEELS) $(GPU_PKGS); fi
+	$(PY) tools/gpu_check.py --out runs/gpu_check
+
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYVER) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d $(GPU_WHEELS) $(GPU_PKGS)
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not multiproc" tests

@@ -131,13 +131,14 @@ def run_variant(assets: str, shape: str, variant: str, steps: int, prompts: int,
     paths = make_assets(assets, shape)
     dtype = "float32" if shape == "tiny" else "bfloat16"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), [
+    overrides = [
         f"out={os.path.join(assets, 'run-' + variant)}", f"model.policy_ckpt={paths['policy_ckpt']}",
         f"model.policy_hf={paths['policy_hf']}", f"model.rm_ckpt={paths['rm_ckpt']}", f"model.dtype={dtype}",
         f"data.train_path={paths['train']}", f"data.eval_path={paths['eval']}", "eval.every=0",
         "checkpoint.every=0", "logging.wandb=false", "rm.negatives=perturb", "reward.mode=cooper",
         f"rollout.group_size={group}", f"rollout.max_new_tokens={max_new_tokens}", f"train.prompts_per_step={prompts}",
-        f"train.micro_batch_size={mbs}", "optim.lr=1e-6", "rm.optim.lr=1e-5", *VARIANTS[variant]])
+        f"train.micro_batch_size={mbs}", "optim.lr=1e-6", "rm.optim.lr=1e-5", *VARIANTS[variant]]
+    cfg = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), overrides)
     run = build_run(cfg)
     probe = PhaseProbe()
     for _ in range(steps):
@@ -147,7 +148,8 @@ def run_variant(assets: str, shape: str, variant: str, steps: int, prompts: int,
     if run.verifier is not None:
         run.verifier.close()
     at_rest = torch.cuda.memory_allocated() if torch.cuda.is_available() else psutil.Process().memory_info().rss
-    return {"times": times, "peaks": peaks, "at_rest": at_rest,
+    return {"times": times, "peaks": peaks, "at_rest": at_rest, "config_overrides": overrides,
+            "policy_config": os.path.join(paths["policy_hf"], "config.json"),
             "response_length": metrics["response/length"], "sequences": prompts * group}
 
 
@@ -160,6 +162,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="GPU 512, tiny 16")
     p.add_argument("--micro-batch", type=int, default=None, help="GPU 8, tiny 8")
     p.add_argument("--workdir", default=None, help="assets are kept here (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="also write every setting's times and peaks as JSON here")
     p.add_argument("--variant", choices=sorted(VARIANTS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -191,6 +194,11 @@ def main() -> None:
         with open(out) as f:
             results[variant] = json.load(f)
         results[variant]["wall"] = time.perf_counter() - t0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": shape, "prompts": prompts, "group": group, "max_new_tokens": new_tokens,
+                       "micro_batch": mbs, "overrides": {v: VARIANTS[v] for v in results}, "results": results},
+                      f, indent=2)
     gib = 2**30
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     mem = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "process RSS"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import time
 from collections.abc import Callable
@@ -165,6 +166,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=None, help="device bf16 peak for MFU")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
     p.add_argument("--skip", default="", help="comma-separated variants to skip (megatron-local,megatron-te,"
                                               "transformers)")
     args = p.parse_args()
@@ -215,6 +217,12 @@ def main() -> None:
         speed = f"{base / secs:.2f}x" if base else "n/a"
         mem_s = f"{mem:.2f}" if mem is not None else "n/a"
         print(f"| {name} | {secs * 1e3:.1f} | {tokens / secs:,.0f} | {mfu} | {mem_s} | {loss:.4f} | {speed} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "shape": shape_name, "seq": seq, "tokens_per_step": tokens,
+                       "rows": [{"variant": n, "ms_per_step": t * 1e3, "tokens_per_s": tokens / t,
+                                 "mfu": flops / t / (peak * 1e12) if peak else None, "peak_gib": m, "loss": lo}
+                                for n, t, lo, m in rows]}, f, indent=2)
     print(f"model FLOPs/token {model_flops_per_token(shape, seq) / 1e9:.2f} G; peak "
           f"{f'{peak:.0f} TFLOP/s' if peak else 'unknown (MFU n/a)'}")
 
