@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import warnings
 
@@ -31,8 +32,9 @@ from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.pipeline import describe
 from cooper_mcore.jobs.evaluate import evaluate_policy
 from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
+from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.parallel import ParallelConfig
-from cooper_mcore.plan import PlanOptions, plan
+from cooper_mcore.plan import AssistantSpec, PlanOptions, plan
 from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
 from cooper_mcore.redaction import install_log_filter
 from cooper_mcore.reward.annotate import annotate
@@ -119,9 +121,22 @@ def _demo(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     policy, rm, notes = load_shapes(cfg, args.policy_config, args.rm_config)
+    assistant: AssistantSpec | str = "none" if args.no_assistant else "auto"
+    if not args.no_assistant and (args.assistant_config or args.assistant_tp or args.assistant_mem_fraction):
+        path = args.assistant_config
+        arch = policy
+        if path:  # an HF config file, or the model folder that holds its config.json
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    arch = ArchSpec.from_hf_config(json.load(f))
+            else:
+                arch = ArchSpec.from_hf_config(load_hf_config(path))
+        assistant = AssistantSpec(arch, tp=args.assistant_tp or cfg.parallel.tp,
+                                  mem_fraction=args.assistant_mem_fraction)
     result = plan(cfg, policy, rm, PlanOptions(
         gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib, nodes=args.nodes,
-        prompt_tokens=args.prompt_tokens, overhead_gib=args.overhead_gib, recompute=args.recompute))
+        prompt_tokens=args.prompt_tokens, overhead_gib=args.overhead_gib, recompute=args.recompute,
+        assistant=assistant))
     if args.json:
         print(json.dumps(plan_to_dict(result, cfg, notes), indent=2), flush=True)
     else:
@@ -256,7 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--rm-config", default=None, help="the reward model's HF config.json (default: model.rm_ckpt)")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="the longest prompt in tokens")
     pl.add_argument("--overhead-gib", type=float, default=2.0,
-                    help="per-GPU allowance for CUDA contexts, NCCL, CUDA graphs, fragmentation")
+                    help="per-GPU allowance for NCCL buffers, CUDA graphs and fragmentation (CUDA contexts are "
+                         "counted separately, per process)")
+    pl.add_argument("--no-assistant", action="store_true", help="count no colocated assistant server")
+    pl.add_argument("--assistant-config", default=None,
+                    help="the colocated assistant's HF config.json (default: the policy's shape)")
+    pl.add_argument("--assistant-tp", type=int, default=None, help="GPUs per assistant replica (default: parallel.tp)")
+    pl.add_argument("--assistant-mem-fraction", type=float, default=None,
+                    help="the assistant's --mem-fraction-static (default: derived from its size, as the launcher)")
     pl.add_argument("--recompute", action="store_true", help="plan with full activation recomputation")
     pl.add_argument("--json", action="store_true", help="print JSON (top-level boolean 'fits')")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 train.micro_batch_size=4")

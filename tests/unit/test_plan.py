@@ -34,6 +34,7 @@ from cooper_mcore.plan import (
     training_activation_bytes,
     training_state,
 )
+from tests.conftest import ROOT
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
 QWEN15_N = 1_543_714_304  # Qwen2.5-1.5B-Instruct, published parameter count
@@ -399,3 +400,26 @@ def test_assistant_settings_are_checked():
                                          assistant=AssistantSpec(a15, mem_fraction=1.2)))
     with pytest.raises(ValueError, match="more than the .* GiB free: raise ASSISTANT_TP"):
         assistant_mem_fraction(arch("qwen2.5-7b-instruct"), 1, 16)
+
+
+def test_cli_assistant_options(capsys):
+    """`cooper plan` counts the preset's colocated assistant, another one given on the command line,
+    or none."""
+    from cooper_mcore.cli import main as cli_main
+
+    base = ["plan", "--config", str(ROOT / "examples" / "qwen2.5-1.5b_8xh100.yaml"), "--gpus-per-node", "8",
+            "--gpu-memory-gib", "79.18", "--json",
+            "--policy-config", str(ROOT / "examples" / "model_configs" / "qwen2.5-1.5b-instruct.json"),
+            "--rm-config", str(ROOT / "examples" / "model_configs" / "qwen2.5-1.5b-instruct.json")]
+    peaks = {}
+    for name, extra in (("auto", []), ("none", ["--no-assistant"]),
+                        ("7b", ["--assistant-config", str(ROOT / "examples" / "model_configs" /
+                                                         "qwen2.5-7b-instruct.json"), "--assistant-tp", "2"])):
+        assert cli_main(base + extra) == 0
+        doc = json.loads(capsys.readouterr().out)
+        peaks[name] = doc["as_configured"]["peak"]["gib"]
+        if name == "none":
+            assert doc["assistant"] is None
+        if name == "7b":
+            assert doc["assistant"]["tp"] == 2
+    assert peaks["none"] < peaks["auto"] < peaks["7b"]
