@@ -153,21 +153,21 @@ class _Setup:
         return self.model(x, position_ids_for(x), None)
 
     def logprob_pass(self, method: str) -> None:
-        from cooper_mcore.models.forward import vocab_parallel_logprobs
+        from cooper_mcore.mcore.tokens import token_logprobs
 
         self.model.eval()
         with torch.no_grad():
             for x, lab, _, _, _ in self.micro[method]:
-                vocab_parallel_logprobs(self._logits(method, x), lab.to(self.dev))
+                token_logprobs(self._logits(method, x), lab.to(self.dev))
 
     def update_pass(self, method: str) -> None:
-        from cooper_mcore.models.forward import vocab_parallel_logprobs
+        from cooper_mcore.mcore.tokens import token_logprobs
 
         self.model.train()
         self.model.zero_grad(set_to_none=True)
         dev = self.dev
         for x, lab, m, a, _ in self.micro[method]:
-            logp = vocab_parallel_logprobs(self._logits(method, x), lab.to(dev))
+            logp = token_logprobs(self._logits(method, x), lab.to(dev))
             ratio = torch.exp(logp - logp.detach())
             a = a.to(dev)
             loss = -(torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a) * m.to(dev)).sum()

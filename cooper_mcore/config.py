@@ -246,7 +246,11 @@ class TrainConfig:
     prompts_per_step: int = 32
     """Prompts per step over all data-parallel ranks."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward."""
+    """Sequences per forward/backward (when max_tokens_per_micro_batch is 0)."""
+    max_tokens_per_micro_batch: int = 0
+    """Form micro-batches by this token budget in all four passes instead of micro_batch_size (0: off)."""
+    pack_sequences: bool = False
+    """With the token budget, pack each micro-batch's sequences into one row (no padding; thd attention)."""
     mini_batches: int = 1
     """Policy updates per step (1: one update on the whole batch)."""
     seed: int = 1234
@@ -451,7 +455,10 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     if _trains_rm(cfg) and cfg.rm.negatives == "assistant":
         out += [f"rm.negatives=assistant needs rm.{k} (or choose negatives policy/perturb/random)"
                 for k in ("assistant_url", "assistant_model") if not getattr(cfg.rm, k)]
+    if t.pack_sequences and not t.max_tokens_per_micro_batch:
+        out.append("train.pack_sequences needs train.max_tokens_per_micro_batch > 0 (the budget of a packed row)")
     ranges = [("train.steps", t.steps, 0), ("train.prompts_per_step", t.prompts_per_step, 1),
+              ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
               ("train.micro_batch_size", t.micro_batch_size, 1), ("train.mini_batches", t.mini_batches, 1),
               ("rollout.group_size", ro.group_size, 2), ("rollout.max_new_tokens", ro.max_new_tokens, 1),
               ("rollout.bucket_mb", ro.bucket_mb, 1), ("reward.verifier_workers", r.verifier_workers, 1),
@@ -525,7 +532,10 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
                        f"size {dp} (world {world_size} / tp {par.tp} / pp {par.pp})")
         elif t.micro_batch_size >= 1 and t.mini_batches >= 1:
             per_rank = t.prompts_per_step // dp * cfg.rollout.group_size
-            if per_rank % (t.micro_batch_size * t.mini_batches):
+            if t.max_tokens_per_micro_batch and per_rank % t.mini_batches:
+                out.append(f"{per_rank} sequences per data-parallel rank are not divisible by "
+                           f"train.mini_batches={t.mini_batches}")
+            elif not t.max_tokens_per_micro_batch and per_rank % (t.micro_batch_size * t.mini_batches):
                 out.append(f"{per_rank} sequences per data-parallel rank (prompts_per_step {t.prompts_per_step} / "
                            f"dp {dp} * group_size {cfg.rollout.group_size}) are not divisible by "
                            f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")

@@ -583,7 +583,8 @@ class _Planner:
         base.update(state, **self._assistant_bytes(), contexts=self._contexts(stage),
                     overhead=int(self.opts.overhead_gib * GIB))
         last = stage == lay.pp - 1
-        tokens = self.mbs * self.seq
+        budget = cfg.train.max_tokens_per_micro_batch  # micro-batches by tokens: at most the budget, or one sequence
+        tokens = max(budget, self.seq) if budget else self.mbs * self.seq
         fwd_layer = layer_activation_bytes(arch, tokens, b, lay.tp, lay.sequence_parallel)
         resident = dict(base, **(eng if not off.release_engine else {}))
 
@@ -599,19 +600,23 @@ class _Planner:
 
         logprobs = dict(resident, activations=fwd_layer, buffers=2 * self.seqs * self.seq * 4,
                         logits=logits_bytes(arch, tokens, b, lay.tp, train=False) if last else 0)
-        micro = self.seqs // cfg.train.mini_batches // self.mbs
+        micro = (-(-self.seqs // cfg.train.mini_batches * self.seq // tokens) if budget
+                 else self.seqs // cfg.train.mini_batches // self.mbs)
         update = dict(resident, activations=training_activation_bytes(arch, lay, stage, tokens, max(micro, 1), b,
                                                                   self.opts.recompute),
                       logits=logits_bytes(arch, tokens, b, lay.tp, train=True) if last else 0)
         rm_score, rm_update = dict(resident), dict(resident)
         if self.rm is not None:
             rm_seq = min(self.seq, self.rm.max_position_embeddings)
-            rm_score["activations"] = layer_activation_bytes(self.rm, self.mbs * rm_seq, b, lay.tp,
+            score_tokens = max(budget, rm_seq) if budget else self.mbs * rm_seq
+            rm_score["activations"] = layer_activation_bytes(self.rm, score_tokens, b, lay.tp,
                                                              lay.sequence_parallel)
             if cfg.reward.mode == "cooper":
                 pairs = min(self.mbs, self.prompts)
+                pair_tokens = max(budget, 2 * rm_seq) if budget else 2 * pairs * rm_seq
                 rm_update["activations"] = training_activation_bytes(
-                    self.rm, lay, stage, 2 * pairs * rm_seq, -(-self.prompts // pairs), b, self.opts.recompute)
+                    self.rm, lay, stage, pair_tokens, max(1, -(-2 * self.prompts * rm_seq // pair_tokens)), b,
+                    self.opts.recompute)
         sync = dict(base, **eng, buffers=2 * cfg.rollout.bucket_mb * 2**20)
         comps = (rollout, rm_score, logprobs, update, rm_update, sync)
         return [PhaseMemory(name, stage, c) for name, c in zip(PHASES, comps)]

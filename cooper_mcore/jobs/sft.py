@@ -51,6 +51,7 @@ from cooper_mcore.data.mathgen import (
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import pad_id_of
 from cooper_mcore.mcore.collectives import all_reduce
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import build_token_batch, token_logprobs
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, train_step, wrap_for_training
 from cooper_mcore.models.forward import position_ids_for
@@ -184,7 +185,7 @@ def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
 
         return logits, loss_fn
 
-    mbs = batch.micro_batches(micro_batch_size)
+    mbs = batch.micro_batches(MicroBatching(micro_batch_size))
     result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), batch.input_ids.shape[1], micro_batch_size)
     loss_sum = float(sum(r["loss"] for r in result.metrics))  # last pipeline stage only
     tokens = float(sum(r["tokens"] for r in result.metrics))

@@ -23,13 +23,6 @@ from cooper_mcore.parallel import device
 T = TypeVar("T")
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The innermost module of DDP-style wrappers (``.module`` chains)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
 def model_parallel_group_and_src() -> tuple[Any, int]:
     """The model-parallel group of this rank and its first (global) rank."""
     group = parallel_state.get_model_parallel_group()

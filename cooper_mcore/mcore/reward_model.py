@@ -43,10 +43,13 @@ from megatron.core import parallel_state
 from cooper_mcore.algo import rm_bce_loss, rm_pair_losses
 from cooper_mcore.convert.checkpoint import EXTRA_DIR
 from cooper_mcore.data.tokenizer import load_tokenizer, pad_id_of
-from cooper_mcore.mcore.collectives import all_reduce, broadcast_from_last_stage, unwrap
+from cooper_mcore.mcore.collectives import all_reduce, broadcast_from_last_stage
+from cooper_mcore.mcore.micro_batches import MicroBatching, build_micro_batch, micro_batch_plan, split_micro_batches
+from cooper_mcore.mcore.tokens import PACK_PAD_ID
 from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
 from cooper_mcore.models.builder import RewardGPTModel
-from cooper_mcore.models.forward import forward_only, position_ids_for
+from cooper_mcore.models.forward import forward_only, position_ids_for, run_schedule, unwrap
+from cooper_mcore.models.packing import round_up
 from cooper_mcore.parallel import device
 
 logger = logging.getLogger(__name__)
@@ -270,6 +273,7 @@ def rm_scores(
     input_ids: torch.Tensor,
     lengths: torch.Tensor,
     micro_batch_size: Optional[int] = None,
+    batching: Optional[MicroBatching] = None,
 ) -> torch.Tensor:
     """Forward-only reward scores (logits) of right-padded rows, at any TP/PP layout.
 
@@ -282,6 +286,7 @@ def rm_scores(
         lengths: ``[b]`` real lengths.
         micro_batch_size: rows per forward micro-batch (default: all at once); a batch that is
             not a multiple is filled up with copies of its first row, dropped afterwards.
+        batching: micro-batches by a token budget, padded or packed (instead of ``micro_batch_size``).
 
     Returns:
         ``[b]`` float32 scores on the CPU, on every rank (broadcast from the last stage).
@@ -289,6 +294,8 @@ def rm_scores(
     b = input_ids.shape[0]
     if b == 0:
         return torch.zeros(0, dtype=torch.float32)
+    if batching is not None and batching.by_tokens:
+        return _scores_by_tokens(model, input_ids, lengths, batching)
     mbs = min(micro_batch_size or b, b)
     if mbs < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -304,6 +311,31 @@ def rm_scores(
     if out is not None:
         scores.copy_(out.float())
     return broadcast_from_last_stage(scores, _groups(model)[1])[:b].cpu()
+
+
+@torch.no_grad()
+def _scores_by_tokens(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor,
+                      batching: MicroBatching) -> torch.Tensor:
+    """:func:`rm_scores` over micro-batches by a token budget (padded or packed)."""
+    RMBatch(input_ids, lengths)
+    _check_nonempty(lengths, "rm_scores")
+    model.eval()
+    mbs = split_micro_batches(input_ids, lengths, batching, PACK_PAD_ID, _seq_multiple(model))
+
+    def step(data_iterator, m):
+        mb = next(data_iterator)
+        out = mb.forward(m, **mb.score_kwargs())
+
+        def collect(scores):
+            return torch.zeros((), device=scores.device), {"scores": scores.float()}
+
+        return out, collect
+
+    results = run_schedule(model, step, mbs, [mb.shape for mb in mbs], forward_only=True)
+    scores = torch.zeros(input_ids.shape[0], dtype=torch.float32)
+    for mb, r in zip(mbs, results):
+        scores[mb.rows] = r["scores"].cpu()
+    return broadcast_from_last_stage(scores, _groups(model)[1]).cpu()
 
 
 def bce_train_step(
@@ -378,9 +410,39 @@ def bce_train_step(
             "num_samples": int(n), "grad_norm": result.grad_norm, "nonfinite": not result.updated}
 
 
+def _pair_micro_batches(chosen: RMBatch, rejected: RMBatch, valid: torch.Tensor, micro_batch_size: int,
+                        batching: MicroBatching, mult: int, dp_group: Any) -> list[dict[str, Any]]:
+    """Micro-batches of pairs, each ``{"micro": rows [chosen..., rejected...], "pairs": k, "weight": [k]}``.
+
+    A pair never splits: its two rows are in one micro-batch. Fixed: ``micro_batch_size`` pairs each,
+    the last filled up with weight-0 copies (the pipeline's fixed shapes). By tokens: the valid pairs
+    binned by ``len(chosen) + len(rejected)``, as many micro-batches as the data-parallel rank with
+    the most; a rank's spare micro-batch holds one weight-0 pair.
+    """
+    b = len(chosen)
+    s = round_up(max(chosen.input_ids.shape[1], rejected.input_ids.shape[1]), mult)
+    ids = torch.cat([_repad(chosen.input_ids, s), _repad(rejected.input_ids, s)])
+    lens = torch.cat([chosen.lengths, rejected.lengths]).clamp(1, s)
+    if not batching.by_tokens:
+        index, weight = _fill_rows(b, micro_batch_size, valid)
+        groups = [(index[i:i + micro_batch_size], weight[i:i + micro_batch_size])
+                  for i in range(0, index.numel(), micro_batch_size)]
+    else:
+        kept = torch.nonzero(valid, as_tuple=False).flatten()
+        plan = micro_batch_plan((lens[kept] + lens[kept + b]).tolist(), batching, dp_group, allow_empty=True)
+        filler = kept[:1] if kept.numel() else torch.zeros(1, dtype=torch.long)
+        groups = [(kept[p], torch.ones(len(p))) if p else (filler, torch.zeros(1)) for p in plan]
+    out = []
+    for idx, w in groups:
+        rows = torch.cat([idx, idx + b]).tolist()
+        out.append({"micro": build_micro_batch(ids, lens, rows, batching, PACK_PAD_ID, mult), "pairs": idx.numel(),
+                    "weight": w.to(device())})
+    return out
+
+
 def pairwise_train_step(
     ddp, optimizer, chosen: RMBatch | tuple, rejected: RMBatch | tuple, valid_mask: torch.Tensor,
-    micro_batch_size: int, anchor_weight: float = 0.0,
+    micro_batch_size: int, anchor_weight: float = 0.0, batching: Optional[MicroBatching] = None,
 ) -> dict[str, Any]:
     """One optimizer step of Cooper's pairwise loss (:func:`cooper_mcore.algo.rm_pair_losses`).
 
@@ -400,6 +462,8 @@ def pairwise_train_step(
         valid_mask: ``[b]`` bool, the pairs to train on.
         micro_batch_size: pairs per micro-batch (each micro-batch forwards ``2 * micro_batch_size`` rows).
         anchor_weight: weight of the calibration anchor (0: the paper's loss).
+        batching: micro-batches by a token budget (a pair's two rows count together), padded or
+            packed; default: ``micro_batch_size`` pairs each.
 
     Returns:
         Global metrics, the same on every rank: ``loss`` (before the step), ``pairwise_loss`` and
@@ -428,25 +492,16 @@ def pairwise_train_step(
         return {"loss": 0.0, "pairwise_loss": 0.0, "anchor_loss": 0.0, "pair_acc": nan, "threshold_acc": nan,
                 "num_valid": 0, "mean_chosen": nan, "mean_rejected": nan, "grad_norm": None, "skipped": True,
                 "nonfinite": False}
-    index, weight = _fill_rows(b, micro_batch_size, valid)
-    mult = _seq_multiple(ddp)
-    s = -(-max(chosen.input_ids.shape[1], rejected.input_ids.shape[1]) // mult) * mult
-    ids_c, ids_r = _repad(chosen.input_ids, s)[index], _repad(rejected.input_ids, s)[index]
-    len_c, len_r = chosen.lengths[index].clamp(1, s), rejected.lengths[index].clamp(1, s)
-    dev, m = device(), micro_batch_size
-    micro = [
-        {"ids": torch.cat([ids_c[i:i + m], ids_r[i:i + m]]).to(dev),
-         "lens": torch.cat([len_c[i:i + m], len_r[i:i + m]]).to(dev), "weight": weight[i:i + m].to(dev)}
-        for i in range(0, index.numel(), m)
-    ]
+    micro = _pair_micro_batches(chosen, rejected, valid, micro_batch_size, batching or MicroBatching(micro_batch_size),
+                                _seq_multiple(ddp), _groups(ddp)[2])
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb["ids"], position_ids_for(mb["ids"]), None, sequence_lengths=mb["lens"])
+        out = mb["micro"].forward(model, **mb["micro"].score_kwargs())
 
         def loss_fn(scores):
-            scores = scores.float()
-            per_pair, sums = rm_pair_losses(scores[:m], scores[m:], mb["weight"] > 0, anchor_weight)
+            scores, k = scores.float(), mb["pairs"]
+            per_pair, sums = rm_pair_losses(scores[:k], scores[k:], mb["weight"] > 0, anchor_weight)
             loss_sum = per_pair.sum()
             metrics = {"loss": loss_sum.detach(), "correct": sums["correct_sum"], "count": sums["num_valid"],
                        "chosen": sums["chosen_sum"], "rejected": sums["rejected_sum"],
@@ -456,7 +511,9 @@ def pairwise_train_step(
 
         return out, loss_fn
 
-    result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, 2 * m)
+    shapes = [mb["micro"].shape for mb in micro]
+    result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), max(c for _, c in shapes),
+                        max(r for r, _ in shapes), variable_shapes=len(set(shapes)) > 1)
     sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "chosen", "rejected", "pairwise", "anchor",
                                               "threshold_correct"))
     n = sums["count"]

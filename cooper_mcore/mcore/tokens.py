@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cooper_mcore.mcore.collectives import all_reduce, broadcast_from_last_stage
-from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.mcore.micro_batches import MicroBatch, MicroBatching, split_micro_batches
+from cooper_mcore.models.forward import run_schedule, sequence_multiple, shifted_labels
 from cooper_mcore.parallel import device
+
+#: the token that fills a packed row after its sequences (its own segment: never read)
+PACK_PAD_ID = 0
 
 
 @dataclass
@@ -27,10 +30,13 @@ class TokenBatch:
     """Sequences for the policy.
 
     Attributes:
-        input_ids: ``[n, s]`` prompt + response, right-padded.
+        input_ids: ``[n, s]`` prompt + response, right-padded (a micro-batch may be one packed row).
         loss_mask: ``[n, s]`` 1 where the label (token ``t + 1``) is a response token.
-        advantages: ``[n]`` one per sequence.
+        advantages: ``[n]`` one per sequence (``[1, T]`` per token in a packed micro-batch).
         old_logp / ref_logp: ``[n, s]`` label-aligned log-probabilities (filled by the trainer).
+        lengths: ``[n]`` real lengths (prompt + response).
+        label_ids: ``[n, s]`` the labels, when they are not the shifted ids (packed rows).
+        micro: the micro-batch this batch is (its forward pass), for micro-batches.
     """
 
     input_ids: torch.Tensor
@@ -38,11 +44,14 @@ class TokenBatch:
     advantages: Optional[torch.Tensor] = None
     old_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
+    lengths: Optional[torch.Tensor] = None
+    label_ids: Optional[torch.Tensor] = None
+    micro: Optional[MicroBatch] = None
 
     @property
     def labels(self) -> torch.Tensor:
         """``[n, s]`` the next token of every position (the last column repeats the last token)."""
-        return torch.cat([self.input_ids[:, 1:], self.input_ids[:, -1:]], dim=1)
+        return self.label_ids if self.label_ids is not None else shifted_labels(self.input_ids)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -53,20 +62,20 @@ class TokenBatch:
             return None if t is None else t[start:end]
 
         return TokenBatch(self.input_ids[start:end], self.loss_mask[start:end], cut(self.advantages),
-                          cut(self.old_logp), cut(self.ref_logp))
+                          cut(self.old_logp), cut(self.ref_logp), cut(self.lengths), cut(self.label_ids))
 
-    def to(self, dev: torch.device) -> TokenBatch:
-        """A copy with every tensor on ``dev``."""
-        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.to(dev)
-
-        return TokenBatch(self.input_ids.to(dev), self.loss_mask.to(dev), move(self.advantages),
-                          move(self.old_logp), move(self.ref_logp))
-
-    def micro_batches(self, size: int) -> list[TokenBatch]:
-        """Consecutive micro-batches of ``size`` rows, on this rank's device."""
+    def micro_batches(self, batching: MicroBatching, multiple: int = 1,
+                      dp_group: Optional[Any] = None) -> list[TokenBatch]:
+        """This rank's micro-batches (fixed, by tokens, or packed), every tensor on the device."""
+        assert self.lengths is not None, "a TokenBatch from build_token_batch knows its lengths"
         dev = device()
-        return [self.slice(i, i + size).to(dev) for i in range(0, len(self), size)]
+        out = []
+        for mb in split_micro_batches(self.input_ids, self.lengths, batching, PACK_PAD_ID, multiple, dp_group):
+            old, ref = (None if t is None else mb.layout(t).to(dev) for t in (self.old_logp, self.ref_logp))
+            adv = None if self.advantages is None else mb.per_row(self.advantages).to(dev)
+            out.append(TokenBatch(mb.input_ids.to(dev), mb.layout(self.loss_mask).to(dev), adv, old, ref,
+                                  mb.lengths, mb.layout(self.labels).to(dev), mb))
+        return out
 
 
 def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
@@ -87,7 +96,7 @@ def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequ
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
         mask[i, len(p) - 1:len(p) + len(r) - 1] = 1.0  # labels p..p+r-1 are the response
-    return TokenBatch(ids, mask)
+    return TokenBatch(ids, mask, lengths=torch.tensor(lengths))
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -119,28 +128,26 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_logprobs(model: torch.nn.Module, batch: TokenBatch, micro_batch_size: int) -> torch.Tensor:
+def compute_logprobs(model: torch.nn.Module, batch: TokenBatch, batching: MicroBatching) -> torch.Tensor:
     """Label-aligned log-probabilities ``[n, s]`` (forward only), on every rank of the model.
 
     Collective over the model's TP and PP groups: the last pipeline stage computes them and
-    broadcasts them to the other stages. Returned on the host.
+    broadcasts them to the other stages. Returned on the host; 0 past each row's length.
     """
     model.eval()
-    mbs = batch.micro_batches(micro_batch_size)
+    mbs = batch.micro_batches(batching, sequence_multiple(model))
 
     def step(data_iterator, m):
         mb = next(data_iterator)
-        logits = m(mb.input_ids, position_ids_for(mb.input_ids), None)
+        logits = mb.micro.forward(m)
 
         def collect(output):
             return torch.zeros((), device=output.device), {"logp": token_logprobs(output, mb.labels)}
 
         return logits, collect
 
-    results = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
-        seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size, forward_only=True)
+    results = run_schedule(model, step, mbs, [mb.micro.shape for mb in mbs], forward_only=True)
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-    if results:
-        out = torch.cat([r["logp"] for r in results], dim=0).float()
+    for mb, r in zip(mbs, results):
+        mb.micro.scatter(out, r["logp"].float().cpu())
     return broadcast_from_last_stage(out).cpu()

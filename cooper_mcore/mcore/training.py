@@ -24,6 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cooper_mcore.mcore.collectives import any_rank
+from cooper_mcore.models.forward import variable_seq_lengths
 
 
 @dataclass
@@ -184,6 +185,7 @@ def train_step(
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
+    variable_shapes: bool = False,
 ) -> StepResult:
     """One optimizer step over ``num_microbatches`` micro-batches (gradient accumulation).
 
@@ -195,19 +197,23 @@ def train_step(
             ``loss_fn(output)`` returns ``(loss, metrics)`` or, with per-token loss,
             ``(loss_sum, count, metrics)``. A ``"loss"`` entry of ``metrics`` is checked for
             finiteness before the update.
+        seq_length / micro_batch_size: the micro-batches' shape (the largest, with ``variable_shapes``).
+        variable_shapes: the micro-batches differ in shape (micro-batches by a token budget):
+            pipeline stages then exchange each activation's shape first.
     """
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    metrics = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=microbatches,
-        model=[ddp],
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
+    with variable_seq_lengths(ddp, variable_shapes):
+        metrics = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=microbatches,
+            model=[ddp],
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
     metrics = list(metrics or [])
     loss_finite = all(bool(torch.isfinite(torch.as_tensor(m["loss"])).all())
                       for m in metrics if isinstance(m, dict) and "loss" in m)

@@ -24,12 +24,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from cooper_mcore.models.packing import PackedBatch, pack_micro_batches
+from cooper_mcore.models.packing import PackedBatch
 from cooper_mcore.parallel import device
 
 
@@ -39,8 +38,8 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
+    """The innermost module of DDP-style wrappers (``.module`` chains)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
 
@@ -78,11 +77,6 @@ def forward_packed(model: torch.nn.Module, pack: PackedBatch, **kwargs: Any) -> 
     dev = device()
     return model(pack.input_ids.to(dev), pack.position_ids.to(dev), None,
                  packed_seq_params=packed_seq_params(pack, dev), **kwargs)
-
-
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities of ``labels`` under vocab-parallel ``logits`` ``[b, s, v/tp]`` (fp32)."""
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
 
 
 @contextlib.contextmanager
@@ -130,13 +124,6 @@ def run_schedule(
             num_microbatches=len(micro_batches), seq_length=max(s for _, s in shapes),
             micro_batch_size=max(b for b, _ in shapes), forward_only=forward_only,
         ) or []
-
-
-def _broadcast_from_last_stage(t: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
-    pp = unwrap(model).pg_collection.pp
-    if pp.size() > 1:
-        dist.broadcast(t, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
-    return t
 
 
 @torch.no_grad()
@@ -210,95 +197,3 @@ def forward_only(
 def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
     """Labels aligned to positions: token ``t + 1`` at ``t`` (the last column repeats itself)."""
     return torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
-
-
-@torch.no_grad()
-def packed_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    lengths: torch.Tensor,
-    micro_batches: Sequence[Sequence[int]],
-    pad_id: int,
-    labels: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Label-aligned log-probabilities of right-padded sequences, computed on packed micro-batches.
-
-    Collective over the model's TP and PP groups (their ranks pass the same arguments); each
-    data-parallel rank computes its own rows.
-
-    Args:
-        model: the policy (or reference) model, this rank's stage; may be DDP-wrapped.
-        input_ids: ``[N, s]`` right-padded token ids (prompt + response).
-        lengths: ``[N]`` real lengths.
-        micro_batches: row indices of each micro-batch, e.g. this rank's list of
-            :meth:`cooper_mcore.algo.batching.MicroBatchPlan.for_rank`; each becomes one packed row.
-        pad_id: padding token id.
-        labels: ``[N, s]`` the token whose log-probability position ``t`` holds (default:
-            :func:`shifted_labels`, i.e. token ``t + 1``, as ``TokenBatch.labels``).
-
-    Returns:
-        ``[N, s]`` float32 on the CPU, on every stage: ``log p(labels[i, t])`` for ``t <
-        lengths[i]`` of the rows in ``micro_batches``, 0 elsewhere. Positions whose label is not
-        a token of the same sequence (``t = lengths[i] - 1``) hold the log-probability of the
-        label given there, exactly as the unpacked pass computes it.
-    """
-    labels = shifted_labels(input_ids) if labels is None else labels
-    packs = pack_micro_batches(input_ids, lengths, micro_batches, pad_id, sequence_multiple(model))
-    model.eval()
-    dev = device()
-
-    def step(data_iterator, m):
-        pack = next(data_iterator)
-        out = forward_packed(m, pack)
-
-        def collect(logits):
-            logp = vocab_parallel_logprobs(logits, pack.pack(labels).to(dev))
-            return torch.zeros((), device=logits.device), {"logp": logp}
-
-        return out, collect
-
-    results = run_schedule(model, step, packs, [(1, p.width) for p in packs], forward_only=True)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)
-    for pack, r in zip(packs, results):
-        pack.scatter_into(out, r["logp"].cpu())
-    return _broadcast_from_last_stage(out.to(dev), model).cpu()
-
-
-@torch.no_grad()
-def packed_rm_scores(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    lengths: torch.Tensor,
-    micro_batches: Sequence[Sequence[int]],
-    pad_id: int,
-) -> torch.Tensor:
-    """Reward-model scores (logits at each sequence's last token), on packed micro-batches.
-
-    Collective over the model's TP and PP groups, like :func:`packed_logprobs`.
-
-    Args:
-        model: the reward model (:class:`~cooper_mcore.models.builder.RewardGPTModel`), this
-            rank's stage; may be DDP-wrapped.
-        input_ids / lengths / micro_batches / pad_id: as in :func:`packed_logprobs`.
-
-    Returns:
-        ``[N]`` float32 on the CPU, on every stage; 0 for rows in no micro-batch.
-    """
-    packs = pack_micro_batches(input_ids, lengths, micro_batches, pad_id, sequence_multiple(model))
-    model.eval()
-    dev = device()
-
-    def step(data_iterator, m):
-        pack = next(data_iterator)
-        out = forward_packed(m, pack, score_positions=pack.last_token_positions.to(dev))
-
-        def collect(scores):
-            return torch.zeros((), device=scores.device), {"scores": scores.float()}
-
-        return out, collect
-
-    results = run_schedule(model, step, packs, [(1, p.width) for p in packs], forward_only=True)
-    out = torch.zeros(input_ids.shape[0], dtype=torch.float32)
-    for pack, r in zip(packs, results):
-        out[pack.rows] = r["scores"].cpu()
-    return _broadcast_from_last_stage(out.to(dev), model).cpu()

@@ -14,14 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 
 from cooper_mcore.algo import kl_penalty, masked_sum, policy_loss
 from cooper_mcore.mcore.collectives import broadcast_from_last_stage
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
 from cooper_mcore.mcore.training import train_step
-from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.models.forward import sequence_multiple
 
 METRIC_KEYS = ("loss", "kl", "ratio/mean", "clip_frac", "entropy")
 
@@ -58,7 +60,7 @@ def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
         total = total - loss.entropy_coef * ent
     with torch.no_grad():
         ratio = torch.exp(logp - mb.old_logp)
-        adv = mb.advantages[:, None].expand_as(logp)
+        adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None].expand_as(logp)
         clipped = ((ratio < 1 - loss.clip_low) & (adv < 0)) | ((ratio > 1 + loss.clip_high) & (adv > 0))
         terms = {"loss": total.detach(), "kl": kl.detach(), "ratio/mean": ratio, "clip_frac": clipped.float(),
                  "entropy": (ent if ent is not None else vocab_parallel_entropy(logits)).detach()}
@@ -66,8 +68,9 @@ def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
 
 
 def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, batch: TokenBatch,
-                  micro_batch_size: int, loss: GRPOLoss) -> dict[str, float]:
-    """One optimizer step of GRPO on ``batch`` (token-mean loss over the whole batch).
+                  batching: MicroBatching, loss: GRPOLoss) -> dict[str, float]:
+    """One optimizer step of GRPO on ``batch`` (token-mean loss over the whole batch), in the
+    micro-batches ``batching`` makes (fixed, by a token budget, or packed).
 
     Requires ``calculate_per_token_loss`` (``wrap_for_training(..., per_token_loss=True)``).
 
@@ -87,7 +90,7 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
 
     def step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb.input_ids, position_ids_for(mb.input_ids), None)
+        logits = mb.micro.forward(model)
 
         def loss_fn(output):
             total, terms = grpo_token_loss(output, mb, loss)
@@ -98,8 +101,10 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
 
         return logits, loss_fn
 
-    mbs = batch.micro_batches(micro_batch_size)
-    result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), batch.input_ids.shape[1], micro_batch_size)
+    mbs = batch.micro_batches(batching, sequence_multiple(ddp), parallel_state.get_data_parallel_group())
+    shapes = [mb.micro.shape for mb in mbs]
+    result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), max(s for _, s in shapes),
+                        max(b for b, _ in shapes), variable_shapes=len(set(shapes)) > 1)
     values = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
     if result.metrics:  # the last pipeline stage
         tokens = float(sum(r["tokens"] for r in result.metrics))

@@ -15,6 +15,7 @@ import torch
 
 from cooper_mcore.config import CooperConfig
 from cooper_mcore.data.templates import rm_input
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.reward_model import RMBatch, make_batch, rm_scores
 from cooper_mcore.types import Prompt, RolloutGroup
@@ -38,9 +39,10 @@ def rm_batch(rm: ModelState, texts: Sequence[str]) -> RMBatch:
     return make_batch(rm.tokenizer, texts, max_length=rm.arch.max_position_embeddings, multiple_of=8)
 
 
-def rollout_logits(rm: ModelState, groups: Sequence[RolloutGroup], cfg: CooperConfig) -> torch.Tensor:
+def rollout_logits(rm: ModelState, groups: Sequence[RolloutGroup], cfg: CooperConfig,
+                   batching: MicroBatching) -> torch.Tensor:
     """``[P, G]`` reward-model logits of every rollout, on every rank of the model (collective over
     its TP/PP groups)."""
     batch = rm_batch(rm, rm_texts(cfg, [(g.prompt, s.text) for g in groups for s in g.samples]))
-    scores = rm_scores(rm.model, batch.input_ids, batch.lengths, cfg.train.micro_batch_size)
+    scores = rm_scores(rm.model, batch.input_ids, batch.lengths, cfg.train.micro_batch_size, batching)
     return scores.view(len(groups), -1)

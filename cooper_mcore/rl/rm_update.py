@@ -18,6 +18,7 @@ import torch
 
 from cooper_mcore.config import CooperConfig, RMUpdateConfig
 from cooper_mcore.mcore.collectives import broadcast_object_in_model_parallel_group, is_group_leader
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.reward_model import pairwise_train_step
 from cooper_mcore.reward.negatives import build_pairs, check_negative_failures, make_negative_generator, pair_stats
@@ -41,13 +42,14 @@ def make_pairs(groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: RMUpda
     return broadcast_object_in_model_parallel_group(pairs)
 
 
-def train_on_pairs(rm: ModelState, pairs: Sequence[PreferencePair], cfg: CooperConfig) -> dict[str, float]:
+def train_on_pairs(rm: ModelState, pairs: Sequence[PreferencePair], cfg: CooperConfig,
+                   batching: MicroBatching) -> dict[str, float]:
     """One pairwise optimizer step of the reward model on ``pairs`` (masked where invalid)."""
     chosen = rm_batch(rm, rm_texts(cfg, [(p.prompt, p.chosen or "") for p in pairs]))
     rejected = rm_batch(rm, rm_texts(cfg, [(p.prompt, p.rejected or "") for p in pairs]))
     valid = torch.tensor([p.valid for p in pairs], dtype=torch.bool)
     m = pairwise_train_step(rm.ddp, rm.optimizer, chosen, rejected, valid, cfg.train.micro_batch_size,
-                            anchor_weight=cfg.rm.anchor_weight)
+                            anchor_weight=cfg.rm.anchor_weight, batching=batching)
     if not m["nonfinite"]:  # as megatron: a skipped non-finite update does not advance the schedule
         rm.scheduler.step(1)
     return {"rm/loss": m["loss"], "rm/pairwise_loss": m["pairwise_loss"], "rm/anchor_loss": m["anchor_loss"],
@@ -56,8 +58,8 @@ def train_on_pairs(rm: ModelState, pairs: Sequence[PreferencePair], cfg: CooperC
 
 
 def update_reward_model(rm: ModelState, groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: CooperConfig,
-                        verifier: Optional[BatchVerifier], assistant: Optional[ChatBatchClient],
-                        seed: int) -> dict[str, float]:
+                        batching: MicroBatching, verifier: Optional[BatchVerifier],
+                        assistant: Optional[ChatBatchClient], seed: int) -> dict[str, float]:
     """Build this step's pairs and train the reward model on them; returns the step's RM metrics.
 
     Raises:
@@ -66,7 +68,7 @@ def update_reward_model(rm: ModelState, groups: Sequence[RolloutGroup], logits: 
     """
     pairs = make_pairs(groups, logits, cfg.rm, verifier, assistant, seed)
     failed = check_negative_failures(pairs, cfg.rm.on_assistant_failure, cfg.rm.assistant_url)
-    metrics = train_on_pairs(rm, pairs, cfg)
+    metrics = train_on_pairs(rm, pairs, cfg, batching)
     stats = pair_stats(pairs)
     metrics.update({"pairs/valid": float(stats["valid"]), "pairs/no_positive": float(stats["no_positive"]),
                     "pairs/no_negative": float(stats["no_negative"]), "pairs/assistant_failed": float(failed)})

@@ -24,6 +24,7 @@ from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
 from cooper_mcore.mcore.collectives import any_rank, is_group_leader
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
 from cooper_mcore.mcore.reward_model import load_rm_tokenizer
@@ -74,6 +75,12 @@ class Run:
     def trained_models(self) -> list[ModelState]:
         """The models a training checkpoint holds (with their optimizers)."""
         return [m for m in (self.policy, self.rm) if m is not None and m.trains]
+
+    @property
+    def batching(self) -> MicroBatching:
+        """How every pass cuts its mini-batch into micro-batches (``train.*``)."""
+        t = self.cfg.train
+        return MicroBatching(t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences)
 
     def sampling(self, seed: int) -> SamplingParams:
         """Rollout sampling with ``seed``."""

@@ -37,7 +37,7 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> dict[
             groups = generate_groups(engine, run.verifier, prompts, cfg.rollout.group_size, run.sampling(seed),
                                      run.step)
     with timer.phase("rm_score"):
-        logits = rollout_logits(run.rm, groups, cfg) if run.rm is not None else None
+        logits = rollout_logits(run.rm, groups, cfg, run.batching) if run.rm is not None else None
     rewards = reward_from_logits(logits, cfg.reward.rm_transform) if logits is not None else rule_verdicts(groups)
     advantages = group_advantages(rewards, eps=cfg.algo.adv_eps, std_floor=cfg.algo.adv_std_floor)
     batch = policy_batch(run, groups, advantages)
@@ -47,8 +47,8 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> dict[
         metrics = update_policy(run, batch)
     if cfg.reward.mode.trains_rm:
         with timer.phase("rm_update"):
-            rm_metrics = update_reward_model(run.rm, groups, logits, cfg, run.verifier, run.assistant,
-                                             seed=cfg.train.seed + run.step)
+            rm_metrics = update_reward_model(run.rm, groups, logits, cfg, run.batching, run.verifier,
+                                             run.assistant, seed=cfg.train.seed + run.step)
         metrics["skipped/nonfinite"] += rm_metrics.pop("rm/nonfinite")
         metrics.update(rm_metrics)
     metrics.update(rollout_metrics(groups, rewards, run))
@@ -65,11 +65,10 @@ def policy_batch(run: Run, groups: Sequence[RolloutGroup], advantages: torch.Ten
 
 def fill_logprobs(run: Run, batch: TokenBatch) -> None:
     """The old policy's log-probabilities, and the reference's when the KL term is on."""
-    mbs = run.cfg.train.micro_batch_size
-    batch.old_logp = compute_logprobs(run.policy.module, batch, mbs)
+    batch.old_logp = compute_logprobs(run.policy.module, batch, run.batching)
     if run.reference is not None:
         with run.reference.swapped():
-            batch.ref_logp = compute_logprobs(run.policy.module, batch, mbs)
+            batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching)
 
 
 def update_policy(run: Run, batch: TokenBatch) -> dict[str, float]:
@@ -82,7 +81,7 @@ def update_policy(run: Run, batch: TokenBatch) -> dict[str, float]:
     updates = []
     for i in range(cfg.train.mini_batches):
         u = policy_update(policy.ddp, policy.optimizer, batch.slice(i * per_mini, (i + 1) * per_mini),
-                          cfg.train.micro_batch_size, loss)
+                          run.batching, loss)
         if not u["nonfinite"]:  # as megatron: a skipped update does not advance the schedule
             policy.scheduler.step(1)
         updates.append(u)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.convert.mapping import canonical_mcore_name, param_mappings, to_hf
-from cooper_mcore.mcore.collectives import unwrap
 from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.models.forward import unwrap
 from cooper_mcore.rollout.base import RolloutEngine, bucketize
 
 logger = logging.getLogger(__name__)

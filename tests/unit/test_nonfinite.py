@@ -11,6 +11,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import cooper_mcore.rl.policy as policy
 from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.jobs import sft as sft_job
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import pairwise_train_step, wrap_reward_model
 from cooper_mcore.mcore.tokens import compute_logprobs
 from cooper_mcore.mcore.training import OptimConfig, adam_step, guarded_step, train_step, wrap_for_training
@@ -116,7 +117,7 @@ def test_policy_update_with_nan_loss_is_skipped(tiny_models, monkeypatch):
         model, arch = _load(ckpt)
         ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0), per_token_loss=True)
         batch = _batch(arch.vocab_size)
-        batch.old_logp = compute_logprobs(model, batch, 4)
+        batch.old_logp = compute_logprobs(model, batch, MicroBatching(4))
         before = _state(model, opt)
 
         def nan_loss(*args, **kwargs):
@@ -124,11 +125,11 @@ def test_policy_update_with_nan_loss_is_skipped(tiny_models, monkeypatch):
             return tok * float("nan"), stats
 
         monkeypatch.setattr(policy, "policy_loss", nan_loss)
-        m = policy.policy_update(ddp, opt, batch, 4, policy.GRPOLoss())
+        m = policy.policy_update(ddp, opt, batch, MicroBatching(4), policy.GRPOLoss())
         assert m["nonfinite"] == 1.0 and math.isnan(m["grad_norm"]) and math.isnan(m["loss"])
         assert _same(before, _state(model, opt)) and adam_step(opt) == 0.0
         monkeypatch.setattr(policy, "policy_loss", real_loss)
-        m = policy.policy_update(ddp, opt, batch, 4, policy.GRPOLoss())
+        m = policy.policy_update(ddp, opt, batch, MicroBatching(4), policy.GRPOLoss())
         assert m["nonfinite"] == 0.0 and m["grad_norm"] > 0 and adam_step(opt) == 1.0
         assert not _same(before, _state(model, opt))  # the check above could have failed
 

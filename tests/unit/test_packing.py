@@ -16,14 +16,14 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from cooper_mcore.mcore.micro_batches import MicroBatching
+from cooper_mcore.mcore.reward_model import rm_scores
+from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs
 from cooper_mcore.models.forward import (
     forward_only,
     forward_packed,
-    packed_logprobs,
-    packed_rm_scores,
     position_ids_for,
     shifted_labels,
-    vocab_parallel_logprobs,
 )
 from cooper_mcore.models.packing import pack_micro_batches, pack_rows, pack_sequences, right_pad
 from cooper_mcore.models.spec import SDPAttention
@@ -173,6 +173,8 @@ def _sequences(vocab, lengths, seed, pad_id=0):
 
 LENGTHS = [9, 3, 16, 1, 12, 5]
 MICRO = [[2, 3, 0], [5, 1, 4]]  # two packs, rows out of order
+#: what the trainer's passes get for these lengths: packs by a 26-token budget
+PACKED = MicroBatching(3, max_tokens=26, pack=True)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +228,7 @@ def test_megatron_rope_ignores_position_ids(tiny_models, world):
 def test_packed_logprobs_equal_unpacked(tiny_models, world, family):
     model, arch = _load(tiny_models, family)
     ids, lengths = _sequences(arch.vocab_size, LENGTHS, seed=4)
-    logp = packed_logprobs(model, ids, lengths, MICRO, pad_id=0)
+    logp = compute_logprobs(model, TokenBatch(ids, torch.zeros(ids.shape), lengths=lengths), PACKED)
     # reference: full-vocabulary log-softmax of the unpacked logits at the shifted labels
     ref = torch.log_softmax(forward_only(model, ids).double(), -1).gather(-1, shifted_labels(ids)[..., None])[..., 0]
     mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
@@ -239,7 +241,7 @@ def test_packed_rm_scores_equal_unpacked(tiny_models, world, family):
     model, arch = _load(tiny_models, family, "reward")
     ids, lengths = _sequences(arch.vocab_size, LENGTHS, seed=5, pad_id=arch.pad_token_id or 0)
     ref = forward_only(model, ids, sequence_lengths=lengths)
-    scores = packed_rm_scores(model, ids, lengths, MICRO, pad_id=arch.pad_token_id or 0)
+    scores = rm_scores(model, ids, lengths, batching=PACKED)
     torch.testing.assert_close(scores, ref.float(), rtol=0, atol=ATOL)
     assert ref.abs().min() > 1e-3  # real scores, not zeros
     with pytest.raises(ValueError, match="not both"):
@@ -264,12 +266,12 @@ def test_token_mean_gradient_packed_equals_unpacked(tiny_models, world):
         model.zero_grad(set_to_none=True)
         return out
 
-    logp = vocab_parallel_logprobs(model(ids, position_ids_for(ids), None), labels)
+    logp = token_logprobs(model(ids, position_ids_for(ids), None), labels)
     ((weight * logp * mask).sum() / mask.sum()).backward()
     ref = grads()
     total = mask.sum()
     for pack in pack_micro_batches(ids, lengths, MICRO, pad_id=0, multiple_of=8):
-        logp = vocab_parallel_logprobs(forward_packed(model, pack), pack.pack(labels))
+        logp = token_logprobs(forward_packed(model, pack), pack.pack(labels))
         ((pack.pack(weight) * logp * pack.pack(mask)).sum() / total).backward()
     packed = grads()
     scale = max(float(g.abs().max()) for g in ref.values())

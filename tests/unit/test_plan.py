@@ -423,3 +423,23 @@ def test_cli_assistant_options(capsys):
         if name == "7b":
             assert doc["assistant"]["tp"] == 2
     assert peaks["none"] < peaks["auto"] < peaks["7b"]
+
+
+def test_token_budget_sets_the_micro_batch_tokens():
+    """With train.max_tokens_per_micro_batch the planner sizes a micro-batch by the budget (or one
+    sequence, when longer) instead of micro_batch_size x the longest sequence."""
+    shape = ArchSpec.from_hf_config(json.loads((ROOT / "examples" / "model_configs" /
+                                                "qwen2.5-1.5b-instruct.json").read_text()))
+    opts = PlanOptions(gpus_per_node=8, gpu_memory_gib=79.18, assistant="none")
+    base = ["reward.mode=rule", "rollout.max_new_tokens=512", "train.prompts_per_step=64", "rollout.group_size=8",
+            "train.micro_batch_size=4"]
+
+    def update_logits(*extra):
+        p = plan(load_config(None, base + list(extra)), shape, None, opts)
+        return {ph.phase: ph for ph in p.given.phases}["policy_update"].components["logits"]
+
+    fixed = update_logits()
+    seq = 512 + 512  # prompt_tokens + max_new_tokens
+    assert update_logits(f"train.max_tokens_per_micro_batch={4 * seq}") == fixed  # the same tokens
+    assert update_logits(f"train.max_tokens_per_micro_batch={2 * seq}") == fixed // 2
+    assert update_logits("train.max_tokens_per_micro_batch=100") == fixed // 4  # one sequence alone

@@ -19,6 +19,7 @@ import transformers
 from cooper_mcore.algo import kl_penalty
 from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.convert.mapping import canonical_mcore_name, param_mappings, to_hf
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
 from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
 from cooper_mcore.parallel import ParallelConfig, single_process_world
@@ -42,7 +43,7 @@ def _megatron_update(ckpt: str, batch: TokenBatch, mbs: int, loss: GRPOLoss, lr:
     """One policy_update; returns (model, metrics, {hf name: gradient})."""
     model, arch = load_checkpoint_model(ckpt, ParallelConfig())
     ddp, opt = wrap_for_training(model, OptimConfig(lr=lr, clip_grad=0.0), per_token_loss=True)
-    metrics = policy_update(ddp, opt, batch, mbs, loss)
+    metrics = policy_update(ddp, opt, batch, MicroBatching(mbs), loss)
     grads = {canonical_mcore_name(n): p.main_grad.detach().clone() for n, p in model.named_parameters()}
     by_name = {m.mcore: m for m in param_mappings(arch)}
     hf = {}
@@ -78,7 +79,7 @@ def _with_logprobs(ckpt: str, batch: TokenBatch, noise: float) -> TokenBatch:
     """Old log-probabilities of the current weights, shifted by seeded noise so that ratios move
     off 1 on both sides of the clip range; a reference shifted the other way."""
     model, _ = load_checkpoint_model(ckpt, ParallelConfig())
-    logp = compute_logprobs(model, batch, len(batch))
+    logp = compute_logprobs(model, batch, MicroBatching(len(batch)))
     g = torch.Generator().manual_seed(11)
     batch.old_logp = logp + noise * torch.randn(logp.shape, generator=g)
     batch.ref_logp = logp - 0.3 * torch.rand(logp.shape, generator=g)
@@ -123,7 +124,7 @@ def test_loss_is_token_mean_of_the_grpo_objective(tiny_models):
     with single_process_world():
         model, _ = load_checkpoint_model(ckpt, ParallelConfig())
         batch = _batch(vocab=128)
-        batch.old_logp = compute_logprobs(model, batch, 4)
+        batch.old_logp = compute_logprobs(model, batch, MicroBatching(4))
         batch.ref_logp = batch.old_logp.clone() - 0.01 * batch.loss_mask  # a reference slightly off
         _, m, _ = _megatron_update(ckpt, batch, mbs=4, loss=loss)
     mask = batch.loss_mask

@@ -230,7 +230,7 @@ def test_micro_batch_8_did_not_fit_with_the_assistant(capsys):
     preset = ROOT / "examples" / "qwen2.5-1.5b_8xh100.yaml"
     args = ["plan", "--config", str(preset), "--gpus-per-node", "8", "--gpu-memory-gib", "79.18", "--policy-config",
             str(CONFIGS / "qwen2.5-1.5b-instruct.json"), "--rm-config", str(CONFIGS / "qwen2.5-1.5b-instruct.json"),
-            "--json", "train.micro_batch_size=8"]
+            "--json", "train.micro_batch_size=8", "train.max_tokens_per_micro_batch=0", "train.pack_sequences=false"]
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] is False and doc["as_configured"]["peak"]["phase"] == "policy_update"

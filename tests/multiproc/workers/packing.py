@@ -21,22 +21,24 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.mcore.micro_batches import MicroBatching
+from cooper_mcore.mcore.reward_model import rm_scores
+from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs
 from cooper_mcore.models.forward import (
     forward_only,
     forward_packed,
-    packed_logprobs,
-    packed_rm_scores,
     position_ids_for,
     run_schedule,
     sequence_multiple,
     shifted_labels,
-    vocab_parallel_logprobs,
 )
 from cooper_mcore.models.packing import pack_micro_batches, right_pad, round_up
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, device, init_distributed
 
 LENGTHS = [9, 3, 16, 1, 12, 5]
 MICRO = [[2, 3, 0], [5, 1, 4]]  # packs of 26 and 20 tokens
+#: what the trainer's passes get for these lengths: packs by a 26-token budget
+PACKED = MicroBatching(3, max_tokens=26, pack=True)
 
 
 def _sequences(vocab, seed, pad_id, multiple):
@@ -106,7 +108,7 @@ def main():
             for i, row in enumerate(pk.rows.tolist()):
                 n = int(lengths[row])
                 logits = max(logits, float((back[i, :n] - ref[row, :n]).abs().max()))
-    logp = packed_logprobs(model, ids, lengths, MICRO, pad_id=0)
+    logp = compute_logprobs(model, TokenBatch(ids, torch.zeros(ids.shape), lengths=lengths), PACKED)
     mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
     if ref is not None:
         want = torch.log_softmax(ref.double(), -1).gather(-1, shifted_labels(ids)[..., None])[..., 0]
@@ -130,7 +132,7 @@ def main():
         out = m(x, position_ids_for(x), None)
 
         def loss(o):
-            lp = vocab_parallel_logprobs(o, labels[rows, :width].to(dev))
+            lp = token_logprobs(o, labels[rows, :width].to(dev))
             return (weight[rows, :width].to(dev) * lp * loss_mask[rows, :width].to(dev)).sum() / total, {}
 
         return out, loss
@@ -139,7 +141,7 @@ def main():
         pk = next(it)
 
         def loss(o):
-            lp = vocab_parallel_logprobs(o, pk.pack(labels).to(dev))
+            lp = token_logprobs(o, pk.pack(labels).to(dev))
             return (pk.pack(weight).to(dev) * lp * pk.pack(loss_mask).to(dev)).sum() / total, {}
 
         return forward_packed(m, pk), loss
@@ -157,7 +159,7 @@ def main():
     pad = rm_arch.pad_token_id or 0
     ids, lengths = _sequences(rm_arch.vocab_size, 13, pad, mult)
     want = forward_only(rm, ids, sequence_lengths=lengths)
-    got = packed_rm_scores(rm, ids, lengths, MICRO, pad_id=pad)
+    got = rm_scores(rm, ids, lengths, batching=PACKED)
     report["scores"] = _max_all(0.0 if want is None else float((got - want.float()).abs().max()))
     report["score_scale"] = _max_all(0.0 if want is None else float(want.abs().min()))
     if dist.get_rank() == 0:

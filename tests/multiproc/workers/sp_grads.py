@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 
 from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.convert.mapping import canonical_mcore_name
+from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import RMBatch, pairwise_train_step, wrap_reward_model
 from cooper_mcore.mcore.tokens import build_token_batch, compute_logprobs
 from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
@@ -51,8 +52,9 @@ def main():
     responses = [torch.randint(1, arch.vocab_size, (int(n),), generator=g).tolist() for n in (4, 2, 6, 3)]
     batch = build_token_batch(prompts, responses, pad_id=0)
     batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
-    batch.old_logp = compute_logprobs(model, batch, 2) + 0.1 * torch.randn(batch.input_ids.shape, generator=g)
-    m = policy_update(ddp, opt, batch, 2, GRPOLoss(clip_low=0.2, clip_high=0.2))
+    noise = 0.1 * torch.randn(batch.input_ids.shape, generator=g)
+    batch.old_logp = compute_logprobs(model, batch, MicroBatching(2)) + noise
+    m = policy_update(ddp, opt, batch, MicroBatching(2), GRPOLoss(clip_low=0.2, clip_high=0.2))
     result["policy"] = full_grads(model)
     result["policy_loss"] = m["loss"]
 
