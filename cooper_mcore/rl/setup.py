@@ -117,16 +117,25 @@ def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Option
                       tokenizer=tokenizer, offloader=offloader, ddp=ddp, optimizer=optimizer, scheduler=scheduler)
 
 
+def sglang_config(cfg: CooperConfig) -> SGLangConfig:
+    """This model-parallel group's SGLang engine: on its leader's GPU and the next ``tp - 1`` (its TP
+    group's GPUs on this node; without ``base_gpu_id`` every engine of a node would start on GPU 0),
+    its ports from the local rank. On CPU, SGLang's CPU backend (one process: TP needs kernels its
+    CPU build lacks) with a KV cache for one step's rollouts; it cannot honour per-request seeds."""
+    if torch.cuda.is_available():
+        return SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp, dtype=cfg.model.dtype,
+                            mem_fraction_static=cfg.rollout.sglang_mem_fraction,
+                            base_gpu_id=torch.cuda.current_device(), trust_remote_code=cfg.model.trust_remote_code)
+    per_rank = cfg.train.prompts_per_step // max(parallel_state.get_data_parallel_world_size(), 1)
+    tokens = per_rank * cfg.rollout.group_size * (cfg.rollout.max_new_tokens + 256)
+    return SGLangConfig.cpu(cfg.model.policy_hf, dtype=cfg.model.dtype, random_seed=cfg.train.seed,
+                            max_total_tokens=max(4096, tokens), trust_remote_code=cfg.model.trust_remote_code)
+
+
 def build_engine(cfg: CooperConfig) -> RolloutEngine:
     """This model-parallel group's rollout engine, started from the policy's HF folder."""
     if cfg.rollout.engine == "sglang":
-        # One engine per model-parallel group, on this group leader's GPU and the next tp-1 (its TP
-        # group's GPUs on this node); without base_gpu_id every engine of a node would start on GPU 0.
-        return SGLangEngine.offline(SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp,
-                                                 dtype=cfg.model.dtype,
-                                                 mem_fraction_static=cfg.rollout.sglang_mem_fraction,
-                                                 base_gpu_id=torch.cuda.current_device(),
-                                                 trust_remote_code=cfg.model.trust_remote_code))
+        return SGLangEngine.offline(sglang_config(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return HFEngine.from_pretrained(cfg.model.policy_hf, dtype=DTYPES[cfg.model.dtype], device=device,
                                     trust_remote_code=cfg.model.trust_remote_code)

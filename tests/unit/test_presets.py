@@ -187,6 +187,7 @@ def test_each_sglang_engine_starts_on_its_own_gpu(monkeypatch):
     seen = []
     monkeypatch.setattr(run_setup.SGLangEngine, "offline", classmethod(lambda cls, config: seen.append(config)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 6)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node
     cfg = load_config(str(ROOT / "examples" / "qwen2.5-7b_multinode.yaml"))
     run_setup.build_engine(cfg)
     assert len(seen) == 1
