@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 PIP := $(VPY) -m pip install -q --progress-bar off
 
-.PHONY: venv demo test test-fast test-sglang gpu-check gpu-wheels lint bench clean
+.PHONY: venv demo test test-fast test-isa test-sglang gpu-check gpu-wheels lint bench clean
 
 venv: $(STAMP)
 
@@ -72,6 +72,20 @@ gpu-check:
 gpu-wheels:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYVER) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d $(GPU_WHEELS) $(GPU_PKGS)
+
+# The numerics-sensitive tests (losses, gradients, updates against references; TP/PP/DP and packed
+# runs against one process) under each ATen CPU kernel set this CPU can run: default and avx2, and
+# avx512 where /proc/cpuinfo reports avx512f (torch dies with "Illegal instruction" otherwise).
+# CI and users run other x86 CPUs than the developers': a tolerance must hold on all three.
+ISA_TESTS := tests/unit/test_algo.py tests/unit/test_policy_update.py tests/unit/test_reward_model.py \
+	tests/unit/test_micro_batching.py tests/unit/test_packing.py tests/unit/test_pairs.py \
+	tests/unit/test_nonfinite.py tests/multiproc/test_parallel.py tests/multiproc/test_trainer.py \
+	tests/multiproc/test_packing.py tests/multiproc/test_rm_dist.py
+ISA_LEVELS ?= default avx2 $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
+
+test-isa: $(STAMP)
+	@for isa in $(ISA_LEVELS); do echo "== ATEN_CPU_CAPABILITY=$$isa"; \
+		ATEN_CPU_CAPABILITY=$$isa $(VPY) -m pytest -q -p no:cacheprovider $(ISA_TESTS) || exit 1; done
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not multiproc" tests

@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from cooper_mcore.collectives import all_reduce
 from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
-from cooper_mcore.mcore.collectives import all_reduce
 from cooper_mcore.redaction import scrub, scrub_config
 
 __all__ = [
@@ -553,7 +553,7 @@ def reduce_metrics(metrics: Mapping[str, Any], group: Any = None, op: str = "mea
     one ``all_reduce`` (plus one more if any key is max-reduced). A CRC of the key names rides
     along: ranks with different keys of the same count raise ValueError on every rank instead of
     mixing metrics up (different counts are the backend's problem: gloo errors, NCCL may hang).
-    Tensors go through :mod:`cooper_mcore.mcore.collectives` (on the compute device). Without an initialised process
+    Tensors go through :mod:`cooper_mcore.collectives` (on the compute device). Without an initialised process
     group this is the identity (values converted to float).
 
     Args:
@@ -576,8 +576,6 @@ def reduce_metrics(metrics: Mapping[str, Any], group: Any = None, op: str = "mea
     if sum_set & max_set:
         raise ValueError(f"keys both summed and maxed: {sorted(sum_set & max_set)}")
     values = {k: _to_float(k, metrics[k]) for k in sorted(metrics)}
-
-
     if not (dist.is_available() and dist.is_initialized()):
         return values
     keys = list(values)

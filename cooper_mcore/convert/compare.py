@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from cooper_mcore.collectives import all_reduce
 from cooper_mcore.convert.checkpoint import load_model_checkpoint, read_meta
-from cooper_mcore.mcore.collectives import all_reduce
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.forward import forward_only
 from cooper_mcore.parallel import ParallelConfig

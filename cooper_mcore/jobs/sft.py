@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.collectives import all_reduce
 from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
 from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.iterator import epoch_order
@@ -50,7 +51,6 @@ from cooper_mcore.data.mathgen import (
 )
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import pad_id_of
-from cooper_mcore.mcore.collectives import all_reduce
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import build_token_batch, token_logprobs
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, train_step, wrap_for_training

@@ -48,11 +48,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.collectives import all_gather
 from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
 from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import pad_id_of
-from cooper_mcore.mcore.collectives import all_gather
 from cooper_mcore.mcore.reward_model import (
     bce_train_step,
     load_rm_tokenizer,

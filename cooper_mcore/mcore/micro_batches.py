@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cooper_mcore.algo.batching import plan_micro_batches
-from cooper_mcore.mcore.collectives import all_reduce
+from cooper_mcore.collectives import all_reduce
 from cooper_mcore.models.forward import forward_packed, position_ids_for
 from cooper_mcore.models.packing import PackedBatch, pack_rows, round_up
 from cooper_mcore.parallel import device

@@ -23,7 +23,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from cooper_mcore.mcore.collectives import any_rank
+from cooper_mcore.collectives import any_rank
 from cooper_mcore.models.forward import variable_seq_lengths
 
 

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
+from cooper_mcore.collectives import is_group_leader
 from cooper_mcore.config import OffloadConfig
-from cooper_mcore.mcore.collectives import is_group_leader
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rollout.base import RolloutEngine

@@ -25,10 +25,10 @@ from typing import Any, Optional
 import numpy as np
 import torch.distributed as dist
 
+from cooper_mcore.collectives import any_rank
 from cooper_mcore.config import CooperConfig, save_config, to_dict
 from cooper_mcore.hacking import RewardHackingDetector
 from cooper_mcore.mcore.checkpoint import find_resume, load_training_checkpoint, save_training_checkpoint
-from cooper_mcore.mcore.collectives import any_rank
 from cooper_mcore.mcore.faults import FaultPhaseTimer
 from cooper_mcore.metrics import MetricsLogger, ProgressBar, reduce_metrics
 from cooper_mcore.rl.rollouts import evaluate

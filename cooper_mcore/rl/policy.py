@@ -19,7 +19,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 
 from cooper_mcore.algo import kl_penalty, masked_sum, policy_loss
-from cooper_mcore.mcore.collectives import broadcast_from_last_stage
+from cooper_mcore.collectives import broadcast_from_last_stage
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
 from cooper_mcore.mcore.training import train_step

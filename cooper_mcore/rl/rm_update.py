@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
+from cooper_mcore.collectives import broadcast_object_in_model_parallel_group, is_group_leader
 from cooper_mcore.config import CooperConfig, RMUpdateConfig
-from cooper_mcore.mcore.collectives import broadcast_object_in_model_parallel_group, is_group_leader
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.reward_model import pairwise_train_step

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from cooper_mcore.mcore.collectives import all_reduce, broadcast_object_in_model_parallel_group, is_group_leader
+from cooper_mcore.collectives import all_reduce, broadcast_object_in_model_parallel_group, is_group_leader
 from cooper_mcore.reward.protocols import BatchVerifier
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.types import Prompt, RolloutGroup, Sample

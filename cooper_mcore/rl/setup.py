@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.collectives import any_rank, is_group_leader
 from cooper_mcore.config import CooperConfig, OptimSection, validate
 from cooper_mcore.convert.checkpoint import read_meta
 from cooper_mcore.convert.compare import load_checkpoint_model
@@ -23,7 +24,6 @@ from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
-from cooper_mcore.mcore.collectives import any_rank, is_group_leader
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap

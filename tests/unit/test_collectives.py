@@ -4,7 +4,7 @@ On GPUs the process groups are NCCL's, which reject host tensors ("No backend ty
 device type cpu"); on CPU they are gloo's, which accept everything, so a host tensor slips through
 the CPU tests (the RM scores' pipeline broadcast did, issue 12). Two checks model the CUDA world:
 
-* statically, no module but :mod:`cooper_mcore.mcore.collectives` calls ``torch.distributed``'s
+* statically, no module but :mod:`cooper_mcore.collectives` calls ``torch.distributed``'s
   tensor collectives (the weight gather of :mod:`cooper_mcore.rollout.weight_sync`, whose tensors
   are parameters, is the one exception);
 * dynamically, the helpers there move what they are given to ``parallel.device()``: with the
@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cooper_mcore.mcore import collectives
+from cooper_mcore import collectives
 
 ROOT = Path(__file__).resolve().parents[2] / "cooper_mcore"
 TENSOR_COLLECTIVES = {"broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
                       "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                       "send", "recv", "isend", "irecv"}
-ALLOWED = {"mcore/collectives.py", "rollout/weight_sync.py"}
+ALLOWED = {"collectives.py", "rollout/weight_sync.py"}
 
 
 def _direct_collectives(path: Path) -> list[str]:
@@ -43,7 +43,7 @@ def _direct_collectives(path: Path) -> list[str]:
 
 def test_no_module_issues_tensor_collectives_directly():
     hits = [h for p in ROOT.rglob("*.py") if str(p.relative_to(ROOT)) not in ALLOWED for h in _direct_collectives(p)]
-    assert not hits, "route these through cooper_mcore.mcore.collectives (it puts tensors on the device):\n" + \
+    assert not hits, "route these through cooper_mcore.collectives (it puts tensors on the device):\n" + \
         "\n".join(hits)
 
 

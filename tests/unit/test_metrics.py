@@ -464,7 +464,7 @@ def test_reduce_metrics_gloo_world_of_one(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert out == {"pairs/valid": 3.0, "reward/mean": 0.5, "time/rollout": 2.0}
-    assert calls == [dist.ReduceOp.SUM, dist.ReduceOp.MAX]
+    assert calls == []  # one rank: nothing to reduce, no collective issued (the ops: two-rank test below)
 
 
 def _rank_worker(rank: int, port: int, q) -> None:
