@@ -165,7 +165,7 @@ def test_trainer_logging_survives_the_engine(offline):
     root = logging.getLogger()
     assert offline.root_after == offline.root_before and offline.root_before[1] == logging.INFO
     assert offline.handler in root.handlers and root.level == logging.INFO
-    logging.getLogger("cooper_mcore.train.test").info("after the engine %d", 1)
+    logging.getLogger("cooper_mcore.rl.test").info("after the engine %d", 1)
     logging.getLogger("cooper_mcore.rl.test").warning("a warning")
     got = [r.getMessage() for r in offline.handler.records]
     assert "after the engine 1" in got and "a warning" in got

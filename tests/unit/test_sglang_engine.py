@@ -818,7 +818,7 @@ def test_offline_keeps_the_trainers_logging(monkeypatch, tmp_path):
         root.setLevel(logging.INFO)
         SGLangEngine.offline(SGLangConfig(model_path="/m"))
         assert root.handlers == [handler] and root.level == logging.INFO and root.filters == [keep]
-        logging.getLogger("cooper_mcore.train").info("trainer line after the engine")
+        logging.getLogger("cooper_mcore.rl").info("trainer line after the engine")
         handler.flush()
         assert "trainer line after the engine" in (tmp_path / "trainer.log").read_text()
         # the control: without the guard the same engine start silences the trainer
