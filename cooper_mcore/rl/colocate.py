@@ -46,15 +46,18 @@ class Colocation:
         rm: the reward model, if the run has one.
         offload: what leaves the device during generation.
         bucket_bytes: weight-push bucket size.
+        per_tp_rank: push one payload per TP rank from that rank's GPU (an SGLang engine with the
+            policy's TP size; see :func:`~cooper_mcore.rollout.weight_sync.sync_weights`).
     """
 
     def __init__(self, engine: Optional[RolloutEngine], policy: ModelState, rm: Optional[ModelState],
-                 offload: OffloadConfig, bucket_bytes: int) -> None:
+                 offload: OffloadConfig, bucket_bytes: int, per_tp_rank: bool = False) -> None:
         self.engine = engine
         self.policy = policy
         self.rm = rm
         self.offload = offload
         self.bucket_bytes = bucket_bytes
+        self.per_tp_rank = per_tp_rank
         self.synced_version: Optional[int] = None  # the policy version last pushed, on every rank
         self._release = engine is not None and offload.release_engine
 
@@ -81,7 +84,7 @@ class Colocation:
         if self._release or self.synced_version != version:  # released weights are lost: push them again
             with timer.phase("weight_sync"):
                 sync_weights(self.policy.model, self.policy.arch, self.engine if is_group_leader() else None,
-                             version, bucket_bytes=self.bucket_bytes)
+                             version, bucket_bytes=self.bucket_bytes, per_tp_rank=self.per_tp_rank)
                 self.synced_version = version
         params_moved = self.offload.policy_params
         if params_moved:

@@ -213,7 +213,10 @@ def build_run(cfg: CooperConfig) -> Run:
     if is_group_leader():
         engine = build_engine(cfg)
         verifier = RuleVerifier(timeout_s=cfg.reward.verifier_timeout_s, num_workers=cfg.reward.verifier_workers)
-    colocation = Colocation(engine, policy, rm, cfg.offload, bucket_bytes=cfg.rollout.bucket_mb * 2**20)
+    # A GPU SGLang engine has the policy's TP size on the same GPUs: each TP rank feeds its own SGLang rank.
+    per_tp_rank = cfg.rollout.engine == "sglang" and torch.cuda.is_available()
+    colocation = Colocation(engine, policy, rm, cfg.offload, bucket_bytes=cfg.rollout.bucket_mb * 2**20,
+                            per_tp_rank=per_tp_rank)
     data, eval_prompts = read_data(cfg, tokenizer)
     return Run(cfg=cfg, policy=policy, rm=rm, reference=reference, colocation=colocation, verifier=verifier,
                assistant=assistant, data=data, eval_prompts=eval_prompts)

@@ -744,7 +744,7 @@ class SGLangEngine:
 
     def update_weights_from_payloads(self, payloads: Iterable[Sequence[Any]], version: int) -> None:
         """Like :meth:`update_weights` with the payloads already made: per bucket, one payload per
-        SGLang TP rank (:func:`rank_payload`, raw bytes offline, base64 over HTTP); SGLang's TP rank
+        SGLang TP rank (:func:`rank_payload`: raw bytes, encoded here for HTTP, or base64); SGLang's TP rank
         ``i`` loads entry ``i`` only, so each can come from a different trainer rank's device
         (:func:`gather_rank_payloads`). Every payload holds the full (unsharded) Hugging Face
         tensors of the bucket: SGLang's ``load_weights`` cuts each rank's shard out of them."""
@@ -777,6 +777,7 @@ class SGLangEngine:
             _check("update_weights_from_tensor", self._engine.update_weights_from_tensor(
                 named_tensors=blobs, load_format=LOAD_FORMAT, flush_cache=last))
             return
+        blobs = [base64.b64encode(b).decode("ascii") if isinstance(b, bytes) else b for b in blobs]  # JSON
         body: dict[str, Any] = {"serialized_named_tensors": blobs, "load_format": LOAD_FORMAT, "flush_cache": last}
         if last:
             body["weight_version"] = str(version)

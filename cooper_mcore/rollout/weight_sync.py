@@ -6,6 +6,13 @@ each pipeline stage broadcasts its full parameters to the replica's first rank, 
 Hugging Face names with the converter's mapping (:mod:`cooper_mcore.convert.mapping`) and hands
 them to its engine in buckets of a configurable size. The engine's ``weight_version`` is bumped.
 
+With ``per_tp_rank`` (an SGLang engine with the policy's TP size, on the same GPUs) the shards are
+all-gathered instead, every TP rank of the first stage holds the full tensors, makes its own
+payload of each bucket, and the payloads are gathered (their handles, not the tensors) to the
+replica's first rank, which hands entry ``i`` to SGLang's TP rank ``i``: each SGLang rank then reads
+its weights from its own GPU, as verl and slime do, instead of every rank reading the leader's GPU
+over CUDA IPC (an extra CUDA context on that GPU per SGLang rank).
+
 Collective: every rank of the model's TP and PP groups calls :func:`sync_weights`; only the
 replica's first rank (TP rank 0, PP rank 0) passes an engine.
 """
@@ -14,17 +21,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import Optional
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.collectives import any_rank
 from cooper_mcore.convert.mapping import canonical_mcore_name, param_mappings, to_hf
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.forward import unwrap
 from cooper_mcore.rollout.base import RolloutEngine, bucketize
+from cooper_mcore.rollout.sglang_engine import gather_rank_payloads, rank_payload
 
 logger = logging.getLogger(__name__)
 
@@ -35,33 +44,40 @@ def layer_offset(model: torch.nn.Module) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def _gather_tp(name: str, param: torch.Tensor, tp_group) -> Optional[torch.Tensor]:
-    """The full tensor of a (possibly) tensor-parallel parameter, on TP rank 0 (None elsewhere)."""
+def _gather_tp(name: str, param: torch.Tensor, tp_group, everywhere: bool = False) -> Optional[torch.Tensor]:
+    """The full tensor of a (possibly) tensor-parallel parameter, on TP rank 0 (None elsewhere), or
+    on every TP rank when ``everywhere``."""
     tp = dist.get_world_size(tp_group)
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
-    root = dist.get_process_group_ranks(tp_group)[0]
-    is_root = dist.get_rank() == root
-    shards = [torch.empty_like(param) for _ in range(tp)] if is_root else None
-    dist.gather(param.detach().contiguous(), shards, dst=root, group=tp_group)
-    if not is_root:
-        return None
+    if everywhere:
+        shards = [torch.empty_like(param) for _ in range(tp)]
+        dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+    else:
+        root = dist.get_process_group_ranks(tp_group)[0]
+        shards = [torch.empty_like(param) for _ in range(tp)] if dist.get_rank() == root else None
+        dist.gather(param.detach().contiguous(), shards, dst=root, group=tp_group)
+        if shards is None:
+            return None
     if name.endswith("mlp.linear_fc1.weight"):  # each shard is [gate_r; up_r]
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=param.partition_dim)
 
 
-def gathered_params(model: torch.nn.Module, tp_group, pp_group) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered_params(model: torch.nn.Module, tp_group, pp_group,
+                    every_tp_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(mapping name, full tensor)`` of every parameter of the whole pipeline, on the
-    replica's first rank; other ranks take part in the collectives and yield nothing.
+    replica's first rank (on every TP rank of the first stage with ``every_tp_rank``); other ranks
+    take part in the collectives and yield nothing.
 
-    TP shards are gathered to TP rank 0 of each stage; the stages' TP-rank-0 processes then
-    broadcast along their pipeline group, which contains the replica's first rank.
+    TP shards are gathered to TP rank 0 of each stage (all-gathered with ``every_tp_rank``); the
+    stages' TP-rank-0 processes (every TP rank's) then broadcast along their pipeline group, which
+    contains the first stage's rank of the same TP rank.
     """
     inner = unwrap(model)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    tp_root = dist.get_rank(tp_group) == 0
+    tp_root = every_tp_rank or dist.get_rank(tp_group) == 0
     receiver = tp_root and pp_rank == 0
     local = [(canonical_mcore_name(n, layer_offset(inner)), p)
              for n, p in inner.named_parameters()]
@@ -78,7 +94,7 @@ def gathered_params(model: torch.nn.Module, tp_group, pp_group) -> Iterator[tupl
         if stage != pp_rank and not tp_root:
             continue  # only TP rank 0 of each stage joins the pipeline broadcasts
         for i, (name, shape, dtype) in enumerate(meta[0]):
-            full = _gather_tp(name, local[i][1], tp_group) if stage == pp_rank else None
+            full = _gather_tp(name, local[i][1], tp_group, every_tp_rank) if stage == pp_rank else None
             if not tp_root:
                 continue
             if full is None:
@@ -100,11 +116,12 @@ def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
 
 
 def hf_named_tensors(
-    model: torch.nn.Module, arch: ArchSpec, tp_group, pp_group
+    model: torch.nn.Module, arch: ArchSpec, tp_group, pp_group, every_tp_rank: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for the whole model on the replica's first rank."""
+    """Yield ``(hf_name, tensor)`` for the whole model on the replica's first rank (every TP rank of
+    the first stage with ``every_tp_rank``)."""
     by_name = {m.mcore: m for m in param_mappings(arch)}
-    for name, full in gathered_params(model, tp_group, pp_group):
+    for name, full in gathered_params(model, tp_group, pp_group, every_tp_rank):
         m = by_name.get(name)
         if m is None:
             if name == "output_layer.weight" and arch.tie_word_embeddings:
@@ -121,6 +138,7 @@ def sync_weights(
     bucket_bytes: int = 512 * 2**20,
     tp_group=None,
     pp_group=None,
+    per_tp_rank: bool = False,
 ) -> dict[str, float]:
     """Push the model's weights into ``engine`` (given on the replica's first rank only).
 
@@ -131,36 +149,78 @@ def sync_weights(
         version: the new weight version.
         bucket_bytes: size of the buckets handed to the engine.
         tp_group / pp_group: the model's groups; default: megatron-core's global groups.
+        per_tp_rank: one payload per TP rank, made on that rank's device (an engine with
+            ``update_weights_from_payloads`` and the model's TP size: SGLang on the same GPUs);
+            ignored at TP=1.
 
     Returns:
         ``{"seconds", "bytes", "buckets"}`` (bytes and buckets on the first rank).
+
+    Raises:
+        ValueError: the first rank passes no engine, or with ``per_tp_rank`` an engine that
+            cannot take one payload per TP rank (on every rank of the TP group).
     """
     tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
     pp_group = pp_group or parallel_state.get_pipeline_model_parallel_group()
     first = dist.get_rank(tp_group) == 0 and dist.get_rank(pp_group) == 0
     if first and engine is None:
         raise ValueError("sync_weights: the replica's first rank must pass its rollout engine")
+    per_tp_rank = per_tp_rank and dist.get_world_size(tp_group) > 1
+    if per_tp_rank:
+        _check_per_rank_engine(engine if first else None, tp_group)
     t0 = time.perf_counter()
     stats = {"bytes": 0.0, "buckets": 0.0}
+    receiver = dist.get_rank(pp_group) == 0 and (per_tp_rank or first)
 
     def counted():
-        for name, t in hf_named_tensors(model, arch, tp_group, pp_group):
+        for name, t in hf_named_tensors(model, arch, tp_group, pp_group, every_tp_rank=per_tp_rank):
             stats["bytes"] += t.numel() * t.element_size()
             yield name, t
 
+    def tally(buckets):
+        for b in buckets:
+            stats["buckets"] += 1
+            yield b
+
     with torch.no_grad():
-        if first:
-            buckets = bucketize(counted(), bucket_bytes)
-
-            def tally():
-                for b in buckets:
-                    stats["buckets"] += 1
-                    yield b
-
-            engine.update_weights(tally(), version)
+        if per_tp_rank and receiver:
+            _push_per_tp_rank(tally(bucketize(counted(), bucket_bytes)), engine if first else None, version,
+                              tp_group)
+        elif receiver:
+            engine.update_weights(tally(bucketize(counted(), bucket_bytes)), version)
         else:
             for _ in counted():
                 pass
     stats["seconds"] = time.perf_counter() - t0
     logger.debug("weight sync v%d: %.0f MB in %.2fs", version, stats["bytes"] / 2**20, stats["seconds"])
     return stats
+
+
+def _check_per_rank_engine(engine: Optional[Any], tp_group) -> None:
+    """Raise on every TP rank when the first rank's engine cannot take one payload per TP rank."""
+    tp = dist.get_world_size(tp_group)
+    bad = engine is not None and not (hasattr(engine, "update_weights_from_payloads")
+                                      and getattr(engine, "tp_size", None) == tp)
+    if any_rank(bad, tp_group):
+        raise ValueError(f"sync_weights(per_tp_rank=True) needs an engine with update_weights_from_payloads and "
+                         f"tp_size {tp} (the model's TP size); the replica's first rank has one that has not")
+
+
+def _push_per_tp_rank(buckets: Iterable[list[tuple[str, torch.Tensor]]], engine: Optional[Any], version: int,
+                      tp_group) -> None:
+    """Every TP rank of the first stage: pickle a payload of each bucket from its own device and
+    gather the payloads on TP rank 0, which hands them to ``engine`` (collective over ``tp_group``).
+
+    A rank keeps each bucket alive until the next gather, which TP rank 0 reaches only after the
+    engine has loaded the bucket; the barrier at the end covers the last one.
+    """
+    def per_bucket() -> Iterator[Optional[list[Any]]]:
+        for bucket in buckets:
+            yield gather_rank_payloads(rank_payload(bucket, as_base64=False), tp_group, dst=0)
+
+    if engine is not None:
+        engine.update_weights_from_payloads(per_bucket(), version)
+    else:
+        for _ in per_bucket():
+            pass
+    dist.barrier(group=tp_group)

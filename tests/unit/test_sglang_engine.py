@@ -867,3 +867,15 @@ def test_update_weights_from_payloads_per_rank():
     eng.update_weights([ts[:2]], version=7)  # one payload per rank, each pickled on its own
     blobs = [kw for c, kw in fe.calls if c == "update_weights_from_tensor"][-1]["named_tensors"]
     assert len(blobs) == 2 and blobs[0] is not blobs[1]
+
+
+def test_http_payloads_given_as_bytes_are_sent_as_base64(fake):
+    """The weight sync's per-rank payloads are raw pickles (the ranks do not know the engine's mode);
+    over HTTP they must reach SGLang base64-encoded, the same bytes."""
+    from cooper_mcore.rollout.sglang_engine import rank_payload
+
+    eng = _http_engine(fake)
+    raw = [rank_payload(_tensors()[:2], as_base64=False) for _ in range(2)]
+    eng.update_weights_from_payloads([raw], version=3)
+    sent = fake.posts("/update_weights_from_tensor")[0]["serialized_named_tensors"]
+    assert [base64.b64decode(s, validate=True) for s in sent] == raw
