@@ -2,11 +2,11 @@
 (:meth:`SGLangEngine.offline`, colocated) or an HTTP server (:meth:`SGLangEngine.launch` /
 :meth:`SGLangEngine.connect`), on CUDA or on SGLang's CPU backend (:meth:`SGLangConfig.cpu`).
 
-Weights travel in SGLang's ``flattened_bucket`` load format: a bucket becomes one ``uint8``
-buffer plus per-tensor metadata, pickled with shared tensors (CUDA tensors as CUDA-IPC handles,
-so the server must share the host and GPUs; CPU tensors as shared-memory file names), one
-payload per SGLang TP rank (possibly made by different trainer ranks), base64-encoded over HTTP,
-inside the ``begin_weight_update`` / ``end_weight_update`` session SGLang 0.5.23 requires. Each
+Weights travel in SGLang's ``flattened_bucket`` load format (:mod:`cooper_mcore.rollout.sglang_payload`:
+shared tensors, so the server must share the host and GPUs), one payload per SGLang TP rank
+(possibly made by different trainer ranks), base64-encoded over HTTP
+(:mod:`cooper_mcore.rollout.sglang_http`), inside the ``begin_weight_update`` /
+``end_weight_update`` session SGLang 0.5.23 requires. Each
 engine of a node gets its own ports from its local rank, and building ``sglang.Engine`` leaves
 the trainer's logging as it was. ``sglang`` is imported lazily, only inside the functions that
 need it.
@@ -16,26 +16,21 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import logging
 import os
 import signal
 import subprocess
 import sys
-import time
-import types
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
-import requests
 import torch
-import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions on ForkingPickler)
-from torch.multiprocessing import reductions
 
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
+from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
+from cooper_mcore.rollout.sglang_payload import LOAD_FORMAT, rank_payload
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +48,6 @@ DEVICES = ("cuda", "cpu")
 # request sampling_params keys this module sends (SGLang's /generate rejects unknown keys)
 SAMPLING_PARAM_NAMES = frozenset({"max_new_tokens", "temperature", "top_p", "stop", "sampling_seed"})
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang.srt.constants.GPU_MEMORY_TYPE_*
-LOAD_FORMAT = "flattened_bucket"
 
 _RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 _CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"  # sglang.srt.utils.is_cpu(): SGLang's CPU backend
@@ -323,255 +317,6 @@ def parse_generate_output(out: dict[str, Any], logprobs: bool) -> GenerateOutput
                                f"match output_ids ({len(token_ids)} tokens)")
         lps = [float(e[0]) for e in entries]
     return GenerateOutput(token_ids=token_ids, text=out.get("text") or "", logprobs=lps, finish_reason=kind)
-
-
-# -- flattened weight buckets ----------------------------------------------------------------
-@dataclass(frozen=True)
-class BucketEntry:
-    """One tensor of a flattened bucket (SGLang's ``FlattenedTensorMetadata`` fields; the indices
-    and ``numel`` count bytes of the ``uint8`` buffer)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-@dataclass
-class FlatBucket:
-    """A bucket as one contiguous ``uint8`` buffer plus the entries to cut it back into tensors."""
-
-    flattened_tensor: torch.Tensor
-    metadata: list[BucketEntry]
-
-
-def flatten_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
-    """Concatenate the bytes of every tensor (any dtypes, one device) into one ``uint8`` buffer.
-
-    Each tensor starts at a multiple of its element size (zero padding before it if needed): the
-    receiver views ``buffer[start:end]`` as the dtype, which fails on a misaligned offset. Without
-    padding the layout equals SGLang's own ``FlattenedTensorBucket``.
-    """
-    if not named_tensors:
-        raise ValueError("flatten_bucket: empty bucket")
-    names = [n for n, _ in named_tensors]
-    if len(set(names)) != len(names):
-        raise ValueError(f"flatten_bucket: duplicate names {sorted({n for n in names if names.count(n) > 1})}")
-    devices = {t.device for _, t in named_tensors}
-    if len(devices) > 1:
-        raise ValueError(f"flatten_bucket: tensors on several devices {sorted(map(str, devices))}")
-    parts, metadata, offset = [], [], 0
-    for name, t in named_tensors:
-        pad = -offset % t.element_size()
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
-            offset += pad
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        parts.append(raw)
-        metadata.append(BucketEntry(name, t.shape, t.dtype, offset, offset + raw.numel(), raw.numel()))
-        offset += raw.numel()
-    return FlatBucket(torch.cat(parts), metadata)
-
-
-def unflatten_bucket(bucket: FlatBucket) -> list[tuple[str, torch.Tensor]]:
-    """The tensors back from a bucket (views of its buffer), as SGLang's receiver rebuilds them."""
-    flat = bucket.flattened_tensor
-    return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in bucket.metadata]
-
-
-def sglang_bucket_payload(bucket: FlatBucket) -> dict[str, Any]:
-    """What SGLang's ``flattened_bucket`` loader unpickles: ``{"flattened_tensor", "metadata"}``. It reads
-    the metadata items' attributes; ``types.SimpleNamespace`` passes its restricted unpickler."""
-    meta = [types.SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.start_idx,
-                                  end_idx=m.end_idx, numel=m.numel) for m in bucket.metadata]
-    return {"flattened_tensor": bucket.flattened_tensor, "metadata": meta}
-
-
-def serialize_for_sglang(obj: Any, as_base64: bool) -> Any:
-    """Pickle ``obj`` as SGLang's ``MultiprocessingSerializer`` does (``ForkingPickler``; tensors are
-    shared, not copied), as bytes or as a base64 string for JSON.
-
-    CUDA tensors travel as CUDA-IPC handles naming their GPU by UUID, as SGLang's
-    ``monkey_patch_torch_reductions`` sends them (its receiver maps the UUID back to a device
-    index, so the server may see a different ``CUDA_VISIBLE_DEVICES``). SGLang's patch itself is
-    not applied: it assumes every tensor is a CUDA tensor and fails on CPU ones.
-
-    CPU tensors are moved to shared memory and travel by file name (torch's ``file_system``
-    sharing strategy, for this call only): the default file-descriptor strategy hands descriptors
-    over a socket authenticated with the multiprocessing authkey, which only this process's own
-    children share, so a server launched apart (``launch``, ``connect``) or a payload made by
-    another trainer rank could not open them.
-    """
-    buf = io.BytesIO()
-    pickler = ForkingPickler(buf)
-    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_for_sglang
-    pickler.dispatch_table[torch.nn.Parameter] = _reduce_tensor_for_sglang
-    strategy = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        pickler.dump(obj)
-    finally:
-        torch.multiprocessing.set_sharing_strategy(strategy)
-    data = buf.getvalue()
-    return base64.b64encode(data).decode("ascii") if as_base64 else data
-
-
-_CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments (SGLang's constant)
-
-
-def _reduce_tensor_for_sglang(t: torch.Tensor) -> tuple[Any, tuple]:
-    """torch's tensor reduction (unpatched); for CUDA tensors the device index becomes the GPU's UUID."""
-    reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # SGLang may have patched it
-    fn, args = reduce(t)
-    if t.is_cuda:
-        uuid = str(torch.cuda.get_device_properties(args[_CUDA_DEVICE_ARG]).uuid)
-        args = (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1:])
-    return fn, args
-
-
-def rank_payload(bucket: Sequence[tuple[str, torch.Tensor]], as_base64: bool) -> Any:
-    """The payload one SGLang TP rank loads for ``bucket`` (full Hugging Face tensors, one device):
-    flattened (:func:`flatten_bucket`), wrapped (:func:`sglang_bucket_payload`) and pickled with
-    shared tensors (:func:`serialize_for_sglang`). Make one per SGLang TP rank (torch counts the
-    consumers of a CUDA-IPC handle per pickling), and keep the tensors alive until SGLang has
-    loaded it."""
-    return serialize_for_sglang(sglang_bucket_payload(flatten_bucket(bucket)), as_base64)
-
-
-def gather_rank_payloads(payload: Any, group: Optional[dist.ProcessGroup] = None, dst: int = 0) -> Optional[list[Any]]:
-    """Collect one payload from every rank of ``group`` on its rank ``dst`` (collective).
-
-    With the trainer's TP group and an engine whose TP ranks sit on the same GPUs in the same
-    order, SGLang's TP rank ``i`` then reads its weights from trainer TP rank ``i``'s own GPU
-    (:meth:`SGLangEngine.update_weights_from_payloads`) instead of every SGLang rank reading the
-    leader's GPU. Only the pickled handles travel (a few hundred bytes per bucket), not the
-    tensors; every rank must keep its bucket alive until the leader's update returns.
-
-    Returns:
-        The payloads in group-rank order on ``dst``, None elsewhere.
-    """
-    gathered: Optional[list[Any]] = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
-    dist.gather_object(payload, gathered, dst=dist.get_global_rank(group, dst) if group is not None else dst,
-                       group=group)
-    return gathered
-
-
-# -- HTTP ------------------------------------------------------------------------------------
-_RETRY_STATUS = (500, 502, 503, 504)  # server-side failures worth another try for idempotent requests
-
-
-def _is_connect_failure(exc: requests.exceptions.ConnectionError) -> bool:
-    """True when the request never reached the server (safe to retry any operation)."""
-    import urllib3
-
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return True
-    reason = getattr(exc.args[0], "reason", None) if exc.args else None
-    return isinstance(reason, (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError))
-
-
-class SGLangHTTPClient:
-    """JSON calls to an SGLang server with bounded retries and errors that name the server.
-
-    A request that never reached the server (connection refused, connect timeout) is retried
-    with exponential backoff (``backoff_s``, doubling) up to ``max_retries`` times. An
-    *idempotent* request (generation, reads, cache flush: sending it twice changes nothing) is
-    also retried when the connection drops mid-request or the server answers HTTP 500, 502, 503
-    or 504. Weight-update calls are not idempotent and fail at once on those. After the retries
-    the error names the server, the operation and the number of attempts; a dead engine stops the
-    run with it (there is nothing to mask without rollouts).
-
-    Args:
-        base_url: e.g. ``http://127.0.0.1:30000``.
-        connect_timeout_s / request_timeout_s: per-request limits (a read timeout is not retried).
-        max_retries: extra attempts (exponential backoff from ``backoff_s``).
-    """
-
-    def __init__(self, base_url: str, connect_timeout_s: float = 5.0, request_timeout_s: float = 1800.0,
-                 max_retries: int = 3, backoff_s: float = 0.5) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"SGLang server URL must start with http:// or https://, got {base_url!r}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self.base_url = base_url.rstrip("/")
-        self.connect_timeout_s = connect_timeout_s
-        self.request_timeout_s = request_timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self._session = requests.Session()
-
-    def request(self, method: str, path: str, op: str, payload: Optional[dict] = None,
-                idempotent: bool = False, timeout_s: Optional[float] = None) -> Any:
-        """One request; returns the decoded JSON (or the text, or None for an empty body). Raises:
-            ConnectionError: the server could not be reached after the retries.
-            TimeoutError: no answer within the request timeout.
-            RuntimeError: an HTTP error status, or ``{"success": false}``.
-        """
-        url = self.base_url + path
-        timeout = (self.connect_timeout_s, timeout_s or self.request_timeout_s)
-        for attempt in range(self.max_retries + 1):
-            try:
-                resp = self._session.request(method, url, json=payload, timeout=timeout)
-                if not (idempotent and resp.status_code in _RETRY_STATUS) or attempt == self.max_retries:
-                    break
-                delay = self.backoff_s * 2**attempt
-                logger.warning("SGLang %s at %s: HTTP %d; retrying in %.2fs", op, url, resp.status_code, delay)
-                time.sleep(delay)
-            except requests.exceptions.ConnectionError as e:
-                if not (_is_connect_failure(e) or idempotent) or attempt == self.max_retries:
-                    raise ConnectionError(f"SGLang server {self.base_url}: {op} ({method} {path}) failed after "
-                                          f"{attempt + 1} attempt(s): {e}") from e
-                delay = self.backoff_s * 2**attempt
-                logger.warning("SGLang %s at %s: %s; retrying in %.2fs", op, url, type(e).__name__, delay)
-                time.sleep(delay)
-            except requests.exceptions.Timeout as e:
-                raise TimeoutError(f"SGLang server {self.base_url}: {op} ({method} {path}) got no answer within "
-                                   f"{timeout[1]}s") from e
-        if resp.status_code >= 400:
-            tries = f" after {attempt + 1} attempt(s)" if idempotent and resp.status_code in _RETRY_STATUS else ""
-            raise RuntimeError(f"SGLang server {self.base_url}: {op} ({method} {path}) answered HTTP "
-                               f"{resp.status_code}{tries}: {resp.text[:500]!r}")
-        if not resp.content:
-            return None
-        try:
-            body = resp.json()
-        except ValueError:
-            return resp.text
-        if isinstance(body, dict) and body.get("success") is False:
-            raise RuntimeError(f"SGLang server {self.base_url}: {op} failed: {str(body.get('message'))[:500]!r}")
-        return body
-
-    def wait_until_ready(self, timeout_s: float, path: str = "/health_generate", poll_s: float = 1.0,
-                         process: Optional[subprocess.Popen] = None) -> None:
-        """Poll ``path`` until it answers 200 (``/health_generate`` runs a 1-token generation). Raises:
-            TimeoutError: not ready within ``timeout_s`` (with the last status or error).
-            RuntimeError: ``process`` (the launched server) exited.
-        """
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while True:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"SGLang server {self.base_url} exited with code {process.returncode} "
-                                   "before it was ready")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"SGLang server {self.base_url} not ready after {timeout_s}s "
-                                   f"(last {path}: {last})")
-            try:
-                resp = self._session.get(self.base_url + path, timeout=(min(self.connect_timeout_s, remaining),
-                                                                        max(min(remaining, 60.0), 0.1)))
-                if resp.status_code == 200:
-                    return
-                last = f"HTTP {resp.status_code}"
-            except requests.exceptions.RequestException as e:
-                last = type(e).__name__
-            time.sleep(max(min(poll_s, deadline - time.monotonic()), 0))
-
-    def close(self) -> None:
-        """Close the HTTP session."""
-        self._session.close()
 
 
 # -- the engine ------------------------------------------------------------------------------

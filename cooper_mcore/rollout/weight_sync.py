@@ -33,7 +33,7 @@ from cooper_mcore.convert.mapping import canonical_mcore_name, param_mappings, t
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.forward import unwrap
 from cooper_mcore.rollout.base import RolloutEngine, bucketize
-from cooper_mcore.rollout.sglang_engine import gather_rank_payloads, rank_payload
+from cooper_mcore.rollout.sglang_payload import gather_rank_payloads, rank_payload
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from cooper_mcore.rollout.base import SamplingParams
-from cooper_mcore.rollout.sglang_engine import SGLangEngine, SGLangHTTPClient
+from cooper_mcore.rollout.sglang_engine import SGLangEngine
+from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
 from cooper_mcore.rollout.weight_sync import sync_weights
 from tests.conftest import last_json
 from tests.sglang.conftest import free_port, megatron_logprobs, megatron_step_max, torchrun_sglang

@@ -20,7 +20,7 @@ from cooper_mcore.reward.annotate import judge_messages, parse_judgement
 from cooper_mcore.reward.negatives import LLMAssistant, clean_assistant_output, rewrite_messages
 from cooper_mcore.reward.openai_client import OpenAIChatClient
 from cooper_mcore.reward.verifier import RuleVerifier
-from cooper_mcore.rollout.sglang_engine import SGLangHTTPClient
+from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
 from cooper_mcore.types import Prompt
 from tests.sglang.conftest import ROOT
 

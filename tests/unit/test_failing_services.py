@@ -28,7 +28,8 @@ from cooper_mcore.reward.negatives import (
 )
 from cooper_mcore.reward.openai_client import OpenAIChatClient
 from cooper_mcore.rollout.base import SamplingParams
-from cooper_mcore.rollout.sglang_engine import SGLangEngine, SGLangHTTPClient
+from cooper_mcore.rollout.sglang_engine import SGLangEngine
+from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
 from tests.chat_server import ChatServer
 

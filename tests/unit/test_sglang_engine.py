@@ -28,22 +28,25 @@ import torch
 
 from cooper_mcore.rollout.base import SamplingParams, bucketize
 from cooper_mcore.rollout.sglang_engine import (
-    LOAD_FORMAT,
     MEMORY_TAGS,
     SAMPLING_PARAM_NAMES,
     SERVER_ARG_NAMES,
     SGLANG_VERSION,
     SGLangConfig,
     SGLangEngine,
-    SGLangHTTPClient,
     check_server_arg_names,
-    flatten_bucket,
     parse_generate_output,
-    serialize_for_sglang,
     server_cli_args,
     server_command,
-    sglang_bucket_payload,
     to_sglang_sampling_params,
+)
+from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
+from cooper_mcore.rollout.sglang_payload import (
+    LOAD_FORMAT,
+    flatten_bucket,
+    rank_payload,
+    serialize_for_sglang,
+    sglang_bucket_payload,
     unflatten_bucket,
 )
 
@@ -849,8 +852,6 @@ def test_cpu_engine_release_only_marks():
 
 
 def test_update_weights_from_payloads_per_rank():
-    from cooper_mcore.rollout.sglang_engine import rank_payload
-
     fe = FakeOfflineEngine()
     eng = SGLangEngine(engine=fe, tp_size=2)
     ts = _tensors()
@@ -872,8 +873,6 @@ def test_update_weights_from_payloads_per_rank():
 def test_http_payloads_given_as_bytes_are_sent_as_base64(fake):
     """The weight sync's per-rank payloads are raw pickles (the ranks do not know the engine's mode);
     over HTTP they must reach SGLang base64-encoded, the same bytes."""
-    from cooper_mcore.rollout.sglang_engine import rank_payload
-
     eng = _http_engine(fake)
     raw = [rank_payload(_tensors()[:2], as_base64=False) for _ in range(2)]
     eng.update_weights_from_payloads([raw], version=3)

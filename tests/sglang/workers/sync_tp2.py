@@ -15,12 +15,9 @@ from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.models.forward import forward_only
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rollout.base import SamplingParams
-from cooper_mcore.rollout.sglang_engine import (
-    SGLangEngine,
-    SGLangHTTPClient,
-    gather_rank_payloads,
-    rank_payload,
-)
+from cooper_mcore.rollout.sglang_engine import SGLangEngine
+from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
+from cooper_mcore.rollout.sglang_payload import gather_rank_payloads, rank_payload
 from cooper_mcore.rollout.weight_sync import hf_named_tensors, sync_weights
 
 TOL = 5e-5
