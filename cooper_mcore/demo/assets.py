@@ -1,9 +1,12 @@
-"""Tiny, self-made assets for CPU runs: math prompts, a sentencepiece tokenizer, a random tiny
-Qwen2 policy and reward model (HF folders with the tokenizer) and their Megatron checkpoints.
+"""Tiny, self-made assets for CPU runs: math prompts, a sentencepiece tokenizer, a tiny Qwen2
+policy and reward model (HF folders with the tokenizer) and their Megatron checkpoints.
 
-``cooper tiny-assets --out DIR`` writes them; ``examples/tiny_cpu.yaml`` points at them. The
-policy here is untrained (the demo pre-trains one); the assets exist to exercise the whole
-trainer on any laptop.
+``cooper tiny-assets --out DIR`` writes them; ``examples/tiny_cpu.yaml`` points at them. By
+default the policy gets a short Megatron SFT on worked solutions (:data:`DEFAULT_SFT_STEPS`
+steps, about half a minute on two cores), so that it solves some of the problems and a Cooper
+run on these assets forms reward-model pairs from its first steps; the reward model stays random.
+``sft_steps=0`` keeps the policy random (the many tests that only need a model of the right
+shape, and the demo, which pre-trains its own policy).
 """
 
 from __future__ import annotations
@@ -15,32 +18,50 @@ from typing import Optional
 
 import torch
 
-from cooper_mcore.convert.checkpoint import hf_to_mcore
+from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import write_prompts
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_prompts, tokenizer_corpus
 from cooper_mcore.data.templates import rm_input
 from cooper_mcore.data.tokenizer import train_tiny_tokenizer
+from cooper_mcore.jobs.sft import math_sft_examples, sft
 from cooper_mcore.models.tiny import save_tiny_hf_model
 
 logger = logging.getLogger(__name__)
+
+#: SFT steps of the policy in ``cooper tiny-assets`` (batch :data:`SFT_BATCH`, lr :data:`SFT_LR`).
+DEFAULT_SFT_STEPS = 150
+SFT_BATCH = 64
+SFT_LR = 3e-3
+#: the task of ``cooper tiny-assets``: two steps on operands 0-9, which a policy of hidden size 64
+#: learns within a short SFT (operands up to 99 need far longer)
+TINY_TASK = MathTaskConfig(num_steps=2, max_operand=9, operators=("+", "-"))
 
 
 def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int = 0,
                       hidden_size: int = 64, num_layers: int = 2, task: Optional[MathTaskConfig] = None,
                       rm_hidden_size: Optional[int] = None, rm_num_layers: Optional[int] = None,
-                      vocab_size: int = 128, max_positions: int = 512) -> dict[str, str]:
+                      vocab_size: int = 128, max_positions: int = 512,
+                      sft_steps: int = DEFAULT_SFT_STEPS) -> dict[str, str]:
     """Write the tiny assets under ``out`` (existing pieces are reused); return their paths.
 
     Args:
         out: the folder.
         n_train / n_eval: train and held-out prompts (disjoint by construction).
-        seed: problems, tokenizer corpus and model initialisation.
+        seed: problems, tokenizer corpus, model initialisation and the SFT's data order.
         hidden_size / num_layers: the policy's size (and the RM's unless given separately).
-        task: the arithmetic problem family (default :class:`MathTaskConfig`).
+        task: the arithmetic problem family (default :data:`TINY_TASK`).
         rm_hidden_size / rm_num_layers: the reward model's size.
         vocab_size: the tokenizer's target vocabulary (the models' is padded to a multiple of 8).
         max_positions: the models' ``max_position_embeddings``.
+        sft_steps: steps of the policy's SFT on the ``n_train`` problems' worked solutions
+            (:func:`cooper_mcore.jobs.sft.sft`); 0 leaves the policy random.
+
+    Raises:
+        ValueError: ``sft_steps`` is negative.
     """
+    if sft_steps < 0:
+        raise ValueError(f"sft_steps must be >= 0, got {sft_steps}")
+    task = task or TINY_TASK
     paths = {k: os.path.join(out, v) for k, v in {
         "train": "train.jsonl", "eval": "eval.jsonl", "tokenizer": "tokenizer", "policy_hf": "policy_hf",
         "policy_ckpt": "policy_mcore", "rm_hf": "rm_hf", "rm_ckpt": "rm_mcore"}.items()}
@@ -56,18 +77,38 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
     tok = train_tiny_tokenizer(corpus, paths["tokenizer"], vocab_size=vocab_size)
     common = dict(vocab_size=-(-len(tok) // 8) * 8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   max_position_embeddings=max_positions)
-    sizes = {"causal_lm": (hidden_size, num_layers),
-             "reward": (rm_hidden_size or hidden_size, rm_num_layers or num_layers)}
-    for kind, hf_key, ckpt_key in (("causal_lm", "policy_hf", "policy_ckpt"), ("reward", "rm_hf", "rm_ckpt")):
-        if os.path.exists(paths[ckpt_key]):
-            continue
-        hidden, layers = sizes[kind]
-        save_tiny_hf_model(paths[hf_key], "qwen2_tied" if kind == "causal_lm" else "qwen2", kind,
+
+    def random_model(kind: str, hf_dir: str, ckpt: str, hidden: int, layers: int) -> None:
+        save_tiny_hf_model(hf_dir, "qwen2_tied" if kind == "causal_lm" else "qwen2", kind,
                            seed=seed + (kind == "reward"), dtype=torch.float32, hidden_size=hidden,
                            intermediate_size=2 * hidden, num_hidden_layers=layers, **common)
         # copy the files as trained: save_pretrained would rewrite tokenizer_class, and transformers 5
         # would then load a Qwen2Tokenizer next to the qwen2 config (different tokenization)
-        shutil.copytree(paths["tokenizer"], paths[hf_key], dirs_exist_ok=True)
-        hf_to_mcore(paths[hf_key], paths[ckpt_key])
+        shutil.copytree(paths["tokenizer"], hf_dir, dirs_exist_ok=True)
+        hf_to_mcore(hf_dir, ckpt)
+
+    if not os.path.exists(paths["rm_ckpt"]):
+        random_model("reward", paths["rm_hf"], paths["rm_ckpt"], rm_hidden_size or hidden_size,
+                     rm_num_layers or num_layers)
+    if not os.path.exists(paths["policy_ckpt"]):
+        if not sft_steps:
+            random_model("causal_lm", paths["policy_hf"], paths["policy_ckpt"], hidden_size, num_layers)
+        else:
+            init_hf, init_ckpt = os.path.join(out, "policy_init_hf"), os.path.join(out, "policy_init_mcore")
+            shutil.rmtree(init_hf, ignore_errors=True)
+            shutil.rmtree(init_ckpt, ignore_errors=True)
+            shutil.rmtree(paths["policy_hf"], ignore_errors=True)  # a random one from an interrupted run
+            random_model("causal_lm", init_hf, init_ckpt, hidden_size, num_layers)
+            examples = math_sft_examples(tok, n_train, task, seed=seed)
+            batch = min(SFT_BATCH, n_train)
+            history = sft(init_ckpt, paths["policy_ckpt"], examples, steps=sft_steps, lr=SFT_LR,
+                          global_batch_size=batch, micro_batch_size=batch, seed=seed,
+                          log_every=max(sft_steps // 5, 1))
+            logger.info("tiny policy: SFT %d steps on %d worked solutions, loss %.3f -> %.3f", sft_steps, n_train,
+                        history["loss"][0], history["loss"][-1])
+            shutil.rmtree(init_hf)
+            shutil.rmtree(init_ckpt)
+    if not os.path.exists(paths["policy_hf"]):  # the SFT policy's HF folder (the rollout engine's start)
+        mcore_to_hf(paths["policy_ckpt"], paths["policy_hf"])
     logger.info("tiny assets in %s", out)
     return paths

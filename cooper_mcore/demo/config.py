@@ -17,6 +17,10 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from cooper_mcore.algo.pairs import NegativePick, PositivePick
+from cooper_mcore.algo.rewards import RewardTransform
+from cooper_mcore.config import NegativeKind
+
 
 @dataclass
 class TaskSection:
@@ -56,15 +60,24 @@ class SFTSection:
 
 @dataclass
 class RMSection:
-    """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier."""
+    """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier.
+
+    Its accuracy is measured on a fixed held-out set in VerifyBench's form: per held-out question
+    one rule-correct and one rule-wrong completion of the SFT policy (``bench_samples`` draws per
+    question at the rollout temperature; questions without both are left out).
+    """
 
     samples_per_prompt: int = 1  # completions sampled per train prompt for the RM's data
     temperature: float = 1.0
+    # repeat the rule-correct rows of the RM's data so that they are this share of it (0: as sampled,
+    # about a quarter correct); VerifyRM's benchmark and Cooper's pairs are balanced
+    balance: float = 0.0
     epochs: int = 3
     lr: float = 1e-3
     batch: int = 64
     micro_batch: int = 32
     seed: int = 0
+    bench_samples: int = 4
     # hybrid labels (as VerifyRM's data): with an OpenAI-compatible LLM judge configured, keep only
     # the training rows where the rule verifier and the judge agree (``cooper annotate``)
     judge_url: str = ""
@@ -74,7 +87,11 @@ class RMSection:
 
 @dataclass
 class RLSection:
-    """The three RL runs (``rule``, ``static_rm``, ``cooper``): identical but for the reward mode."""
+    """The three RL runs (``rule``, ``static_rm``, ``cooper``): identical but for the reward mode.
+
+    ``rm_transform`` and ``adv_std_floor`` shape the reward of both RM modes; the Cooper-only
+    settings are in :class:`CooperSection`.
+    """
 
     steps: int = 120
     prompts_per_step: int = 32
@@ -84,25 +101,40 @@ class RLSection:
     lr: float = 1e-4
     kl_coef: float = 0.01
     kl_kind: str = "low_var_kl"
-    rm_lr: float = 1e-3  # the co-trained RM's learning rate (cooper mode): 10x the policy's, as the paper
-    # Cooper's verified-wrong negative: with no assistant LLM offline, a rollout of the same prompt
-    # that the rule verifier marked wrong (see the README's demo section for why not "perturb")
-    negatives: str = "policy"
+    # RM logit -> reward (``reward.rm_transform``): sigmoid, sigmoid_bf16 (the reference's bf16 grid) or binary
+    rm_transform: RewardTransform = "sigmoid"
+    adv_std_floor: float = 0.0  # ``algo.adv_std_floor``: tiny RM differences inside a group stay small advantages
     micro_batch: int = 64
-    eval_every: int = 10
-    eval_limit: int = 128  # held-out prompts of the per-step curve (the before/after numbers use all)
-    seed: int = 1234
+    eval_every: int = 20  # in-training held-out accuracy: the same measurement as the before/after numbers
+    seed: int = 1234  # the run's seed (data order, sampling, evaluation); seed s of ``seeds`` adds s
+
+
+@dataclass
+class CooperSection:
+    """Cooper's reward-model update (``rm.*`` of ``cooper train``); only the ``cooper`` run reads it."""
+
+    rm_lr: float = 1e-3  # the co-trained RM's learning rate: 10x the policy's, as the paper's ratio
+    # the verified-wrong negative: with no assistant LLM offline, the policy's own rule-wrong rollouts
+    # (``policy``) or a programmatic rewrite of the positive's worked chain (``rewrite``)
+    negatives: NegativeKind = "policy"
+    negative_pick: NegativePick = "random"  # negatives=policy: random, hardest (the RM's top-scored wrong one), first
+    positive_pick: PositivePick = "first"  # the reference code's first rule-correct rollout, or hardest / random
+    pairs_per_prompt: int = 1
+    anchor_weight: float = 0.0  # BCE calibration anchor on the pairs' own labels (0: the paper's pairwise loss)
 
 
 @dataclass
 class EvalSection:
-    """Held-out evaluation before and after RL."""
+    """Held-out accuracy: avg@k over all ``task.n_eval`` problems at the paper's sampling.
+
+    The same measurement (prompts, k, sampling, seed) is made before RL, during it (every
+    ``rl.eval_every`` steps, by the trainer) and after it, so the curve ends on the "after" number.
+    """
 
     temperature: float = 0.7  # the paper's sampling (avg@k); greedy accuracy is reported as well
     top_p: float = 0.95
     k: int = 2
     max_new_tokens: int = 32
-    seed: int = 7
     hack_examples: int = 5
 
 
@@ -116,15 +148,19 @@ class DemoConfig:
     sft: SFTSection = field(default_factory=SFTSection)
     rm: RMSection = field(default_factory=RMSection)
     rl: RLSection = field(default_factory=RLSection)
+    cooper: CooperSection = field(default_factory=CooperSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    # one full pipeline after the shared assets per seed s: SFT, RM data, RM and the three RL runs
+    # with their seeds offset by s (``--full``: three seeds, reported as mean, spread and per seed)
+    seeds: list[int] = field(default_factory=lambda: [0])
 
 
-# ``--full``: longer RL (the static RM's collapse and Cooper's recovery take ~150 steps), more held-out problems
+# ``--full``: three seeds, longer RL, more held-out problems
 FULL_PRESET: dict = {
     "out": "runs/demo_full",
     "task": {"n_eval": 640},
-    "rl": {"steps": 200, "eval_every": 10, "eval_limit": 256},
-    "eval": {"k": 4},
+    "rl": {"steps": 200, "eval_every": 20},
+    "seeds": [0, 1, 2],
 }
 
 # the CI smoke test: every stage, a few steps each, smallest sizes
@@ -133,7 +169,7 @@ SMOKE_PRESET: dict = {
     "sft": {"steps": 4, "batch": 32},
     "rm": {"samples_per_prompt": 1, "epochs": 1, "batch": 32},
     "rl": {"steps": 2, "prompts_per_step": 4, "group_size": 4, "micro_batch": 16, "eval_every": 1,
-           "eval_limit": 8, "max_new_tokens": 16},
+           "max_new_tokens": 16},
     "eval": {"k": 1, "max_new_tokens": 16, "hack_examples": 2},
 }
 
@@ -142,7 +178,8 @@ def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]
     """Defaults <- preset (``None``, ``"full"`` or ``"smoke"``) <- dotted overrides, type-checked.
 
     Raises:
-        ValueError: an unknown preset, key or a wrongly typed value.
+        ValueError: an unknown preset or key, a wrongly typed value or one outside a setting's
+            choices, or an empty or repeating ``seeds``.
     """
     presets = {None: {}, "full": FULL_PRESET, "smoke": SMOKE_PRESET}
     if preset not in presets:
@@ -153,4 +190,7 @@ def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]
     except OmegaConfBaseException as e:
         raise ValueError(f"bad demo setting: {e}") from None
     result: DemoConfig = OmegaConf.to_object(cfg)
+    if not result.seeds or len(set(result.seeds)) != len(result.seeds):
+        raise ValueError(f"bad demo setting: seeds must be a non-empty list of distinct integers, got {result.seeds}")
     return result
+

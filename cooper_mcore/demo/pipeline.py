@@ -3,20 +3,31 @@
 :func:`run_demo` reads top to bottom:
 
 1. ``assets``: train and held-out arithmetic problems, the tiny tokenizer, random tiny Qwen2
-   policy and reward model (HF folders and Megatron checkpoints);
+   policy and reward model (HF folders and Megatron checkpoints), shared by every seed;
+
+then for each seed ``s`` of ``seeds``:
+
 2. ``sft``: Megatron SFT of the policy on worked solutions mixed with plausible wrong ones, export
-   to HF through the converter, held-out accuracy;
-3. ``rm_data``: completions sampled from the SFT policy, labeled by the rule verifier (train
-   prompts for the RM's training data, held-out prompts for its evaluation);
-4. ``rm``: BCE training of the tiny VerifyRM (``train_rm``);
-5. ``rl_rule`` / ``rl_static_rm`` / ``rl_cooper``: ``cooper train`` in a subprocess, same start,
-   seed, steps and batch; then held-out accuracy of the final policy, the final RM's accuracy on
-   the final policy's held-out completions, and the completions the RM over-scores (hacks);
-6. the report (:func:`cooper_mcore.demo.report.write_report`).
+   to HF through the converter;
+3. ``before``: the SFT policy's held-out accuracy (the same measurement as the trainer's
+   in-training evaluation and the "after" numbers: avg@k on every held-out problem with the RL
+   run's sampling seed);
+4. ``rm_data``: completions sampled from the SFT policy, labeled by the rule verifier: the RM's
+   training rows (train prompts) and its fixed held-out benchmark in VerifyBench's form (per
+   held-out question one correct and one wrong completion);
+5. ``rm``: BCE training of the tiny VerifyRM (``train_rm``), then its benchmark accuracy;
+6. ``rl_rule`` / ``rl_static_rm`` / ``rl_cooper``: ``cooper train`` in a subprocess, same start,
+   seed, steps and batch; then held-out accuracy of the final policy, the final RM's benchmark
+   accuracy and its accuracy on the final policy's own completions, what kinds of answers the
+   policy now writes (:mod:`cooper_mcore.demo.kinds`) and the completions the RM over-scores
+   (hacks);
+
+7. the report over all seeds (:func:`cooper_mcore.demo.report.write_report`).
 
 Stages are cached by content: a stage's folder is named by a hash of its settings, the keys of
 the stages it reads and :data:`STAGE_VERSION`; it is reused when its ``stage.json`` (written
-last) exists, and re-run from scratch otherwise.
+last) exists, and re-run from scratch otherwise. Each RL stage's settings are only those its
+mode reads, so changing a Cooper setting re-runs only the Cooper runs.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.config import DemoConfig
+from cooper_mcore.demo.kinds import kind_shares
 from cooper_mcore.demo.report import HackExample, RunResult, write_report
 from cooper_mcore.jobs.sft import math_sft_examples, sft
 from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
@@ -53,7 +65,7 @@ from cooper_mcore.rollout.hf_engine import HFEngine
 
 logger = logging.getLogger(__name__)
 
-STAGE_VERSION = 1  # bump when a stage's code changes what it writes
+STAGE_VERSION = 2  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
 MODES = ("rule", "static_rm", "cooper")
 
@@ -87,8 +99,7 @@ def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Ca
     Returns:
         The finished stage.
     """
-    doc = {"name": name, "version": STAGE_VERSION, "inputs": [s.key for s in inputs],
-           "params": dataclasses.asdict(params) if dataclasses.is_dataclass(params) else params}
+    doc = {"name": name, "version": STAGE_VERSION, "inputs": [s.key for s in inputs], "params": _plain(params)}
     key = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
     path = os.path.join(root, f"{name}-{key}")
     marker = os.path.join(path, STAGE_FILE)
@@ -111,6 +122,17 @@ def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Ca
     return Stage(name, key, path, info)
 
 
+def _plain(params: Any) -> Any:
+    """Dataclasses (also nested in dicts and lists) as dicts, for the cache key."""
+    if dataclasses.is_dataclass(params) and not isinstance(params, type):
+        return dataclasses.asdict(params)
+    if isinstance(params, dict):
+        return {k: _plain(v) for k, v in params.items()}
+    if isinstance(params, (list, tuple)):
+        return [_plain(v) for v in params]
+    return params
+
+
 # --------------------------------------------------------------------------- sampling and scoring
 
 
@@ -130,6 +152,10 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
                    seed: int) -> list[dict[str, Any]]:
     """``k`` completions per prompt from an HF policy, labeled by the rule verifier.
 
+    The prompts are templated and sampled as the trainer's evaluation does (``{question}``, one
+    ``generate`` call over every prompt repeated ``k`` times, seeded by ``seed``), so with the same
+    prompts, ``k``, sampling and seed it draws exactly the trainer's evaluation completions.
+
     Returns:
         One row per completion: ``question``, ``reference``, ``completion``, ``label`` (rule-correct).
     """
@@ -145,18 +171,19 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
             for p, o, v in zip((p for p in prompts for _ in range(k)), outs, verdicts)]
 
 
-def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, out_prefix: str) -> dict[str, Any]:
-    """Held-out accuracy of an HF policy: greedy and sampled (avg@k at the eval temperature).
+def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, seed: int, out_prefix: str) -> dict[str, Any]:
+    """Held-out accuracy of an HF policy: sampled (avg@k at the eval sampling, seeded as the RL
+    run's evaluation) and greedy; the answer kinds of the sampled completions.
 
-    The sampled completions are kept in ``<out_prefix>_samples.jsonl`` (the RM is scored on them).
+    The sampled completions are kept in ``<out_prefix>_samples.jsonl`` (the RMs are scored on them).
     """
     e = cfg.eval
-    greedy = sample_labeled(hf_dir, prompts_path, 1, 0.0, 1.0, e.max_new_tokens, e.seed)
-    sampled = sample_labeled(hf_dir, prompts_path, e.k, e.temperature, e.top_p, e.max_new_tokens, e.seed)
+    greedy = sample_labeled(hf_dir, prompts_path, 1, 0.0, 1.0, e.max_new_tokens, seed)
+    sampled = sample_labeled(hf_dir, prompts_path, e.k, e.temperature, e.top_p, e.max_new_tokens, seed)
     write_jsonl(out_prefix + "_samples.jsonl", _scorable(sampled))
-    acc = {"acc": _mean([r["label"] for r in sampled]), "acc_greedy": _mean([r["label"] for r in greedy]),
-           "n_prompts": len(greedy), "k": e.k, "temperature": e.temperature}
-    return acc
+    return {"acc": _mean([r["label"] for r in sampled]), "acc_greedy": _mean([r["label"] for r in greedy]),
+            "n_prompts": len(greedy), "k": e.k, "temperature": e.temperature, "seed": seed,
+            "kinds": kind_shares((r["question"], r["completion"], r["label"]) for r in sampled)}
 
 
 def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float:
@@ -191,8 +218,7 @@ def _mean(xs: Sequence[float]) -> float:
 # --------------------------------------------------------------------------- stages
 
 
-def _task(cfg: DemoConfig):
-
+def _task(cfg: DemoConfig) -> MathTaskConfig:
     t = cfg.task
     return MathTaskConfig(num_steps=t.num_steps, max_operand=t.max_operand, operators=tuple(t.operators),
                           split_seed=t.seed)
@@ -203,43 +229,86 @@ def build_assets(cfg: DemoConfig, out: str) -> dict[str, Any]:
     m = cfg.model
     paths = build_tiny_assets(out, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed, m.policy_hidden,
                               m.policy_layers, task=_task(cfg), rm_hidden_size=m.rm_hidden, rm_num_layers=m.rm_layers,
-                              vocab_size=cfg.task.tokenizer_vocab, max_positions=m.max_positions)
+                              vocab_size=cfg.task.tokenizer_vocab, max_positions=m.max_positions, sft_steps=0)
     return {"paths": {k: os.path.relpath(v, out) for k, v in paths.items()}}
 
 
-def train_sft(cfg: DemoConfig, assets: Stage, out: str) -> dict[str, Any]:
-    """Stage 2: Megatron SFT, export through the converter, held-out accuracy of the result."""
+def train_sft(cfg: DemoConfig, seed: int, assets: Stage, out: str) -> dict[str, Any]:
+    """Stage 2: Megatron SFT and its export through the converter."""
     s = cfg.sft
     tokenizer = load_tokenizer(assets.file("tokenizer"))
-    examples = math_sft_examples(tokenizer, cfg.task.n_train, _task(cfg), seed=s.seed, mix_wrong=s.mix_wrong)
+    examples = math_sft_examples(tokenizer, cfg.task.n_train, _task(cfg), seed=s.seed + seed, mix_wrong=s.mix_wrong)
     history = sft(assets.file("policy_mcore"), os.path.join(out, "policy_mcore"), examples, steps=s.steps, lr=s.lr,
-                  global_batch_size=s.batch, micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed,
+                  global_batch_size=s.batch, micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed + seed,
                   log_every=max(s.steps // 10, 1))
     mcore_to_hf(os.path.join(out, "policy_mcore"), os.path.join(out, "policy_hf"))
-    acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, os.path.join(out, "eval"))
-    logger.info("[sft] held-out accuracy: %.3f sampled (T=%.1f, avg@%d), %.3f greedy", acc["acc"],
+    return {"loss_first": history["loss"][0], "loss_last": history["loss"][-1]}
+
+
+def measure_before(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
+    """Stage 3: the SFT policy's held-out accuracy (the "before" of every RL run)."""
+    acc = policy_accuracy(sft_stage.file("policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
+                          os.path.join(out, "eval"))
+    logger.info("[before] SFT policy's held-out accuracy: %.3f sampled (T=%.1f, avg@%d), %.3f greedy", acc["acc"],
                 cfg.eval.temperature, cfg.eval.k, acc["acc_greedy"])
-    return {"loss_first": history["loss"][0], "loss_last": history["loss"][-1], "eval": acc}
+    return {"eval": acc}
 
 
-def sample_rm_data(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
-    """Stage 3: the SFT policy's completions, labeled by the rule verifier (train and held-out)."""
+def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
+    """Stage 4: the SFT policy's completions, labeled by the rule verifier: the RM's training rows
+    (train prompts, ``rm_train.jsonl``) and its fixed held-out benchmark (``rm_bench.jsonl``)."""
     r = cfg.rm
     hf = sft_stage.file("policy_hf")
-    train = sample_labeled(hf, assets.file("train.jsonl"), r.samples_per_prompt, r.temperature, 1.0,
-                           cfg.rl.max_new_tokens, r.seed)
-    held_out = sample_labeled(hf, assets.file("eval.jsonl"), 1, cfg.rl.temperature, 1.0, cfg.rl.max_new_tokens,
-                              r.seed + 1)
-    write_jsonl(os.path.join(out, "rm_train.jsonl"), _scorable(train))
-    write_jsonl(os.path.join(out, "rm_eval.jsonl"), _scorable(held_out))
+    train = _scorable(sample_labeled(hf, assets.file("train.jsonl"), r.samples_per_prompt, r.temperature, 1.0,
+                                     cfg.rl.max_new_tokens, r.seed + seed))
+    held_out = _scorable(sample_labeled(hf, assets.file("eval.jsonl"), r.bench_samples, cfg.rl.temperature, 1.0,
+                                        cfg.rl.max_new_tokens, r.seed + seed + 1))
+    bench = bench_pairs(held_out)
+    write_jsonl(os.path.join(out, "rm_train.jsonl"), balanced(train, r.balance))
+    write_jsonl(os.path.join(out, "rm_bench.jsonl"), bench)
     info: dict[str, Any] = {"train": len(train), "train_correct": _mean([x["label"] for x in train]),
-                            "eval": len(held_out), "eval_correct": _mean([x["label"] for x in held_out])}
+                            "bench_pairs": len(bench) // 2}
     if r.judge_url:
         info["hybrid"] = hybrid_labels(cfg, os.path.join(out, "rm_train.jsonl"))
         info["train"] = info["hybrid"]["kept"]
-    logger.info("[rm_data] %d train rows (%.0f%% correct), %d held-out rows", info["train"],
-                100 * info["train_correct"], info["eval"])
+    logger.info("[rm_data] %d train rows (%.0f%% correct), %d held-out benchmark pairs", info["train"],
+                100 * info["train_correct"], info["bench_pairs"])
     return info
+
+
+def balanced(rows: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
+    """``rows`` with the labeled-correct ones repeated (a whole number of times, at least once) so
+    that they are about ``share`` of the result; ``share`` 0 returns ``rows``.
+
+    Raises:
+        ValueError: ``share`` outside [0, 1).
+    """
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"rm.balance must be in [0, 1), got {share}")
+    pos = [x for x in rows if x["label"]]
+    if not share or not pos:
+        return rows
+    neg = [x for x in rows if not x["label"]]
+    reps = max(1, round(share / (1.0 - share) * len(neg) / len(pos)))
+    return neg + pos * reps
+
+
+def bench_pairs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """VerifyBench's form: per question (in order of first appearance) its first labeled-correct and
+    first labeled-wrong row, correct first; questions without both are left out."""
+    by_question: dict[str, dict[bool, dict[str, Any]]] = {}
+    for row in rows:
+        by_question.setdefault(row["question"], {}).setdefault(bool(row["label"]), row)
+    return [x for pair in by_question.values() if len(pair) == 2 for x in (pair[True], pair[False])]
+
+
+def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> dict[str, float]:
+    """The RM on the benchmark: ``acc`` (sigmoid > 0.5 vs the label, VerifyBench's accuracy) and
+    ``pair_acc`` (share of questions whose correct completion it scores above the wrong one)."""
+    acc = rm_accuracy(rm_ckpt, bench_path, predictions_path)
+    probs = [p["prob"] for p in read_jsonl(predictions_path)]
+    pairs = list(zip(probs[0::2], probs[1::2]))
+    return {"acc": acc, "pair_acc": _mean([float(c > w) for c, w in pairs])}
 
 
 def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
@@ -258,48 +327,71 @@ def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
     return stats
 
 
-def train_verify_rm(cfg: DemoConfig, assets: Stage, data: Stage, out: str) -> dict[str, Any]:
-    """Stage 4: BCE training of the tiny VerifyRM on the labeled completions."""
+def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, data: Stage, out: str) -> dict[str, Any]:
+    """Stage 5: BCE training of the tiny VerifyRM on the labeled completions; its accuracy on the
+    held-out benchmark."""
     r = cfg.rm
     summary = train_rm(assets.file("rm_mcore"), data.file("rm_train.jsonl"), os.path.join(out, "train"),
-                       eval_path=data.file("rm_eval.jsonl"), epochs=r.epochs, lr=r.lr,
-                       micro_batch_size=min(r.micro_batch, r.batch), global_batch_size=r.batch, seed=r.seed)
-    ckpt = os.path.relpath(summary["final_checkpoint"], out)
-    acc = summary["eval"]["accuracy"] if summary.get("eval") else None
-    logger.info("[rm] held-out accuracy %.3f on the SFT policy's completions", acc)
-    return {"checkpoint": ckpt, "eval_acc": acc, "train_acc": summary.get("train_acc"), "steps": summary["steps"]}
+                       epochs=r.epochs, lr=r.lr, micro_batch_size=min(r.micro_batch, r.batch),
+                       global_batch_size=r.batch, seed=r.seed + seed)
+    bench = rm_bench(summary["final_checkpoint"], data.file("rm_bench.jsonl"),
+                     os.path.join(out, "bench_predictions.jsonl"))
+    logger.info("[rm] held-out benchmark: accuracy %.3f, pair accuracy %.3f", bench["acc"], bench["pair_acc"])
+    return {"checkpoint": os.path.relpath(summary["final_checkpoint"], out), "bench": bench,
+            "train_acc": summary.get("train_acc"), "steps": summary["steps"]}
 
 
-def rl_config(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage: Stage, out: str):
-    """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three)."""
-    c, r = CooperConfig(), cfg.rl
+def mode_params(cfg: DemoConfig, mode: str, seed: int) -> dict[str, Any]:
+    """The settings one RL stage reads (its cache key): rule runs ignore the RM's reward transform,
+    only Cooper reads the Cooper section."""
+    rl = dataclasses.asdict(cfg.rl)
+    if mode == "rule":
+        rl.pop("rm_transform")
+    ev = dataclasses.asdict(cfg.eval)
+    ev.pop("hack_examples")  # read at report time
+    params: dict[str, Any] = {"rl": rl, "eval": ev, "seed": seed}
+    if mode == "cooper":
+        params["cooper"] = dataclasses.asdict(cfg.cooper)
+    return params
+
+
+def rl_config(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, rm_stage: Stage,
+              out: str) -> CooperConfig:
+    """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three).
+
+    Its evaluation is the demo's held-out measurement: every held-out problem, ``eval.k`` samples
+    at the eval sampling, seeded by ``train.seed`` (as :func:`policy_accuracy` with that seed).
+    """
+    c, r, co = CooperConfig(), cfg.rl, cfg.cooper
     c.out = out
     c.model.policy_ckpt = sft_stage.file("policy_mcore")
     c.model.policy_hf = sft_stage.file("policy_hf")
     c.model.rm_ckpt = rm_stage.file(rm_stage.info["checkpoint"])
     c.data.train_path, c.data.eval_path = assets.file("train.jsonl"), assets.file("eval.jsonl")
-    c.data.eval_limit = r.eval_limit
+    c.data.eval_limit = 0
     c.rollout.group_size, c.rollout.temperature = r.group_size, r.temperature
     c.rollout.max_new_tokens = r.max_new_tokens
-    c.reward.mode, c.reward.verifier_workers = mode, 2
-    c.algo.kl_coef, c.algo.kl_kind = r.kl_coef, r.kl_kind
+    c.reward.mode, c.reward.verifier_workers, c.reward.rm_transform = mode, 2, r.rm_transform
+    c.algo.kl_coef, c.algo.kl_kind, c.algo.adv_std_floor = r.kl_coef, r.kl_kind, r.adv_std_floor
     c.optim.lr = r.lr
-    c.rm.negatives, c.rm.optim.lr = r.negatives, r.rm_lr
-    c.train.steps, c.train.prompts_per_step, c.train.seed = r.steps, r.prompts_per_step, r.seed
+    c.rm.negatives, c.rm.optim.lr = co.negatives, co.rm_lr
+    c.rm.negative_pick, c.rm.positive_pick = co.negative_pick, co.positive_pick
+    c.rm.pairs_per_prompt, c.rm.anchor_weight = co.pairs_per_prompt, co.anchor_weight
+    c.train.steps, c.train.prompts_per_step, c.train.seed = r.steps, r.prompts_per_step, r.seed + seed
     c.train.micro_batch_size = r.micro_batch
-    c.eval.every, c.eval.k, c.eval.max_new_tokens = r.eval_every, 1, cfg.eval.max_new_tokens
+    c.eval.every, c.eval.k, c.eval.max_new_tokens = r.eval_every, cfg.eval.k, cfg.eval.max_new_tokens
     c.eval.temperature, c.eval.top_p = cfg.eval.temperature, cfg.eval.top_p
     c.checkpoint.every, c.checkpoint.keep = r.steps, 1
-    c.logging.wandb, c.logging.run_name = False, f"demo-{mode}"
+    c.logging.wandb, c.logging.run_name = False, f"demo-{mode}-seed{seed}"
     return c
 
 
-def run_rl(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage: Stage,
+def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, data: Stage, rm_stage: Stage,
            out: str) -> dict[str, Any]:
-    """Stage 5: one RL run in a subprocess, then the held-out numbers of its final policy and RM."""
+    """Stage 6: one RL run in a subprocess, then the held-out numbers of its final policy and RM."""
     run_dir = os.path.join(out, "run")
     config_path = os.path.join(out, "config.yaml")
-    save_config(rl_config(cfg, mode, assets, sft_stage, rm_stage, run_dir), config_path)
+    save_config(rl_config(cfg, mode, seed, assets, sft_stage, rm_stage, run_dir), config_path)
     cmd = [sys.executable, "-m", "cooper_mcore", "train", "--config", config_path]
     logger.info("[rl_%s] %s", mode, " ".join(cmd))
     start = time.perf_counter()
@@ -309,25 +401,57 @@ def run_rl(cfg: DemoConfig, mode: str, assets: Stage, sft_stage: Stage, rm_stage
     seconds = time.perf_counter() - start
     final = os.path.join(run_dir, "checkpoints", f"step_{cfg.rl.steps}")
     mcore_to_hf(os.path.join(final, "policy"), os.path.join(out, "policy_hf"))
-    acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, os.path.join(out, "eval"))
+    acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
+                          os.path.join(out, "eval"))
     info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1)}
     if mode != "rule":  # the final RM on the final policy's completions (rm_predictions.jsonl: the hacks)
         rm_ckpt = os.path.join(final, "rm") if mode == "cooper" else rm_stage.file(rm_stage.info["checkpoint"])
-        info["rm_acc"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
-                                     os.path.join(out, "rm_predictions.jsonl"))
+        info["rm_acc_own"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
+                                         os.path.join(out, "rm_predictions.jsonl"))
+        info["bench"] = (rm_stage.info["bench"] if mode == "static_rm" else  # frozen: the same predictions
+                         rm_bench(rm_ckpt, data.file("rm_bench.jsonl"), os.path.join(out, "bench_predictions.jsonl")))
     logger.info("[rl_%s] held-out accuracy %.3f sampled, %.3f greedy%s", mode, acc["acc"], acc["acc_greedy"],
-                f"; RM accuracy on its completions {info['rm_acc']:.3f}" if "rm_acc" in info else "")
+                f"; RM accuracy {info['bench']['acc']:.3f} on the benchmark, {info['rm_acc_own']:.3f} on its "
+                "policy's completions" if "bench" in info else "")
     return info
 
 
-def start_rm_accuracy(cfg: DemoConfig, sft_stage: Stage, rm_stage: Stage, out: str) -> dict[str, Any]:
-    """The trained RM's accuracy on the SFT policy's held-out completions at the eval temperature."""
-    preds = os.path.join(out, "rm_predictions.jsonl")
-    return {"rm_acc": rm_accuracy(rm_stage.file(rm_stage.info["checkpoint"]), sft_stage.file("eval_samples.jsonl"),
-                                  preds)}
-
-
 # --------------------------------------------------------------------------- the demo
+
+
+def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> dict[str, RunResult]:
+    """Every stage of one seed after the shared assets; the three runs' results."""
+    sft_stage = run_stage(root, "sft", {"sft": cfg.sft, "seed": seed}, [assets],
+                          lambda d: train_sft(cfg, seed, assets, d))
+    before = run_stage(root, "before", {"eval": mode_params(cfg, "rule", seed)["eval"], "rl_seed": cfg.rl.seed + seed},
+                       [assets, sft_stage], lambda d: measure_before(cfg, seed, assets, sft_stage, d))
+    data = run_stage(root, "rm_data", {"rm": cfg.rm, "rl_sampling": [cfg.rl.temperature, cfg.rl.max_new_tokens],
+                                       "seed": seed},
+                     [assets, sft_stage], lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d))
+    rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, data],
+                         lambda d: train_verify_rm(cfg, seed, assets, data, d))
+    b = before.info["eval"]
+    runs = {}
+    for mode in MODES:
+        stage = run_stage(root, f"rl_{mode}", mode_params(cfg, mode, seed), [assets, sft_stage, data, rm_stage],
+                          lambda d, mode=mode: run_rl(cfg, mode, seed, assets, sft_stage, data, rm_stage, d))
+        a = stage.info["eval"]
+        rm_modes = mode != "rule"
+        runs[mode] = RunResult(
+            metrics_path=stage.file("run"), acc_before=b["acc"], acc_after=a["acc"],
+            rm_acc_before=rm_stage.info["bench"]["acc"] if rm_modes else None,
+            rm_acc_after=stage.info["bench"]["acc"] if rm_modes else None,
+            hacks=[HackExample(**h) for h in hack_examples(stage.file("eval_samples.jsonl"),
+                                                           stage.file("rm_predictions.jsonl"),
+                                                           cfg.eval.hack_examples)] if rm_modes else [],
+            seconds=stage.info["rl_seconds"],
+            details={"acc_greedy_before": b["acc_greedy"], "acc_greedy_after": a["acc_greedy"],
+                     **({"rm_pair_acc_before": rm_stage.info["bench"]["pair_acc"],
+                         "rm_pair_acc_after": stage.info["bench"]["pair_acc"],
+                         "rm_acc_own_completions": stage.info["rm_acc_own"]} if rm_modes else {}),
+                     **{f"kind_{k}_before": v for k, v in b["kinds"].items()},
+                     **{f"kind_{k}_after": v for k, v in a["kinds"].items()}})
+    return runs
 
 
 def run_demo(cfg: DemoConfig) -> str:
@@ -335,34 +459,14 @@ def run_demo(cfg: DemoConfig) -> str:
 
     Prints ``report: <folder>`` as the last line of output.
     """
+    if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
+        raise ValueError(f"seeds must be a non-empty list of distinct integers, got {cfg.seeds}")
     root = os.path.join(cfg.out, "stages")
     started = time.perf_counter()
     assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model}, [],
                        lambda d: build_assets(cfg, d))
-    sft_stage = run_stage(root, "sft", {"sft": cfg.sft, "eval": cfg.eval}, [assets],
-                          lambda d: train_sft(cfg, assets, d))
-    data = run_stage(root, "rm_data", {"rm": cfg.rm, "rl_sampling": [cfg.rl.temperature, cfg.rl.max_new_tokens]},
-                     [assets, sft_stage], lambda d: sample_rm_data(cfg, assets, sft_stage, d))
-    rm_stage = run_stage(root, "rm", cfg.rm, [assets, data], lambda d: train_verify_rm(cfg, assets, data, d))
-    before = run_stage(root, "rm_start", {}, [sft_stage, rm_stage],
-                       lambda d: start_rm_accuracy(cfg, sft_stage, rm_stage, d))
-    runs = {}
-    for mode in MODES:
-        stage = run_stage(root, f"rl_{mode}", {"rl": cfg.rl, "eval": cfg.eval}, [assets, sft_stage, rm_stage],
-                          lambda d, mode=mode: run_rl(cfg, mode, assets, sft_stage, rm_stage, d))
-        rm_modes = mode != "rule"
-        runs[mode] = RunResult(
-            metrics_path=stage.file("run"), acc_before=sft_stage.info["eval"]["acc"],
-            acc_after=stage.info["eval"]["acc"],
-            rm_acc_before=before.info["rm_acc"] if rm_modes else None,
-            rm_acc_after=stage.info.get("rm_acc") if rm_modes else None,
-            hacks=[HackExample(**h) for h in hack_examples(stage.file("eval_samples.jsonl"),
-                                                           stage.file("rm_predictions.jsonl"),
-                                                           cfg.eval.hack_examples)] if rm_modes else [],
-            seconds=stage.info["rl_seconds"],
-            details={"acc_greedy_before": sft_stage.info["eval"]["acc_greedy"],
-                     "acc_greedy_after": stage.info["eval"]["acc_greedy"]})
-    report = write_report(os.path.join(cfg.out, "report"), runs, config=dataclasses.asdict(cfg))
+    results = {seed: run_seed(cfg, seed, root, assets) for seed in cfg.seeds}
+    report = write_report(os.path.join(cfg.out, "report"), results, config=dataclasses.asdict(cfg))
     logger.info("demo finished in %.0f s (stages cached under %s)", time.perf_counter() - started, root)
     print(f"report: {report}", flush=True)  # the job's last line: where the report is
     return report
@@ -373,4 +477,4 @@ def describe(cfg: DemoConfig) -> str:
     r = cfg.rl
     return (f"demo: {cfg.task.num_steps}-step arithmetic (operands 0-{cfg.task.max_operand}), {cfg.task.n_eval} "
             f"held-out problems; SFT {cfg.sft.steps} steps; RL {r.steps} steps x {r.prompts_per_step} prompts x "
-            f"{r.group_size} samples per mode")
+            f"{r.group_size} samples per mode; seeds {cfg.seeds}")

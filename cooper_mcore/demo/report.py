@@ -1,24 +1,27 @@
-"""The CPU demo's report: rule vs static RM vs Cooper, in the form of the paper's table.
+"""The CPU demo's report: rule vs static RM vs Cooper, in the form of the paper's table, over seeds.
 
 The demo runs RL three times from the same start, with reward modes ``rule`` (math-verify 0/1),
 ``static_rm`` (a frozen reward model) and ``cooper`` (the reward model co-trained with the
-policy). :func:`write_report` turns the three runs into a folder holding:
+policy), once per seed. :func:`write_report` turns the runs into a folder holding:
 
-- ``summary.json``: per mode, held-out accuracy before/after, the final training reward, the RM's
-  accuracy before/after, the hacking signature, steps and seconds; plus the derived ``verdict``
-  and the (redacted) ``config``.
-- ``report.md``: the table (rows = reward mode, as in the paper), a verdict computed from the
-  numbers, examples of hacks, links to the plots and to the metrics files.
-- ``train_reward.png``, ``eval_acc.png``, ``rule_acc_gap.png``: per-step curves of the three modes.
-- ``metrics_<mode>.jsonl``: byte-for-byte copies of the three runs' ``metrics.jsonl``.
+- ``summary.json``: per mode, the numbers below averaged over the seeds (``<mode>``), their
+  spread (``<mode>.sd``) and every seed's own (``per_seed``); the derived ``verdict`` and the
+  (redacted) ``config``.
+- ``report.md``: the table (rows = reward mode, as in the paper), the per-seed rows, a verdict
+  computed from the numbers, examples of hacks, links to the plots and to the metrics files
+  (:mod:`cooper_mcore.demo.report_render`).
+- ``train_reward.png``, ``eval_acc.png``, ``rule_acc_gap.png``, ``rm_rewards.png``: per-step
+  curves of the three modes (every seed).
+- ``metrics_<mode>.jsonl`` (one seed) or ``metrics_<mode>_seed<s>.jsonl``: byte-for-byte copies
+  of the runs' ``metrics.jsonl``.
 
-Input (one :class:`RunResult` per mode, written by the demo pipeline; :func:`load_runs` reads
-them back from ``<root>/<mode>/result.json``)::
+Input: per seed, one :class:`RunResult` per mode (written by the demo pipeline;
+:func:`load_runs` reads one seed back from ``<root>/<mode>/result.json``)::
 
     RunResult(metrics_path="runs/demo/static_rm",         # metrics.jsonl or its run folder
               acc_before=0.50, acc_after=0.40,             # held-out accuracy, 0-1
-              rm_acc_before=0.70, rm_acc_after=0.70,       # RM accuracy on held-out labeled
-                                                           # completions; None for ``rule``
+              rm_acc_before=0.70, rm_acc_after=0.70,       # RM accuracy on a fixed held-out set of
+                                                           # labeled completions; None for ``rule``
               hacks=[HackExample(question, reference, completion, rm_reward=0.97, rule_correct=False)],
               seconds=812.0)                               # optional wall time of the run
 
@@ -28,13 +31,14 @@ Definitions (all documented constants below):
   it, ``w = min(REWARD_WINDOW, n // 2)`` (at least 1; ``REWARD_WINDOW`` = 5); the start reward is
   the same over the first ``w``.
 - hacking signature (:func:`hacking_signature`): present iff the training reward rose by at
-  least ``MIN_REWARD_RISE`` (0.05) from start to final *and* held-out accuracy fell by at least
+  least ``MIN_REWARD_RISE`` (0.10) from start to final *and* held-out accuracy fell by at least
   ``MIN_ACC_DROP`` (0.02) from before to after training.
-- Cooper "at or above the rule baseline": Cooper's held-out accuracy after training >= the rule
-  run's (no tolerance); "RM accuracy does not degrade": Cooper's RM accuracy after >= before.
-- the paper's claim is "reproduced" iff static RM shows the signature, Cooper does not, Cooper is
-  at or above the rule baseline and Cooper's RM accuracy did not degrade (else the failed checks
-  are listed).
+- Cooper "at the rule baseline": Cooper's held-out accuracy after training >= the rule run's minus
+  ``RULE_MARGIN`` (0.02); "RM accuracy does not degrade": Cooper's RM accuracy after >= before.
+- the paper's claim is "reproduced" iff the static RM shows the signature, Cooper does not,
+  Cooper is at the rule baseline and Cooper's RM accuracy did not degrade (else the failed checks
+  are listed). Over several seeds the checks are made on the means, and the report says in how
+  many seeds each holds on its own.
 """
 
 from __future__ import annotations
@@ -42,41 +46,38 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
-import re
 import shutil
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
-
+from cooper_mcore.demo.report_render import MODE_COLORS, MODE_LABELS, MODES, PLOT_FILES, markdown, plot, series
 from cooper_mcore.metrics import METRICS_FILE, read_metrics
 from cooper_mcore.redaction import redact
 
 __all__ = [
-    "MIN_ACC_DROP", "MIN_REWARD_RISE", "MODES", "REWARD_WINDOW", "HackExample", "RunResult",
-    "hacking_signature", "load_runs", "train_reward_final", "write_report",
+    "MIN_ACC_DROP", "MIN_REWARD_RISE", "MODE_COLORS", "MODES", "PLOT_FILES", "REWARD_WINDOW", "RULE_MARGIN",
+    "HackExample", "RunResult", "hacking_signature", "load_runs", "train_reward_final", "write_report",
 ]
 
 logger = logging.getLogger(__name__)
 
-MODES = ("rule", "static_rm", "cooper")
 RM_MODES = ("static_rm", "cooper")
-MODE_LABELS = {"rule": "rule", "static_rm": "static RM", "cooper": "Cooper"}
-MODE_COLORS = {"rule": "#1f77b4", "static_rm": "#d62728", "cooper": "#2ca02c"}
 REWARD_WINDOW = 5
-MIN_REWARD_RISE = 0.05
+MIN_REWARD_RISE = 0.10
 MIN_ACC_DROP = 0.02
-MAX_EXAMPLES = 5
-MAX_COMPLETION_CHARS = 600
+RULE_MARGIN = 0.02
 RESULT_FILE = "result.json"
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
-PLOT_FILES = {"train_reward": "train_reward.png", "eval_acc": "eval_acc.png", "rule_acc_gap": "rule_acc_gap.png"}
+#: summary keys averaged over seeds whose spread (population std) is reported too
+SPREAD_KEYS = ("acc_before", "acc_after", "acc_change", "train_reward_initial", "train_reward_final",
+               "rm_acc_before", "rm_acc_after")
+#: in-training metrics summarised at the start and end of a run (means over the reward windows)
+WINDOW_KEYS = ("rule/acc", "rm/reward_correct", "rm/reward_wrong", "rm/pair_acc", "rm/threshold_acc",
+               "pairs/valid", "kl")
 _EPS = 1e-9  # float slack for threshold comparisons (0.94 - 0.49 is 0.4499999...)
 
 
@@ -119,15 +120,15 @@ class RunResult:
         metrics_path: the run's ``metrics.jsonl``, or the run folder holding it.
         acc_before: held-out accuracy of the starting policy (0-1).
         acc_after: held-out accuracy of the trained policy (0-1).
-        rm_acc_before: RM accuracy on held-out labeled completions before training (0-1); None for
-            ``rule`` (no RM), or when not measured.
-        rm_acc_after: the same after training (for ``static_rm`` the RM is frozen, so it should
-            equal ``rm_acc_before``).
+        rm_acc_before: RM accuracy on a fixed held-out set of labeled completions before training
+            (0-1); None for ``rule`` (no RM), or when not measured.
+        rm_acc_after: the same RM evaluation after training (for ``static_rm`` the RM is frozen,
+            so it equals ``rm_acc_before``).
         hacks: examples of hacks (high RM reward, rule-wrong); the report shows up to
             ``MAX_EXAMPLES`` per mode.
         seconds: wall seconds of the run, if the pipeline measured them.
         details: further numbers the pipeline measured (e.g. greedy accuracy), copied into
-            ``summary.json`` under ``details`` and listed in ``report.md``.
+            ``summary.json`` under ``details`` (averaged over seeds) and listed in ``report.md``.
     """
 
     metrics_path: str
@@ -162,7 +163,7 @@ class RunResult:
 
 
 def load_runs(root: str) -> dict[str, RunResult]:
-    """Read ``<root>/<mode>/result.json`` for every mode (metrics paths relative to that folder).
+    """Read one seed's ``<root>/<mode>/result.json`` for every mode (metrics paths relative to that folder).
 
     Raises:
         ValueError: naming the mode whose ``result.json`` is missing or malformed.
@@ -183,24 +184,12 @@ def load_runs(root: str) -> dict[str, RunResult]:
 # ----------------------------------------------------------------------------- numbers
 
 
-def _series(metrics: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    """Steps and values of ``key`` on the lines that logged a finite number for it."""
-    steps: list[int] = []
-    values: list[float] = []
-    for i, m in enumerate(metrics):
-        v = m.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            steps.append(int(m.get("step", i + 1)))
-            values.append(float(v))
-    return steps, values
-
-
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
 def _rewards(metrics: Sequence[Mapping[str, Any]]) -> list[float]:
-    values = _series(metrics, "reward/mean")[1]
+    values = series(metrics, "reward/mean")[1]
     if not values:
         raise ValueError("metrics have no 'reward/mean' values")
     return values
@@ -247,7 +236,7 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
         acc_before: held-out accuracy before training (0-1).
         acc_after: held-out accuracy after training (0-1).
         window: most steps averaged at each end (>= 1).
-        min_reward_rise: reward rise needed (default ``MIN_REWARD_RISE`` = 0.05).
+        min_reward_rise: reward rise needed (default ``MIN_REWARD_RISE`` = 0.10).
         min_acc_drop: held-out accuracy drop needed (default ``MIN_ACC_DROP`` = 0.02).
 
     Returns:
@@ -264,22 +253,28 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
     rewards = _rewards(metrics)
     window = _window(len(rewards), window)
     start, end = _mean(rewards[:window]), _mean(rewards[-window:])
-    gaps = _series(metrics, "reward_rule_gap")[1]
+    gaps = series(metrics, "reward_rule_gap")[1]
+    return _signature(start, end, before, after, window, min_reward_rise, min_acc_drop,
+                      _mean(gaps[:window]) if gaps else None, _mean(gaps[-window:]) if gaps else None)
+
+
+def _signature(start: float, end: float, before: float, after: float, window: int, min_reward_rise: float,
+               min_acc_drop: float, gap_start: float | None, gap_end: float | None) -> dict[str, Any]:
     rise, change = end - start, after - before
     present = rise >= min_reward_rise - _EPS and change <= -min_acc_drop + _EPS
     return {"reward_start": start, "reward_end": end, "reward_rise": rise, "acc_before": before,
-            "acc_after": after, "acc_change": change,
-            "gap_start": _mean(gaps[:window]) if gaps else None, "gap_end": _mean(gaps[-window:]) if gaps else None,
+            "acc_after": after, "acc_change": change, "gap_start": gap_start, "gap_end": gap_end,
             "window": window, "min_reward_rise": min_reward_rise, "min_acc_drop": min_acc_drop,
             "present": bool(present)}
 
 
-def _metrics_file(path: str) -> str:
+def metrics_file(path: str) -> str:
+    """A run's ``metrics.jsonl``, given it or its run folder."""
     return os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
 
 
 def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, list[dict[str, Any]]]]:
-    """Check every input and read the metrics, before anything is written."""
+    """Check one seed's inputs and read its metrics, before anything is written."""
     if not isinstance(runs, Mapping):
         raise ValueError(f"runs must be a dict of mode -> RunResult, got {type(runs).__name__}")
     unknown = sorted(set(runs) - set(MODES))
@@ -310,13 +305,13 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
             if mode == "rule" and value is not None:
                 raise ValueError(f"mode 'rule' has no reward model, but {name}={value!r}")
             _check_acc(f"mode {mode!r}: {name}", value, allow_none=True)
-        path = _metrics_file(r.metrics_path)
+        path = metrics_file(r.metrics_path)
         if not os.path.isfile(path):
             raise ValueError(f"mode {mode!r}: metrics file {path} does not exist")
         lines = read_metrics(path)
         if not lines:
             raise ValueError(f"mode {mode!r}: metrics file {path} is empty")
-        if not _series(lines, "reward/mean")[1]:
+        if not series(lines, "reward/mean")[1]:
             raise ValueError(f"mode {mode!r}: metrics file {path} has no 'reward/mean' values")
         results[mode], metrics[mode] = r, lines
     return results, metrics
@@ -324,9 +319,16 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
 
 def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
     sig = hacking_signature(lines, r.acc_before, r.acc_after)
-    seconds = _series(lines, "time/step")[1]
-    rule_acc = _series(lines, "rule/acc")[1]
-    eval_steps, eval_acc = _series(lines, "eval/acc")
+    w = sig["window"]
+    seconds = series(lines, "time/step")[1]
+    rule_acc = series(lines, "rule/acc")[1]
+    eval_steps, eval_acc = series(lines, "eval/acc")
+    windows = {}
+    for key in WINDOW_KEYS:  # the in-training metrics at the start and the end (as the reward)
+        values = series(lines, key)[1]
+        if values:
+            k = min(w, max(1, len(values) // 2))
+            windows[key] = {"start": _mean(values[:k]), "end": _mean(values[-k:])}
     return {"acc_before": r.acc_before, "acc_after": r.acc_after, "acc_change": r.acc_after - r.acc_before,
             "train_reward_initial": sig["reward_start"], "train_reward_final": train_reward_final(lines),
             "rm_acc_before": r.rm_acc_before, "rm_acc_after": r.rm_acc_after,
@@ -334,24 +336,77 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
             "eval_acc_last": eval_acc[-1] if eval_acc else None, "eval_steps": eval_steps,
             "steps": max(int(m.get("step", i + 1)) for i, m in enumerate(lines)), "metrics_lines": len(lines),
             "train_seconds": sum(seconds) if seconds else None, "wall_seconds": r.seconds,
-            "hacking": sig, "n_hacks": len(r.hacks), "details": dict(r.details)}
+            "hacking": sig, "n_hacks": len(r.hacks), "details": dict(r.details), "windows": windows}
 
 
-def _verdict(s: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Verdict lines and flags, computed from the per-mode summaries."""
+def _aggregate(values: Sequence[Any]) -> Any:
+    """Seeds' values of one summary entry: numbers averaged, dicts per key, equal values kept,
+    anything else as the list of the seeds' values."""
+    if len(values) == 1:
+        return values[0]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return _mean([float(v) for v in values])
+    if all(isinstance(v, dict) for v in values):
+        keys = [k for k in values[0] if all(k in v for v in values)]
+        return {k: _aggregate([v[k] for v in values]) for k in keys}
+    if all(v == values[0] for v in values):
+        return values[0]
+    return list(values)
+
+
+def aggregate_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per mode, the seeds' summaries averaged (:func:`_aggregate`), the spread of :data:`SPREAD_KEYS`
+    (``sd``: population std, 0 for one seed) and the hacking signature on the means (with
+    ``present_seeds``, the number of seeds in which it is present on its own)."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        rows = [per_seed[s][mode] for s in per_seed]
+        agg = _aggregate(rows)
+        agg = dict(agg) if len(rows) > 1 else {k: v for k, v in rows[0].items()}
+        agg["sd"] = {k: (statistics.pstdev([r[k] for r in rows]) if rows[0][k] is not None else None)
+                     for k in SPREAD_KEYS}
+        h = [r["hacking"] for r in rows]
+        agg["hacking"] = _signature(
+            _mean([x["reward_start"] for x in h]), _mean([x["reward_end"] for x in h]), agg["acc_before"],
+            agg["acc_after"], h[0]["window"], h[0]["min_reward_rise"], h[0]["min_acc_drop"],
+            _mean([x["gap_start"] for x in h]) if h[0]["gap_start"] is not None else None,
+            _mean([x["gap_end"] for x in h]) if h[0]["gap_end"] is not None else None)
+        agg["hacking"]["present_seeds"] = sum(x["present"] for x in h)
+        out[mode] = agg
+    return out
+
+
+def _checks(s: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
+    """The claim's checks on one set of per-mode summaries (a seed's, or the means)."""
+    coop, rule = s["cooper"], s["rule"]
+    b, a = coop["rm_acc_before"], coop["rm_acc_after"]
+    return {"static RM shows the hacking signature": bool(s["static_rm"]["hacking"]["present"]),
+            "Cooper shows no hacking signature": not coop["hacking"]["present"],
+            f"Cooper's held-out accuracy is at or above the rule baseline minus {RULE_MARGIN}":
+                coop["acc_after"] - rule["acc_after"] >= -RULE_MARGIN - _EPS,
+            "Cooper's RM accuracy did not degrade": b is not None and a is not None and a >= b - _EPS}
+
+
+def _verdict(s: Mapping[str, Mapping[str, Any]],
+             per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None) -> dict[str, Any]:
+    """Verdict lines and flags from the per-mode summaries (the means over the seeds when
+    ``per_seed`` holds more than one), with how many seeds each check holds in."""
+    n = len(per_seed) if per_seed else 1
+    of = f" (mean of {n} seeds)" if n > 1 else ""
     lines: list[str] = []
     for mode in MODES:
         h = s[mode]["hacking"]
+        seeds = f"; present in {h['present_seeds']} of {n} seeds" if n > 1 else ""
         lines.append(
             f"{MODE_LABELS[mode]}: training reward {_moved(h['reward_start'], h['reward_end'])} while held-out "
-            f"accuracy {_moved(h['acc_before'], h['acc_after'])} (reward hacking signature "
-            f"{'present' if h['present'] else 'not present'}).")
+            f"accuracy {_moved(h['acc_before'], h['acc_after'])}{of} (reward hacking signature "
+            f"{'present' if h['present'] else 'not present'}{seeds}).")
     coop, rule = s["cooper"], s["rule"]
     diff = coop["acc_after"] - rule["acc_after"]
-    at_or_above = diff >= -_EPS
+    near_rule = diff >= -RULE_MARGIN - _EPS
     lines.append(f"Cooper vs rule: held-out accuracy after training {coop['acc_after']:.3f} vs "
-                 f"{rule['acc_after']:.3f} ({diff:+.3f}): "
-                 f"{'at or above' if at_or_above else 'below'} the rule baseline.")
+                 f"{rule['acc_after']:.3f} ({diff:+.3f}){of}: "
+                 f"{'at or above' if near_rule else 'below'} the rule baseline minus {RULE_MARGIN}.")
     rm_ok: dict[str, bool | None] = {}
     for mode in RM_MODES:
         b, a = s[mode]["rm_acc_before"], s[mode]["rm_acc_after"]
@@ -360,20 +415,24 @@ def _verdict(s: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             lines.append(f"{MODE_LABELS[mode]}: RM accuracy on held-out labeled completions not measured.")
         else:
             rm_ok[mode] = a >= b - _EPS
-            lines.append(f"{MODE_LABELS[mode]}: RM accuracy on held-out labeled completions {_moved(b, a)} "
+            lines.append(f"{MODE_LABELS[mode]}: RM accuracy on held-out labeled completions {_moved(b, a)}{of} "
                          f"({'did not degrade' if rm_ok[mode] else 'degraded'}).")
-    checks = {"static RM shows the hacking signature": s["static_rm"]["hacking"]["present"],
-              "Cooper shows no hacking signature": not coop["hacking"]["present"],
-              "Cooper's held-out accuracy is at or above the rule baseline": at_or_above,
-              "Cooper's RM accuracy did not degrade": rm_ok["cooper"] is True}
+    checks = _checks(s)
     failed = [k for k, ok in checks.items() if not ok]
+    seed_checks = {seed: _checks(per_seed[seed]) for seed in per_seed} if per_seed else {}
+    holds = {k: sum(c[k] for c in seed_checks.values()) for k in checks} if seed_checks else {}
     reproduced = not failed
-    lines.append("Paper's claim in miniature: " + ("reproduced." if reproduced else
-                                                     "not reproduced (failed: " + "; ".join(failed) + ")."))
+    claim = "reproduced" if reproduced else "not reproduced (failed: " + "; ".join(failed) + ")"
+    if n > 1:
+        claim += ("; each check holds in " + ", ".join(f"{holds[k]}/{n} seeds ({k})" for k in checks)
+                  + f"; the whole claim in {sum(all(c.values()) for c in seed_checks.values())} of {n} seeds")
+    lines.append(f"Paper's claim in miniature{of}: {claim}.")
     return {"static_rm_hacking": s["static_rm"]["hacking"]["present"], "cooper_hacking": coop["hacking"]["present"],
-            "cooper_at_or_above_rule": at_or_above, "cooper_minus_rule_acc": diff,
+            "cooper_at_rule_baseline": near_rule, "cooper_minus_rule_acc": diff,
             "static_rm_rm_acc_not_degraded": rm_ok["static_rm"], "cooper_rm_acc_not_degraded": rm_ok["cooper"],
-            "claim_reproduced": reproduced, "failed": failed, "lines": lines}
+            "claim_reproduced": reproduced, "failed": failed, "checks": checks,
+            "seeds_holding": holds, "claim_reproduced_seeds": sum(all(c.values()) for c in seed_checks.values()),
+            "lines": lines}
 
 
 def _moved(a: float, b: float) -> str:
@@ -383,143 +442,27 @@ def _moved(a: float, b: float) -> str:
     return f"{'rose' if b > a else 'fell'} from {a:.3f} to {b:.3f}"
 
 
-# ----------------------------------------------------------------------------- plots
-
-
-def _plot(out_dir: str, metrics: Mapping[str, list[dict[str, Any]]],
-          summary: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
-    """Write the PNGs with matplotlib's Agg canvas (no pyplot, no display); return name -> path."""
-    specs = {  # plot -> (title, [(metrics key, y label), ...] one panel each)
-        "train_reward": ("Training reward per step", [("reward/mean", "training reward (reward/mean)")]),
-        "eval_acc": ("Held-out accuracy per eval step (x: demo eval before / after)",
-                     [("eval/acc", "held-out accuracy")]),
-        "rule_acc_gap": ("Rollout accuracy by math-verify, and reward - rule gap",
-                         [("rule/acc", "rule accuracy (rule/acc)"), ("reward_rule_gap", "reward_rule_gap")]),
-    }
-    paths = {k: os.path.join(out_dir, v) for k, v in PLOT_FILES.items()}
-    for name, (title, panels) in specs.items():
-        fig = Figure(figsize=(7.5, 1.0 + 3.0 * len(panels)), dpi=100)
-        FigureCanvasAgg(fig)
-        for i, (key, ylabel) in enumerate(panels):
-            ax = fig.add_subplot(len(panels), 1, i + 1)
-            ax.grid(True, alpha=0.3)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if key == "reward_rule_gap":
-                ax.axhline(0.0, color="gray", linewidth=0.8, zorder=0)
-            for mode in MODES:
-                steps, values = _series(metrics[mode], key)
-                ax.plot(steps, values, color=MODE_COLORS[mode], label=MODE_LABELS[mode], linewidth=1.6,
-                        marker="o" if key == "eval/acc" else None)
-                if key == "eval/acc":
-                    ax.plot([0, summary[mode]["steps"]], [summary[mode]["acc_before"], summary[mode]["acc_after"]],
-                            linestyle="none", marker="x", markersize=9, color=MODE_COLORS[mode])
-            ax.set(ylabel=ylabel, title=title if i == 0 else "", xlabel="step" if i == len(panels) - 1 else "")
-            if i == 0:
-                ax.legend()
-        fig.tight_layout()
-        fig.savefig(paths[name])
-    return paths
-
-
-# ----------------------------------------------------------------------------- markdown
-
-
-def _fmt(v: float | None, signed: bool = False) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:+.3f}" if signed else f"{v:.3f}"
-
-
-def _cell(text: str) -> str:
-    """Text safe inside a markdown table cell (one line, no column breaks)."""
-    return " ".join(text.split()).replace("|", "\\|")
-
-
-def _fence(text: str) -> str:
-    """A fenced code block that ``text`` cannot close early."""
-    ticks = "`" * max(3, 1 + max((len(t) for t in re.findall("`+", text)), default=0))
-    return f"{ticks}text\n{text}\n{ticks}"
-
-
-def table_rows(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """The report's table, header first, one markdown line per reward mode (3 decimals)."""
-    rows = ["| reward mode | held-out acc before | held-out acc after | change | final training reward "
-            "| RM acc before | RM acc after |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    for mode in MODES:
-        s = summary[mode]
-        rows.append(f"| {MODE_LABELS[mode]} | {_fmt(s['acc_before'])} | {_fmt(s['acc_after'])} | "
-                    f"{_fmt(s['acc_change'], signed=True)} | {_fmt(s['train_reward_final'])} | "
-                    f"{_fmt(s['rm_acc_before'])} | {_fmt(s['rm_acc_after'])} |")
-    return rows
-
-
-def _markdown(summary: Mapping[str, Any], results: Mapping[str, RunResult], copies: Mapping[str, str],
-              plots: Mapping[str, str]) -> str:
-    v = summary["verdict"]
-    windows = sorted({summary[m]["hacking"]["window"] for m in MODES})
-    w = str(windows[0]) if len(windows) == 1 else f"min({REWARD_WINDOW}, steps // 2)"
-    out = ["# Cooper CPU demo: rule vs static RM vs Cooper", "",
-           "Three RL runs from the same start. Held-out accuracy is the demo's evaluation before and after "
-           f"training; the final training reward is the mean `reward/mean` over the last {w} steps; "
-           "RM accuracy is the reward model's accuracy on held-out labeled completions.", "",
-           *table_rows(summary), "", "## Verdict", "", *[f"- {line}" for line in v["lines"]], "",
-           f"The reward hacking signature is present when the training reward (mean of the first vs the last "
-           f"{w} steps) rose by at least {MIN_REWARD_RISE} and held-out accuracy fell by at least "
-           f"{MIN_ACC_DROP}.", "", "## Runs", "",
-           "| reward mode | steps | train seconds (sum of `time/step`) | wall seconds | start training reward "
-           "| final rollout rule accuracy |", "|---|---:|---:|---:|---:|---:|"]
-    for mode in MODES:
-        s = summary[mode]
-        secs = [f"{x:.1f}" if x is not None else "n/a" for x in (s["train_seconds"], s["wall_seconds"])]
-        out.append(f"| {MODE_LABELS[mode]} | {s['steps']} | {secs[0]} | {secs[1]} | "
-                   f"{_fmt(s['train_reward_initial'])} | {_fmt(s['rule_acc_final'])} |")
-    if any(summary[m]["details"] for m in MODES):
-        out += ["", "Further measurements:", ""]
-        out += [f"- {MODE_LABELS[m]}: " + ", ".join(f"{k} = {_fmt(v) if isinstance(v, float) else v}"
-                                                    for k, v in summary[m]["details"].items())
-                for m in MODES if summary[m]["details"]]
-    out += ["", "## Examples of hacks", ""]
-    any_hacks = False
-    for mode in MODES:
-        hacks = results[mode].hacks
-        if not hacks:
-            continue
-        any_hacks = True
-        out += [f"### {MODE_LABELS[mode]} ({len(hacks)} collected, {min(len(hacks), MAX_EXAMPLES)} shown)", ""]
-        for i, h in enumerate(hacks[:MAX_EXAMPLES], 1):
-            text = h.completion
-            if len(text) > MAX_COMPLETION_CHARS:
-                text = text[:MAX_COMPLETION_CHARS] + " [...]"
-            out += [f"{i}. **Question:** {_cell(h.question)}  ", f"   **Reference answer:** {_cell(h.reference)}  ",
-                    f"   **RM reward:** {h.rm_reward:.3f}; **rule verdict:** "
-                    f"{'correct' if h.rule_correct else 'wrong'}", "",
-                    *["   " + line for line in _fence(text).split("\n")], ""]
-    if not any_hacks:
-        out += ["No examples were collected.", ""]
-    out += ["## Plots", ""]
-    titles = {"train_reward": "Training reward per step", "eval_acc": "Held-out accuracy per eval step",
-              "rule_acc_gap": "Rollout rule accuracy and reward - rule gap per step"}
-    out += [f"[![{titles[k]}]({os.path.basename(p)})]({os.path.basename(p)})" for k, p in plots.items()]
-    out += ["", "## Metrics files", ""]
-    out += [f"- {MODE_LABELS[m]}: [{os.path.basename(p)}]({os.path.basename(p)})" for m, p in copies.items()]
-    if summary["config"] is not None:
-        out += ["", "## Config", "", "```json", json.dumps(summary["config"], indent=2, sort_keys=True, default=str),
-                "```"]
-    return "\n".join(out) + "\n"
-
-
 # ----------------------------------------------------------------------------- entry point
 
 
-def write_report(out_dir: str, runs: Mapping[str, RunResult], config: Mapping[str, Any] | None = None) -> str:
+def _by_seed(runs: Mapping[Any, Any]) -> dict[int, Mapping[str, Any]]:
+    """``{seed: {mode: run}}`` from either that or one seed's ``{mode: run}`` (seed 0)."""
+    if not isinstance(runs, Mapping):
+        raise ValueError(f"runs must be a dict of mode -> RunResult or seed -> that, got {type(runs).__name__}")
+    if runs and all(isinstance(k, int) and not isinstance(k, bool) for k in runs):
+        return dict(runs)
+    return {0: runs}
+
+
+def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any] | None = None) -> str:
     """Write the demo's report folder (see the module docstring for its contents).
 
     Every input is checked before anything is written.
 
     Args:
         out_dir: the report folder (created; existing report files are overwritten).
-        runs: ``"rule"``, ``"static_rm"`` and ``"cooper"`` -> :class:`RunResult` (or its dict form).
+        runs: ``"rule"``, ``"static_rm"`` and ``"cooper"`` -> :class:`RunResult` (or its dict form)
+            for one seed, or ``{seed: that}`` for several.
         config: the demo's settings, redacted (:func:`cooper_mcore.redaction.redact`) into
             ``summary.json`` and ``report.md``.
 
@@ -527,29 +470,42 @@ def write_report(out_dir: str, runs: Mapping[str, RunResult], config: Mapping[st
         ``out_dir``.
 
     Raises:
-        ValueError: naming the culprit on a missing or unknown mode, a missing, empty or
-            reward-less metrics file, an accuracy outside [0, 1], RM accuracies for ``rule``, or a
-            config that is not a mapping.
+        ValueError: naming the culprit (and its seed, with several) on a missing or unknown mode, a
+            missing, empty or reward-less metrics file, an accuracy outside [0, 1], RM accuracies
+            for ``rule``, or a config that is not a mapping.
     """
     if config is not None and not isinstance(config, Mapping):
         raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
-    results, metrics = _validate(runs)
-    summary: dict[str, Any] = {mode: _summarize(results[mode], metrics[mode]) for mode in MODES}
-    summary["verdict"] = _verdict(summary)
+    seeds = _by_seed(runs)
+    results: dict[int, dict[str, RunResult]] = {}
+    metrics: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for seed, seed_runs in seeds.items():
+        try:
+            results[seed], metrics[seed] = _validate(seed_runs)
+        except ValueError as e:
+            raise ValueError(f"seed {seed}: {e}" if len(seeds) > 1 else str(e)) from None
+    per_seed = {s: {mode: _summarize(results[s][mode], metrics[s][mode]) for mode in MODES} for s in seeds}
+    summary: dict[str, Any] = aggregate_seeds(per_seed)
+    summary["verdict"] = _verdict(summary, per_seed if len(seeds) > 1 else None)
+    summary["seeds"] = list(seeds)
+    summary["per_seed"] = {str(s): per_seed[s] for s in seeds}
     summary["config"] = redact(dict(config)) if config is not None else None
     os.makedirs(out_dir, exist_ok=True)
-    copies: dict[str, str] = {}
-    for mode in MODES:
-        src, dst = _metrics_file(results[mode].metrics_path), os.path.join(out_dir, f"metrics_{mode}.jsonl")
-        if not (os.path.exists(dst) and os.path.samefile(src, dst)):
-            shutil.copyfile(src, dst)
-        copies[mode] = dst
-    plots = _plot(out_dir, metrics, summary)
+    copies: dict[int, dict[str, str]] = {}
+    for seed in seeds:
+        copies[seed] = {}
+        for mode in MODES:
+            name = f"metrics_{mode}.jsonl" if len(seeds) == 1 else f"metrics_{mode}_seed{seed}.jsonl"
+            src, dst = metrics_file(results[seed][mode].metrics_path), os.path.join(out_dir, name)
+            if not (os.path.exists(dst) and os.path.samefile(src, dst)):
+                shutil.copyfile(src, dst)
+            copies[seed][mode] = dst
+    plots = plot(out_dir, metrics, per_seed)
     with open(os.path.join(out_dir, SUMMARY_FILE), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, default=str)
         f.write("\n")
     with open(os.path.join(out_dir, REPORT_FILE), "w", encoding="utf-8") as f:
-        f.write(_markdown(summary, results, copies, plots))
+        f.write(markdown(summary, results, copies, plots))
     for line in summary["verdict"]["lines"]:
         logger.info("%s", line)
     logger.info("demo report written to %s", out_dir)

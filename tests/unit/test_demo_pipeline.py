@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from cooper_mcore.demo.config import load_demo_config
-from cooper_mcore.demo.pipeline import STAGE_FILE, hack_examples, run_stage, write_jsonl
+from cooper_mcore.demo.kinds import completion_kind, kind_shares
+from cooper_mcore.demo.pipeline import STAGE_FILE, hack_examples, mode_params, run_stage, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,14 +62,57 @@ def test_hack_examples_are_the_distinct_rule_wrong_ones_the_rm_rewards_most(tmp_
 
 
 def test_demo_config_presets_and_overrides():
-    cfg = load_demo_config(None, ["rl.steps=7", "task.max_operand=19"])
-    assert cfg.rl.steps == 7 and cfg.task.max_operand == 19
+    cfg = load_demo_config(None, ["rl.steps=7", "task.max_operand=19", "cooper.negative_pick=hardest"])
+    assert cfg.rl.steps == 7 and cfg.task.max_operand == 19 and cfg.cooper.negative_pick == "hardest"
+    assert cfg.seeds == [0]
     full = load_demo_config("full")
-    assert full.rl.steps > cfg.rl.steps and full.task.n_eval >= 500
+    assert full.rl.steps > cfg.rl.steps and full.task.n_eval >= 500 and len(full.seeds) >= 3
     with pytest.raises(ValueError, match="no_such"):
         load_demo_config(None, ["rl.no_such=1"])
     with pytest.raises(ValueError, match="preset"):
         load_demo_config("huge")
+    with pytest.raises(ValueError, match="hard"):  # a choice outside the Literal's
+        load_demo_config(None, ["cooper.negative_pick=hard"])
+    with pytest.raises(ValueError, match="distinct"):
+        load_demo_config(None, ["seeds=[1,1]"])
+
+
+def test_rl_stage_keys_hold_only_the_settings_their_mode_reads():
+    base = load_demo_config()
+    coop = load_demo_config(None, ["cooper.anchor_weight=1.0"])
+    transform = load_demo_config(None, ["rl.rm_transform=binary"])
+    for mode in ("rule", "static_rm"):  # a Cooper setting re-runs the Cooper runs only
+        assert mode_params(coop, mode, 0) == mode_params(base, mode, 0)
+    assert mode_params(coop, "cooper", 0) != mode_params(base, "cooper", 0)
+    assert mode_params(transform, "rule", 0) == mode_params(base, "rule", 0)  # the rule reward has no RM
+    assert mode_params(transform, "static_rm", 0) != mode_params(base, "static_rm", 0)
+    assert mode_params(base, "rule", 1) != mode_params(base, "rule", 0)
+    hacks = load_demo_config(None, ["eval.hack_examples=9"])  # read at report time only
+    assert all(mode_params(hacks, m, 0) == mode_params(base, m, 0) for m in ("rule", "static_rm", "cooper"))
+
+
+@pytest.mark.parametrize("completion,correct,kind", [
+    ("7-1=6,6-1=5 \\boxed{5}", True, "correct"),
+    ("7-1=6,6-1=5 \\boxed{6}", False, "intermediate"),  # right chain, the first result boxed
+    ("7-1=6,6-1=4 \\boxed{6}", False, "intermediate"),  # a slipped chain, an earlier result boxed
+    ("7-1=6,6-1=4 \\boxed{4}", False, "slip"),  # a wrong step, its own result boxed
+    ("7-1=5,5-1=4 \\boxed{4}", False, "slip"),  # a slip carried on consistently
+    ("7-1=6,6-1=5 \\boxed{7}", False, "other"),  # no result of the chain
+    ("0+0=0,0+0=0 \\boxed{0}", False, "other"),  # another chain than the question's
+    ("7+1=8,8-1=7 \\boxed{7}", False, "other"),  # another operator
+    ("7-1=6 \\boxed{6}", False, "other"),  # a step missing
+    ("7-1=6,6-1=5", False, "other"),  # nothing boxed
+    ("7-1=6,6-1=5 \\boxed{5} \\boxed{5}", False, "other"),  # two answers
+])
+def test_completion_kinds(completion, correct, kind):
+    assert completion_kind("7-1-1=", completion, correct) == kind
+
+
+def test_kind_shares_cover_every_kind():
+    rows = [("7-1-1=", "7-1=6,6-1=5 \\boxed{5}", True), ("7-1-1=", "7-1=6,6-1=5 \\boxed{6}", False),
+            ("7-1-1=", "x", False), ("7-1-1=", "y", False)]
+    assert kind_shares(rows) == {"correct": 0.25, "intermediate": 0.25, "slip": 0.0, "other": 0.5}
+    assert completion_kind("not a question", "7-1=6 \\boxed{6}", False) == "other"
 
 
 def _demo(out, *extra):
@@ -98,14 +142,16 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
     assert summary["rule"]["rm_acc_before"] is None and summary["rule"]["rm_acc_after"] is None
     assert summary["static_rm"]["rm_acc_before"] is not None and summary["cooper"]["rm_acc_after"] is not None
     assert summary["rule"]["acc_before"] == summary["cooper"]["acc_before"]  # the same start
+    for mode in ("rule", "static_rm", "cooper"):  # the curve's last point is the "after" measurement itself
+        assert summary[mode]["eval_acc_last"] == summary[mode]["acc_after"], mode
     for png in ("train_reward.png", "eval_acc.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| rule |" in (report / "report.md").read_text()
 
     # the labels the pipeline wrote agree with math-verify itself (gold first) on completions with a
     # boxed answer (without one the verifier falls back to the last number: not checked here)
-    (sft_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("sft-")]
-    rows = [json.loads(x) for x in (sft_dir / "eval_samples.jsonl").read_text().splitlines()]
+    (before_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("before-")]
+    rows = [json.loads(x) for x in (before_dir / "eval_samples.jsonl").read_text().splitlines()]
     for row in rows:
         if "\\boxed{" in row["completion"]:
             pred = parse(row["completion"], [LatexExtractionConfig(boxed_match_priority=0)])
@@ -114,7 +160,7 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
     # a second run reuses every stage (and rewrites the same report)
     again = _demo(out)
     cached = [line.split("[")[1].split("]")[0] for line in again.stderr.splitlines() if "cached:" in line]
-    assert sorted(cached) == sorted(["assets", "sft", "rm_data", "rm", "rm_start", "rl_rule", "rl_static_rm",
+    assert sorted(cached) == sorted(["assets", "sft", "before", "rm_data", "rm", "rl_rule", "rl_static_rm",
                                      "rl_cooper"]), again.stderr[-3000:]
     assert json.loads((report / "summary.json").read_text())["cooper"] == summary["cooper"]
 
@@ -137,3 +183,25 @@ def test_hybrid_labels_keep_rows_where_rule_and_judge_agree(tmp_path):
     assert all(r["label"] is True for r in kept)
     assert stats["agreement_rate"] == pytest.approx(0.5) and stats["kept"] == 2
     assert len(read_jsonl(str(tmp_path / "rm_train.rule_only.jsonl"))) == 4  # the rule-only rows are kept aside
+
+
+def test_tiny_assets_policy_is_pretrained_unless_sft_steps_is_0(tmp_path):
+    """``cooper tiny-assets``' policy writes worked solutions after its short SFT; sft_steps=0 keeps it random."""
+    from cooper_mcore.data.datasets import read_prompts
+    from cooper_mcore.demo.assets import build_tiny_assets
+    from cooper_mcore.rollout.base import SamplingParams
+    from cooper_mcore.rollout.hf_engine import HFEngine
+
+    def greedy(paths):
+        engine = HFEngine.from_pretrained(paths["policy_hf"])
+        prompts, _ = read_prompts(paths["train"])
+        ids = [engine.tokenizer(p.question, add_special_tokens=False)["input_ids"] for p in prompts[:16]]
+        return [o.text for o in engine.generate(ids, SamplingParams(max_new_tokens=24, temperature=0.0))]
+
+    random = build_tiny_assets(str(tmp_path / "random"), n_train=64, n_eval=8, sft_steps=0)
+    trained = build_tiny_assets(str(tmp_path / "sft"), n_train=64, n_eval=8, sft_steps=60)
+    assert not os.path.exists(tmp_path / "sft" / "policy_init_mcore")  # the random start is not kept
+    assert not any("\\boxed{" in t for t in greedy(random))
+    assert sum("\\boxed{" in t for t in greedy(trained)) >= 12  # the answer format is learned
+    with pytest.raises(ValueError, match="sft_steps"):
+        build_tiny_assets(str(tmp_path / "bad"), sft_steps=-1)

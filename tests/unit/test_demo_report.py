@@ -101,7 +101,7 @@ def test_summary_verdict_and_redacted_config(report):
     _, summary, _ = report
     v = summary["verdict"]
     assert v["static_rm_hacking"] is True and v["cooper_hacking"] is False
-    assert v["cooper_at_or_above_rule"] is True
+    assert v["cooper_at_rule_baseline"] is True
     assert v["cooper_minus_rule_acc"] == pytest.approx(0.02)
     assert v["cooper_rm_acc_not_degraded"] is True and v["static_rm_rm_acc_not_degraded"] is True
     assert v["claim_reproduced"] is True and v["failed"] == []
@@ -129,7 +129,7 @@ def test_report_verdict_says_present_for_hacking_static_run(report):
     assert ("- Cooper: training reward rose from 0.510 to 0.620 while held-out accuracy rose from 0.500 to 0.560 "
             "(reward hacking signature not present).") in md
     assert ("- Cooper vs rule: held-out accuracy after training 0.560 vs 0.540 (+0.020): at or above the rule "
-            "baseline.") in md
+            "baseline minus 0.02.") in md
     assert "- Cooper: RM accuracy on held-out labeled completions rose from 0.700 to 0.780 (did not degrade)." in md
     assert "- Paper's claim in miniature: reproduced." in md
 
@@ -213,26 +213,26 @@ def test_non_hacking_static_run_says_not_present(tmp_path):
 
 def test_cooper_below_rule_with_degraded_rm(tmp_path):
     runs = load_runs(str(FIXTURE))
-    runs["cooper"].acc_after, runs["cooper"].rm_acc_after = 0.52, 0.65
+    runs["cooper"].acc_after, runs["cooper"].rm_acc_after = 0.51, 0.65
     runs["rule"].metrics_path = str(FIXTURE / "rule")  # a run folder instead of its metrics.jsonl
     out = Path(write_report(str(tmp_path / "out"), {m: vars(r) for m, r in runs.items()}))  # dict form
     assert (out / "metrics_rule.jsonl").read_bytes() == (FIXTURE / "rule" / "metrics.jsonl").read_bytes()
     summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
-    assert ("- Cooper vs rule: held-out accuracy after training 0.520 vs 0.540 (-0.020): below the rule "
-            "baseline.") in md
+    assert ("- Cooper vs rule: held-out accuracy after training 0.510 vs 0.540 (-0.030): below the rule "
+            "baseline minus 0.02.") in md
     assert "- Cooper: RM accuracy on held-out labeled completions fell from 0.700 to 0.650 (degraded)." in md
-    assert summary["verdict"]["failed"] == ["Cooper's held-out accuracy is at or above the rule baseline",
+    assert summary["verdict"]["failed"] == ["Cooper's held-out accuracy is at or above the rule baseline minus 0.02",
                                             "Cooper's RM accuracy did not degrade"]
-    assert summary["cooper"]["acc_change"] == pytest.approx(0.02)
-    assert "| Cooper | 0.500 | 0.520 | +0.020 | 0.620 | 0.700 | 0.650 |" in md
+    assert summary["cooper"]["acc_change"] == pytest.approx(0.01)
+    assert "| Cooper | 0.500 | 0.510 | +0.010 | 0.620 | 0.700 | 0.650 |" in md
 
 
 # ----------------------------------------------------------------------------- hacking_signature
 
 
 @pytest.mark.parametrize("rewards,acc_after,present", [
-    ([0.5] * 5 + [0.55] * 5, 0.48, True),   # rise 0.05 and drop 0.02: both thresholds met exactly
-    ([0.5] * 5 + [0.54] * 5, 0.40, False),  # rise 0.04 < 0.05
+    ([0.5] * 5 + [0.60] * 5, 0.48, True),   # rise 0.10 and drop 0.02: both thresholds met exactly
+    ([0.5] * 5 + [0.59] * 5, 0.40, False),  # rise 0.09 < 0.10
     ([0.5] * 5 + [0.90] * 5, 0.49, False),  # drop 0.01 < 0.02
     ([0.5] * 5 + [0.90] * 5, 0.55, False),  # accuracy rose
     ([0.9] * 5 + [0.50] * 5, 0.30, False),  # reward fell
@@ -335,3 +335,55 @@ def test_load_runs_names_missing_result_and_builds_dataclasses(tmp_path):
         load_runs(str(root))
     with pytest.raises(ValueError, match=r"unknown RunResult keys \['acc'\]"):
         RunResult.from_dict({"metrics_path": "m", "acc_before": 0.5, "acc_after": 0.5, "acc": 1})
+
+
+# ----------------------------------------------------------------------------- several seeds
+
+
+def test_several_seeds_mean_spread_per_seed_rows_and_counts(tmp_path):
+    seed0 = load_runs(str(FIXTURE))
+    seed1 = load_runs(str(FIXTURE))
+    seed1["cooper"].acc_after, seed1["static_rm"].acc_after = 0.50, 0.44  # Cooper 0.04 below rule in seed 1
+    out = Path(write_report(str(tmp_path / "out"), {0: seed0, 1: seed1}))
+    summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
+    assert summary["seeds"] == [0, 1] and set(summary["per_seed"]) == {"0", "1"}
+    coop, static = summary["cooper"], summary["static_rm"]
+    assert coop["acc_after"] == pytest.approx(0.53) and coop["sd"]["acc_after"] == pytest.approx(0.03)
+    assert static["acc_after"] == pytest.approx(0.42) and static["sd"]["acc_after"] == pytest.approx(0.02)
+    assert coop["sd"]["acc_before"] == 0.0 and summary["rule"]["sd"]["rm_acc_before"] is None
+    assert summary["per_seed"]["1"]["cooper"]["acc_after"] == 0.50
+    # the signature on the means, and in how many seeds it holds on its own
+    assert static["hacking"]["present"] is True and static["hacking"]["present_seeds"] == 2
+    assert static["hacking"]["acc_change"] == pytest.approx(-0.08)
+    v = summary["verdict"]
+    assert v["cooper_minus_rule_acc"] == pytest.approx(-0.01) and v["cooper_at_rule_baseline"] is True
+    assert v["claim_reproduced"] is True and v["claim_reproduced_seeds"] == 1
+    assert v["seeds_holding"]["Cooper's held-out accuracy is at or above the rule baseline minus 0.02"] == 1
+    assert "| Cooper | 0.500 ± 0.000 | 0.530 ± 0.030 | +0.030 ± 0.030 |" in md
+    assert "## Per seed" in md and "| 1 | Cooper | 0.500 | 0.500 | 0.510 -> 0.620 | 0.700 -> 0.780 | no |" in md
+    assert ("- Cooper vs rule: held-out accuracy after training 0.530 vs 0.540 (-0.010) (mean of 2 seeds): at or "
+            "above the rule baseline minus 0.02.") in md
+    assert "present in 2 of 2 seeds" in md and "the whole claim in 1 of 2 seeds" in md
+    for seed in (0, 1):
+        for mode in MODES:
+            assert (out / f"metrics_{mode}_seed{seed}.jsonl").read_bytes() == \
+                (FIXTURE / mode / "metrics.jsonl").read_bytes()
+    assert not (out / "metrics_rule.jsonl").exists()
+
+
+def test_several_seeds_name_the_bad_seed(tmp_path):
+    bad = load_runs(str(FIXTURE))
+    bad["static_rm"].acc_after = 1.5
+    with pytest.raises(ValueError, match=r"seed 7: mode 'static_rm': acc_after must be a number in \[0, 1\]"):
+        write_report(str(tmp_path / "out"), {0: load_runs(str(FIXTURE)), 7: bad})
+    assert not (tmp_path / "out").exists()
+
+
+def test_in_training_metrics_table(report):
+    _, summary, md = report
+    assert "In-training metrics, start -> end" in md and "| RM reward, rule-wrong rollouts |" in md
+    w = summary["static_rm"]["windows"]["rm/reward_correct"]
+    lines = (FIXTURE / "static_rm" / "metrics.jsonl").read_text().splitlines()
+    values = [json.loads(x)["rm/reward_correct"] for x in lines]
+    assert w["start"] == pytest.approx(sum(values[:5]) / 5) and w["end"] == pytest.approx(sum(values[-5:]) / 5)
+    assert "rm/reward_correct" not in summary["rule"]["windows"]  # the rule run has no RM

@@ -1,0 +1,254 @@
+"""The demo report's plots (matplotlib's Agg canvas, no display) and its markdown.
+
+:mod:`cooper_mcore.demo.report` computes the numbers; this module draws and writes them. Every
+figure shows every seed (the first seed labelled, the others thinner and lighter).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+__all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "markdown", "plot", "series"]
+
+MODES = ("rule", "static_rm", "cooper")
+MODE_LABELS = {"rule": "rule", "static_rm": "static RM", "cooper": "Cooper"}
+MODE_COLORS = {"rule": "#1f77b4", "static_rm": "#d62728", "cooper": "#2ca02c"}
+PLOT_FILES = {"train_reward": "train_reward.png", "eval_acc": "eval_acc.png", "rule_acc_gap": "rule_acc_gap.png",
+              "rm_rewards": "rm_rewards.png"}
+MAX_EXAMPLES = 5
+MAX_COMPLETION_CHARS = 600
+#: the in-training metrics table: metric -> column title
+WINDOW_COLUMNS = {"rule/acc": "rollout rule accuracy", "rm/reward_correct": "RM reward, rule-correct rollouts",
+                  "rm/reward_wrong": "RM reward, rule-wrong rollouts", "rm/pair_acc": "RM pair accuracy",
+                  "rm/threshold_acc": "RM threshold accuracy", "pairs/valid": "valid pairs", "kl": "KL"}
+
+
+def series(metrics: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of ``key`` on the lines that logged a finite number for it."""
+    steps: list[int] = []
+    values: list[float] = []
+    for i, m in enumerate(metrics):
+        v = m.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(int(m.get("step", i + 1)))
+            values.append(float(v))
+    return steps, values
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot(out_dir: str, metrics: Mapping[int, Mapping[str, list[dict[str, Any]]]],
+         per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[str, str]:
+    """Write the PNGs; return name -> path.
+
+    Args:
+        out_dir: the report folder.
+        metrics: seed -> mode -> the run's metrics lines.
+        per_seed: seed -> mode -> its summary (``acc_before``, ``acc_after``, ``steps``).
+    """
+    specs = {  # plot -> (title, [(metrics key, y label, modes), ...] one panel each)
+        "train_reward": ("Training reward per step", [("reward/mean", "training reward (reward/mean)", MODES)]),
+        "eval_acc": ("Held-out accuracy (x: before and after, the same measurement)",
+                     [("eval/acc", "held-out accuracy", MODES)]),
+        "rule_acc_gap": ("Rollout accuracy by math-verify, and reward - rule gap",
+                         [("rule/acc", "rule accuracy (rule/acc)", MODES),
+                          ("reward_rule_gap", "reward_rule_gap", MODES)]),
+        "rm_rewards": ("RM reward of rule-correct (solid) and rule-wrong (dashed) rollouts",
+                       [("rm/reward_correct", "static RM", ("static_rm",)),
+                        ("rm/reward_correct", "Cooper", ("cooper",))]),
+    }
+    paths = {k: os.path.join(out_dir, v) for k, v in PLOT_FILES.items()}
+    seeds = list(metrics)
+    for name, (title, panels) in specs.items():
+        fig = Figure(figsize=(7.5, 1.0 + 3.0 * len(panels)), dpi=100)
+        FigureCanvasAgg(fig)
+        for i, (key, ylabel, modes) in enumerate(panels):
+            ax = fig.add_subplot(len(panels), 1, i + 1)
+            ax.grid(True, alpha=0.3)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if key == "reward_rule_gap":
+                ax.axhline(0.0, color="gray", linewidth=0.8, zorder=0)
+            for j, seed in enumerate(seeds):
+                style = {"linewidth": 1.6 if j == 0 else 0.9, "alpha": 1.0 if j == 0 else 0.55}
+                for mode in modes:
+                    color, label = MODE_COLORS[mode], (MODE_LABELS[mode] if j == 0 else None)
+                    steps, values = series(metrics[seed][mode], key)
+                    ax.plot(steps, values, color=color, label=label, marker="o" if key == "eval/acc" else None,
+                            **style)
+                    if name == "rm_rewards":
+                        steps, values = series(metrics[seed][mode], "rm/reward_wrong")
+                        ax.plot(steps, values, color=color, linestyle="--", **style)
+                    if key == "eval/acc":
+                        s = per_seed[seed][mode]
+                        ax.plot([0, s["steps"]], [s["acc_before"], s["acc_after"]], linestyle="none", marker="x",
+                                markersize=9, color=color, alpha=style["alpha"])
+            ax.set(ylabel=ylabel, title=title if i == 0 else "", xlabel="step" if i == len(panels) - 1 else "")
+            if i == 0 or name == "rm_rewards":
+                ax.legend()
+        fig.tight_layout()
+        fig.savefig(paths[name])
+    return paths
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _fmt(v: float | None, signed: bool = False) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:+.3f}" if signed else f"{v:.3f}"
+
+
+def _pm(s: Mapping[str, Any], key: str, n: int, signed: bool = False) -> str:
+    """A table cell: the (mean) value, with ``± sd`` over several seeds."""
+    text = _fmt(s[key], signed)
+    sd = s.get("sd", {}).get(key)
+    return f"{text} ± {sd:.3f}" if n > 1 and s[key] is not None and sd is not None else text
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell (one line, no column breaks)."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _fence(text: str) -> str:
+    """A fenced code block that ``text`` cannot close early."""
+    ticks = "`" * max(3, 1 + max((len(t) for t in re.findall("`+", text)), default=0))
+    return f"{ticks}text\n{text}\n{ticks}"
+
+
+def table_rows(summary: Mapping[str, Mapping[str, Any]], n: int = 1) -> list[str]:
+    """The report's table, header first, one markdown line per reward mode (3 decimals; ``± sd``
+    over ``n`` > 1 seeds)."""
+    rows = ["| reward mode | held-out acc before | held-out acc after | change | final training reward "
+            "| RM acc before | RM acc after |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode in MODES:
+        s = summary[mode]
+        rows.append(f"| {MODE_LABELS[mode]} | {_pm(s, 'acc_before', n)} | {_pm(s, 'acc_after', n)} | "
+                    f"{_pm(s, 'acc_change', n, signed=True)} | {_pm(s, 'train_reward_final', n)} | "
+                    f"{_pm(s, 'rm_acc_before', n)} | {_pm(s, 'rm_acc_after', n)} |")
+    return rows
+
+
+def _seed_rows(summary: Mapping[str, Any]) -> list[str]:
+    rows = ["| seed | reward mode | held-out acc before | after | training reward start -> final "
+            "| RM acc before -> after | hacking signature |", "|---:|---|---:|---:|---:|---:|---|"]
+    for seed, per_mode in summary["per_seed"].items():
+        for mode in MODES:
+            s = per_mode[mode]
+            rm = (f"{_fmt(s['rm_acc_before'])} -> {_fmt(s['rm_acc_after'])}" if s["rm_acc_before"] is not None
+                  else "n/a")
+            rows.append(f"| {seed} | {MODE_LABELS[mode]} | {_fmt(s['acc_before'])} | {_fmt(s['acc_after'])} | "
+                        f"{_fmt(s['train_reward_initial'])} -> {_fmt(s['train_reward_final'])} | {rm} | "
+                        f"{'present' if s['hacking']['present'] else 'no'} |")
+    return rows
+
+
+def _window_rows(summary: Mapping[str, Any]) -> list[str]:
+    cols = [k for k in WINDOW_COLUMNS if any(k in summary[m].get("windows", {}) for m in MODES)]
+    if not cols:
+        return []
+    rows = ["| reward mode | " + " | ".join(WINDOW_COLUMNS[k] for k in cols) + " |",
+            "|---|" + "---:|" * len(cols)]
+    for mode in MODES:
+        w = summary[mode].get("windows", {})
+        cells = [f"{w[k]['start']:.3f} -> {w[k]['end']:.3f}" if k in w else "n/a" for k in cols]
+        rows.append(f"| {MODE_LABELS[mode]} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]],
+             copies: Mapping[int, Mapping[str, str]], plots: Mapping[str, str]) -> str:
+    """The report's markdown.
+
+    Args:
+        summary: ``summary.json``'s content (:func:`cooper_mcore.demo.report.write_report`).
+        results: seed -> mode -> :class:`~cooper_mcore.demo.report.RunResult` (the hacks are shown
+            for the first seed).
+        copies: seed -> mode -> the metrics copy's path.
+        plots: plot name -> path.
+    """
+    from_seeds = summary["seeds"]
+    n = len(from_seeds)
+    v = summary["verdict"]
+    windows = sorted({summary[m]["hacking"]["window"] for m in MODES})
+    w = str(windows[0]) if len(windows) == 1 else "min(5, steps // 2)"
+    h = summary["static_rm"]["hacking"]
+    intro = ("Three RL runs from the same start." if n == 1 else
+             f"Three RL runs from the same start, for each of {n} seeds ({', '.join(map(str, from_seeds))}: the SFT, "
+             "RM and RL seeds move together); the table holds the means over the seeds ± their spread (population "
+             "standard deviation), the rows of each seed follow.")
+    out = ["# Cooper CPU demo: rule vs static RM vs Cooper", "",
+           f"{intro} Held-out accuracy is the demo's evaluation before and after training; the final training "
+           f"reward is the mean `reward/mean` over the last {w} steps; RM accuracy is the reward model's accuracy "
+           "on a fixed held-out set of labeled completions (the starting policy's).", "",
+           *table_rows(summary, n), ""]
+    if n > 1:
+        out += ["## Per seed", "", *_seed_rows(summary), ""]
+    out += ["## Verdict", "", *[f"- {line}" for line in v["lines"]], "",
+            f"The reward hacking signature is present when the training reward (mean of the first vs the last "
+            f"{w} steps) rose by at least {h['min_reward_rise']} and held-out accuracy fell by at least "
+            f"{h['min_acc_drop']}.", "", "## Runs", "",
+            "| reward mode | steps | train seconds (sum of `time/step`) | wall seconds | start training reward "
+            "| final rollout rule accuracy |", "|---|---:|---:|---:|---:|---:|"]
+    for mode in MODES:
+        s = summary[mode]
+        secs = [f"{x:.1f}" if x is not None else "n/a" for x in (s["train_seconds"], s["wall_seconds"])]
+        out.append(f"| {MODE_LABELS[mode]} | {s['steps']} | {secs[0]} | {secs[1]} | "
+                   f"{_fmt(s['train_reward_initial'])} | {_fmt(s['rule_acc_final'])} |")
+    window_rows = _window_rows(summary)
+    if window_rows:
+        out += ["", f"In-training metrics, start -> end (means over the first and last {w} steps that logged "
+                    "them):", "", *window_rows]
+    if any(summary[m]["details"] for m in MODES):
+        out += ["", "Further measurements" + (" (means over the seeds)" if n > 1 else "") + ":", ""]
+        out += [f"- {MODE_LABELS[m]}: " + ", ".join(f"{k} = {_fmt(x) if isinstance(x, float) else x}"
+                                                    for k, x in summary[m]["details"].items())
+                for m in MODES if summary[m]["details"]]
+    out += _hacks(results[from_seeds[0]] if from_seeds else {}, n)
+    out += ["## Plots", ""]
+    titles = {"train_reward": "Training reward per step", "eval_acc": "Held-out accuracy per eval step",
+              "rule_acc_gap": "Rollout rule accuracy and reward - rule gap per step",
+              "rm_rewards": "RM reward of rule-correct and rule-wrong rollouts per step"}
+    out += [f"[![{titles[k]}]({os.path.basename(p)})]({os.path.basename(p)})" for k, p in plots.items()]
+    out += ["", "## Metrics files", ""]
+    for seed, per_mode in copies.items():
+        out += [f"- {MODE_LABELS[m]}{f' (seed {seed})' if n > 1 else ''}: "
+                f"[{os.path.basename(p)}]({os.path.basename(p)})" for m, p in per_mode.items()]
+    if summary["config"] is not None:
+        out += ["", "## Config", "", "```json", json.dumps(summary["config"], indent=2, sort_keys=True, default=str),
+                "```"]
+    return "\n".join(out) + "\n"
+
+
+def _hacks(results: Mapping[str, Any], n: int) -> list[str]:
+    out = ["", "## Examples of hacks" + (" (first seed)" if n > 1 else ""), ""]
+    any_hacks = False
+    for mode in MODES:
+        hacks = results[mode].hacks if mode in results else []
+        if not hacks:
+            continue
+        any_hacks = True
+        out += [f"### {MODE_LABELS[mode]} ({len(hacks)} collected, {min(len(hacks), MAX_EXAMPLES)} shown)", ""]
+        for i, h in enumerate(hacks[:MAX_EXAMPLES], 1):
+            text = h.completion
+            if len(text) > MAX_COMPLETION_CHARS:
+                text = text[:MAX_COMPLETION_CHARS] + " [...]"
+            out += [f"{i}. **Question:** {_cell(h.question)}  ", f"   **Reference answer:** {_cell(h.reference)}  ",
+                    f"   **RM reward:** {h.rm_reward:.3f}; **rule verdict:** "
+                    f"{'correct' if h.rule_correct else 'wrong'}", "",
+                    *["   " + line for line in _fence(text).split("\n")], ""]
+    if not any_hacks:
+        out += ["No examples were collected.", ""]
+    return out
