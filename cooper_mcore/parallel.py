@@ -107,6 +107,25 @@ def destroy_distributed() -> None:
 
 
 @contextlib.contextmanager
+def owned_world() -> Iterator[None]:
+    """Tear down, on exit, whatever of the distributed world the body creates.
+
+    The default process group and megatron's model-parallel groups that exist on entry (under
+    torchrun's caller, or a test's) are left alone; those made inside are destroyed, also when the
+    body raises, so an in-process job (a test, a notebook) does not leave a world behind.
+    """
+    owned_pg = not dist.is_initialized()
+    owned_mp = not parallel_state.model_parallel_is_initialized()
+    try:
+        yield
+    finally:
+        if owned_mp:
+            parallel_state.destroy_model_parallel()
+        if owned_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def single_process_world(parallel: ParallelConfig | None = None, seed: int = 1234):
     """A world of one process (TP=PP=1) for tools such as the converter.
 
@@ -115,11 +134,9 @@ def single_process_world(parallel: ParallelConfig | None = None, seed: int = 123
     if dist.is_initialized():
         yield
         return
-    init_distributed(parallel or ParallelConfig(), seed=seed)
-    try:
+    with owned_world():
+        init_distributed(parallel or ParallelConfig(), seed=seed)
         yield
-    finally:
-        destroy_distributed()
 
 
 @contextlib.contextmanager
@@ -133,20 +150,13 @@ def job_world(parallel: ParallelConfig, seed: int = 1234) -> Iterator[None]:
     Raises:
         ValueError: model-parallel groups exist with another TP/PP layout.
     """
-    owned_pg = not dist.is_initialized()
-    owned_mp = not parallel_state.model_parallel_is_initialized()
-    if not owned_mp:
+    if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size())
         if have != (parallel.tp, parallel.pp):
             raise ValueError(f"model-parallel groups are already initialised with tp={have[0]} pp={have[1]}, "
                              f"not the requested tp={parallel.tp} pp={parallel.pp}")
-    if owned_pg or owned_mp:
-        init_distributed(parallel, seed=seed)
-    try:
+    with owned_world():
+        if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+            init_distributed(parallel, seed=seed)
         yield
-    finally:
-        if owned_mp:
-            parallel_state.destroy_model_parallel()
-        if owned_pg and dist.is_initialized():
-            dist.destroy_process_group()

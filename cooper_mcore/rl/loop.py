@@ -31,6 +31,7 @@ from cooper_mcore.hacking import RewardHackingDetector
 from cooper_mcore.mcore.checkpoint import find_resume, load_training_checkpoint, save_training_checkpoint
 from cooper_mcore.mcore.faults import FaultPhaseTimer
 from cooper_mcore.metrics import MetricsLogger, ProgressBar, reduce_metrics
+from cooper_mcore.parallel import owned_world
 from cooper_mcore.rl.rollouts import evaluate
 from cooper_mcore.rl.setup import Run, build_run
 from cooper_mcore.rl.step import cooper_step
@@ -91,6 +92,7 @@ def resume_path(ckpt_dir: str, resume: str) -> Optional[str]:
     return value
 
 
+@owned_world()  # the world build_run makes is destroyed on exit: an in-process run leaves none behind
 def train(cfg: CooperConfig) -> dict[str, float]:
     """Run (or resume) a Cooper training job; return the last step's metrics (see the module doc)."""
     run = build_run(cfg)
