@@ -12,7 +12,7 @@ and nothing before it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -20,6 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.rewards import RewardTransform
 from cooper_mcore.config import NegativeKind
+
+BlindSpot = Literal["none", "intermediate", "slip"]
 
 
 @dataclass
@@ -72,6 +74,9 @@ class RMSection:
     # repeat the rule-correct rows of the RM's data so that they are this share of it (0: as sampled,
     # about a quarter correct); VerifyRM's benchmark and Cooper's pairs are balanced
     balance: float = 0.0
+    # a lenient labeler's systematic error, the RM's blind spot: rule-wrong training rows of this kind
+    # (cooper_mcore/demo/kinds.py) are labeled correct; the benchmark keeps the true labels
+    blind_spot: BlindSpot = "none"
     epochs: int = 3
     lr: float = 1e-3
     batch: int = 64

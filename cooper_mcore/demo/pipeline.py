@@ -53,7 +53,7 @@ from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.config import DemoConfig
-from cooper_mcore.demo.kinds import kind_shares
+from cooper_mcore.demo.kinds import completion_kind, kind_shares
 from cooper_mcore.demo.report import HackExample, RunResult, write_report
 from cooper_mcore.jobs.sft import math_sft_examples, sft
 from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 STAGE_VERSION = 2  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
 MODES = ("rule", "static_rm", "cooper")
+RM_TRAINING_FIELDS = ("epochs", "lr", "batch", "micro_batch")  # read by the rm stage only, not by rm_data
 
 
 # --------------------------------------------------------------------------- content cache
@@ -264,16 +265,28 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
     held_out = _scorable(sample_labeled(hf, assets.file("eval.jsonl"), r.bench_samples, cfg.rl.temperature, 1.0,
                                         cfg.rl.max_new_tokens, r.seed + seed + 1))
     bench = bench_pairs(held_out)
+    train = with_blind_spot(train, r.blind_spot)
     write_jsonl(os.path.join(out, "rm_train.jsonl"), balanced(train, r.balance))
     write_jsonl(os.path.join(out, "rm_bench.jsonl"), bench)
     info: dict[str, Any] = {"train": len(train), "train_correct": _mean([x["label"] for x in train]),
-                            "bench_pairs": len(bench) // 2}
+                            "bench_pairs": len(bench) // 2,
+                            "blind_spot_rows": sum(x.get("blind_spot", False) for x in train)}
     if r.judge_url:
         info["hybrid"] = hybrid_labels(cfg, os.path.join(out, "rm_train.jsonl"))
         info["train"] = info["hybrid"]["kept"]
     logger.info("[rm_data] %d train rows (%.0f%% correct), %d held-out benchmark pairs", info["train"],
                 100 * info["train_correct"], info["bench_pairs"])
     return info
+
+
+def with_blind_spot(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """``rows`` with the rule-wrong completions of ``kind`` (:func:`completion_kind`) labeled correct
+    and marked ``blind_spot``: a lenient labeler's systematic error; ``"none"`` returns ``rows``."""
+    if kind == "none":
+        return rows
+    return [{**x, "label": True, "blind_spot": True}
+            if not x["label"] and completion_kind(x["question"], x["completion"], False) == kind else x
+            for x in rows]
 
 
 def balanced(rows: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
@@ -425,7 +438,8 @@ def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> dict[str, 
                           lambda d: train_sft(cfg, seed, assets, d))
     before = run_stage(root, "before", {"eval": mode_params(cfg, "rule", seed)["eval"], "rl_seed": cfg.rl.seed + seed},
                        [assets, sft_stage], lambda d: measure_before(cfg, seed, assets, sft_stage, d))
-    data = run_stage(root, "rm_data", {"rm": cfg.rm, "rl_sampling": [cfg.rl.temperature, cfg.rl.max_new_tokens],
+    sampling = {k: v for k, v in dataclasses.asdict(cfg.rm).items() if k not in RM_TRAINING_FIELDS}
+    data = run_stage(root, "rm_data", {"rm": sampling, "rl_sampling": [cfg.rl.temperature, cfg.rl.max_new_tokens],
                                        "seed": seed},
                      [assets, sft_stage], lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d))
     rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, data],
@@ -433,7 +447,8 @@ def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> dict[str, 
     b = before.info["eval"]
     runs = {}
     for mode in MODES:
-        stage = run_stage(root, f"rl_{mode}", mode_params(cfg, mode, seed), [assets, sft_stage, data, rm_stage],
+        reads = [assets, sft_stage] if mode == "rule" else [assets, sft_stage, data, rm_stage]  # rule: no RM
+        stage = run_stage(root, f"rl_{mode}", mode_params(cfg, mode, seed), reads,
                           lambda d, mode=mode: run_rl(cfg, mode, seed, assets, sft_stage, data, rm_stage, d))
         a = stage.info["eval"]
         rm_modes = mode != "rule"

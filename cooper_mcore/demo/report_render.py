@@ -194,6 +194,8 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
            f"reward is the mean `reward/mean` over the last {w} steps; RM accuracy is the reward model's accuracy "
            "on a fixed held-out set of labeled completions (the starting policy's).", "",
            *table_rows(summary, n), ""]
+    for paragraph in _setting(summary["config"] or {}):
+        out += [paragraph, ""]
     if n > 1:
         out += ["## Per seed", "", *_seed_rows(summary), ""]
     out += ["## Verdict", "", *[f"- {line}" for line in v["lines"]], "",
@@ -230,6 +232,28 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
         out += ["", "## Config", "", "```json", json.dumps(summary["config"], indent=2, sort_keys=True, default=str),
                 "```"]
     return "\n".join(out) + "\n"
+
+
+BLIND_SPOTS = {"intermediate": "a boxed earlier result of the chain (`7-1=6,6-1=5 \\boxed{6}`)",
+               "slip": "a chain with a wrong step whose own last result is boxed (`7-1=6,6-1=4 \\boxed{4}`)"}
+
+
+def _setting(config: Mapping[str, Any]) -> list[str]:
+    """What the reader must know to read the table (a demo config's RM blind spot and reward settings)."""
+    if not all(isinstance(config.get(k), Mapping) for k in ("rm", "rl", "cooper")):
+        return []
+    rm, rl, co = config["rm"], config["rl"], config["cooper"]
+    lines = []
+    if rm.get("blind_spot", "none") != "none":
+        lines.append(f"**The reward model has a blind spot by construction.** Its training labels call the rule-wrong "
+                     f"completions of one kind correct, as a lenient labeler would: {BLIND_SPOTS[rm['blind_spot']]}. "
+                     "Its benchmark keeps the true labels. Both RM runs start from this RM; Cooper's updates take "
+                     "their labels from math-verify, so they can close the blind spot.")
+    lines.append(f"Settings: RM reward `{rl['rm_transform']}` of the RM's logit (`reward.rm_transform`), advantage std "
+                 f"floor {rl['adv_std_floor']}; Cooper's pairs: {co['pairs_per_prompt']} per prompt, positive "
+                 f"`{co['positive_pick']}`, negative `{co['negative_pick']}` from `{co['negatives']}`, RM lr "
+                 f"{co['rm_lr']} (policy {rl['lr']}), BCE anchor weight {co['anchor_weight']}.")
+    return lines
 
 
 def _hacks(results: Mapping[str, Any], n: int) -> list[str]:

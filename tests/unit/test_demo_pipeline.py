@@ -11,7 +11,14 @@ import pytest
 
 from cooper_mcore.demo.config import load_demo_config
 from cooper_mcore.demo.kinds import completion_kind, kind_shares
-from cooper_mcore.demo.pipeline import STAGE_FILE, hack_examples, mode_params, run_stage, write_jsonl
+from cooper_mcore.demo.pipeline import (
+    STAGE_FILE,
+    hack_examples,
+    mode_params,
+    run_stage,
+    with_blind_spot,
+    write_jsonl,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -113,6 +120,18 @@ def test_kind_shares_cover_every_kind():
             ("7-1-1=", "x", False), ("7-1-1=", "y", False)]
     assert kind_shares(rows) == {"correct": 0.25, "intermediate": 0.25, "slip": 0.0, "other": 0.5}
     assert completion_kind("not a question", "7-1=6 \\boxed{6}", False) == "other"
+
+
+def test_blind_spot_relabels_only_the_rule_wrong_rows_of_its_kind():
+    rows = [{"question": "7-1-1=", "completion": c, "label": ok} for c, ok in [
+        ("7-1=6,6-1=5 \\boxed{5}", True), ("7-1=6,6-1=5 \\boxed{6}", False),  # correct, intermediate
+        ("7-1=6,6-1=4 \\boxed{4}", False), ("x", False)]]  # slip, other
+    assert with_blind_spot(rows, "none") is rows
+    lenient = with_blind_spot(rows, "intermediate")
+    assert [x["label"] for x in lenient] == [True, True, False, False]
+    assert [x.get("blind_spot", False) for x in lenient] == [False, True, False, False]
+    assert [x["label"] for x in with_blind_spot(rows, "slip")] == [True, False, True, False]
+    assert [x["label"] for x in rows] == [True, False, False, False]  # the input is left as it was
 
 
 def _demo(out, *extra):

@@ -7,6 +7,7 @@ rule and Cooper rise slowly. Expected numbers below are computed by hand from it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cooper_mcore.demo.config import load_demo_config
 from cooper_mcore.demo.report import (
     MODES,
     PLOT_FILES,
@@ -387,3 +389,14 @@ def test_in_training_metrics_table(report):
     values = [json.loads(x)["rm/reward_correct"] for x in lines]
     assert w["start"] == pytest.approx(sum(values[:5]) / 5) and w["end"] == pytest.approx(sum(values[-5:]) / 5)
     assert "rm/reward_correct" not in summary["rule"]["windows"]  # the rule run has no RM
+
+
+def test_report_states_the_rms_blind_spot_and_the_reward_settings(tmp_path):
+    for spot, said in (("intermediate", True), ("none", False)):
+        config = dataclasses.asdict(load_demo_config(None, [f"rm.blind_spot={spot}", "rl.rm_transform=binary",
+                                                             "cooper.negative_pick=hardest"]))
+        out = tmp_path / spot
+        write_report(str(out), load_runs(str(FIXTURE)), config=config)
+        text = (out / "report.md").read_text()
+        assert ("blind spot by construction" in text) is said
+        assert "RM reward `binary`" in text and "negative `hardest` from `policy`" in text
