@@ -71,11 +71,13 @@ def tiny_models(tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _no_world_left_behind():
-    """Fail the test that leaves torch.distributed initialised: the tests after it would run inside
-    its world (a leaked world of one made the metrics tests fail far from the culprit)."""
+@pytest.fixture(autouse=True, scope="module")
+def _no_world_left_behind(request):
+    """Fail the module whose tests leave torch.distributed initialised (a module may share one world
+    across its tests through a module fixture, torn down before this check): the modules after it
+    would run inside its world (a leaked world of one made the metrics tests fail far from the culprit)."""
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-        raise AssertionError("this test left torch.distributed initialised (a job did not tear down its world)")
+        raise AssertionError(f"{request.module.__name__} left torch.distributed initialised (a job did not tear "
+                             "down its world)")

@@ -69,16 +69,16 @@ class RMSection:
     question at the rollout temperature; questions without both are left out).
     """
 
-    samples_per_prompt: int = 1  # completions sampled per train prompt for the RM's data
+    samples_per_prompt: int = 2  # completions sampled per train prompt for the RM's data
     temperature: float = 1.0
     # repeat the rule-correct rows of the RM's data so that they are this share of it (0: as sampled,
     # about a quarter correct); VerifyRM's benchmark and Cooper's pairs are balanced
-    balance: float = 0.0
+    balance: float = 0.5
     # a lenient labeler's systematic error, the RM's blind spot: rule-wrong training rows of this kind
     # (cooper_mcore/demo/kinds.py) are labeled correct; the benchmark keeps the true labels
-    blind_spot: BlindSpot = "none"
-    epochs: int = 3
-    lr: float = 1e-3
+    blind_spot: BlindSpot = "intermediate"
+    epochs: int = 6
+    lr: float = 2e-3
     batch: int = 64
     micro_batch: int = 32
     seed: int = 0
@@ -98,7 +98,7 @@ class RLSection:
     settings are in :class:`CooperSection`.
     """
 
-    steps: int = 120
+    steps: int = 80
     prompts_per_step: int = 32
     group_size: int = 8
     temperature: float = 1.0
@@ -107,7 +107,7 @@ class RLSection:
     kl_coef: float = 0.01
     kl_kind: str = "low_var_kl"
     # RM logit -> reward (``reward.rm_transform``): sigmoid, sigmoid_bf16 (the reference's bf16 grid) or binary
-    rm_transform: RewardTransform = "sigmoid"
+    rm_transform: RewardTransform = "binary"
     adv_std_floor: float = 0.0  # ``algo.adv_std_floor``: tiny RM differences inside a group stay small advantages
     micro_batch: int = 64
     eval_every: int = 20  # in-training held-out accuracy: the same measurement as the before/after numbers
@@ -122,10 +122,10 @@ class CooperSection:
     # the verified-wrong negative: with no assistant LLM offline, the policy's own rule-wrong rollouts
     # (``policy``) or a programmatic rewrite of the positive's worked chain (``rewrite``)
     negatives: NegativeKind = "policy"
-    negative_pick: NegativePick = "random"  # negatives=policy: random, hardest (the RM's top-scored wrong one), first
-    positive_pick: PositivePick = "first"  # the reference code's first rule-correct rollout, or hardest / random
-    pairs_per_prompt: int = 1
-    anchor_weight: float = 0.0  # BCE calibration anchor on the pairs' own labels (0: the paper's pairwise loss)
+    negative_pick: NegativePick = "hardest"  # negatives=policy: random, hardest (the RM's top-scored wrong one), first
+    positive_pick: PositivePick = "hardest"  # the reference code's first rule-correct rollout, or hardest / random
+    pairs_per_prompt: int = 4
+    anchor_weight: float = 1.0  # BCE calibration anchor on the pairs' own labels (0: the paper's pairwise loss)
 
 
 @dataclass

@@ -86,8 +86,8 @@ def test_demo_config_presets_and_overrides():
 
 def test_rl_stage_keys_hold_only_the_settings_their_mode_reads():
     base = load_demo_config()
-    coop = load_demo_config(None, ["cooper.anchor_weight=1.0"])
-    transform = load_demo_config(None, ["rl.rm_transform=binary"])
+    coop = load_demo_config(None, ["cooper.anchor_weight=0.5"])
+    transform = load_demo_config(None, ["rl.rm_transform=sigmoid"])
     for mode in ("rule", "static_rm"):  # a Cooper setting re-runs the Cooper runs only
         assert mode_params(coop, mode, 0) == mode_params(base, mode, 0)
     assert mode_params(coop, "cooper", 0) != mode_params(base, "cooper", 0)
