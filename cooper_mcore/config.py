@@ -26,7 +26,7 @@ from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.rewards import RewardTransform
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config
-from cooper_mcore.reward.negatives import AssistantPrompt
+from cooper_mcore.reward.assistant import AssistantPrompt
 
 Dtype = Literal["float32", "bfloat16"]
 #: the KL estimators of :func:`cooper_mcore.algo.kl_penalty` (a test keeps them equal to ``KL_ESTIMATORS``)

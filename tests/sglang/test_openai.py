@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from cooper_mcore.reward.annotate import judge_messages, parse_judgement
-from cooper_mcore.reward.negatives import LLMAssistant, clean_assistant_output, rewrite_messages
+from cooper_mcore.reward.assistant import LLMAssistant, clean_assistant_output, rewrite_messages
 from cooper_mcore.reward.openai_client import OpenAIChatClient
 from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rollout.sglang_http import SGLangHTTPClient

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from cooper_mcore.reward.annotate import JudgeUnavailable, annotate
+from cooper_mcore.reward.assistant import LLMAssistant
 from cooper_mcore.reward.negatives import (
     AssistantUnavailable,
-    LLMAssistant,
     build_pairs,
     check_negative_failures,
     pair_stats,

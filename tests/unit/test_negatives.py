@@ -11,20 +11,18 @@ from typing import Optional
 import pytest
 import torch
 
+from cooper_mcore.reward.assistant import LLMAssistant, clean_assistant_output, rewrite_messages
 from cooper_mcore.reward.negatives import (
     NEGATIVE_KINDS,
     AnswerPerturbation,
-    LLMAssistant,
     PolicyWrongNegatives,
     RandomOtherResponse,
     build_pairs,
-    clean_assistant_output,
     final_answer_span,
     first_correct,
     make_negative_generator,
     number_variants,
     pair_stats,
-    rewrite_messages,
 )
 from cooper_mcore.reward.openai_client import OpenAIChatClient
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
