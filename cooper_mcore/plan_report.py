@@ -20,7 +20,6 @@ from cooper_mcore.config import CooperConfig, load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.plan import (
     COMPONENTS,
-    GIB,
     OFFLOAD_FLAGS,
     AssistantInfo,
     AssistantSpec,
@@ -29,10 +28,9 @@ from cooper_mcore.plan import (
     PlanOptions,
     assistant_info,
     assistant_problem,
-    model_numel,
     plan,
-    stage_numel,
 )
+from cooper_mcore.plan_sizes import GIB, model_numel, stage_numel
 
 _SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer": "pol.opt", "rm_params": "rm.p",
           "rm_grads": "rm.g", "rm_optimizer": "rm.opt", "engine_weights": "eng.w", "engine_kv": "eng.kv",

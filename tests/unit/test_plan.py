@@ -16,22 +16,24 @@ from cooper_mcore.config import CooperConfig, OffloadConfig, load_config
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.plan import (
     ASSISTANT_KV_TOKENS,
-    GIB,
     AssistantSpec,
     Layout,
     PlanOptions,
     assistant_mem_fraction,
     assistant_weights_bytes,
     colocated_assistant,
+    plan,
+    sglang_default_limits,
+    sglang_workspace_bytes,
+    training_activation_bytes,
+)
+from cooper_mcore.plan_sizes import (
+    GIB,
     kv_bytes_per_token,
     layer_activation_bytes,
     logits_bytes,
     model_numel,
-    plan,
-    sglang_default_limits,
-    sglang_workspace_bytes,
     stage_numel,
-    training_activation_bytes,
     training_state,
 )
 from tests.conftest import ROOT
