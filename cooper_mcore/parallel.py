@@ -111,18 +111,27 @@ def owned_world() -> Iterator[None]:
     """Tear down, on exit, whatever of the distributed world the body creates.
 
     The default process group and megatron's model-parallel groups that exist on entry (under
-    torchrun's caller, or a test's) are left alone; those made inside are destroyed, also when the
-    body raises, so an in-process job (a test, a notebook) does not leave a world behind.
+    torchrun's caller, or a test's) are left alone; those made inside are destroyed, so an
+    in-process job (a test, a notebook) does not leave a world behind. When the body raises in a
+    world of several processes nothing is destroyed: the process is going down, and destroying an
+    NCCL group waits for the collectives that the other ranks may never join.
     """
     owned_pg = not dist.is_initialized()
     owned_mp = not parallel_state.model_parallel_is_initialized()
-    try:
-        yield
-    finally:
+
+    def teardown() -> None:
         if owned_mp:
             parallel_state.destroy_model_parallel()
         if owned_pg and dist.is_initialized():
             dist.destroy_process_group()
+
+    try:
+        yield
+    except BaseException:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            teardown()
+        raise
+    teardown()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core import parallel_state
+
+from cooper_mcore.parallel import destroy_distributed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -73,11 +76,14 @@ def tiny_models(tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
 
 @pytest.fixture(autouse=True, scope="module")
 def _no_world_left_behind(request):
-    """Fail the module whose tests leave torch.distributed initialised (a module may share one world
-    across its tests through a module fixture, torn down before this check): the modules after it
-    would run inside its world (a leaked world of one made the metrics tests fail far from the culprit)."""
+    """Fail the module whose tests leave behind a torch.distributed world that was not there before
+    it (a module may share one world across its tests through a module fixture, torn down before
+    this check; a session fixture's world exists before and after): the modules after it would run
+    inside that world (a leaked world of one made the metrics tests fail far from the culprit)."""
+    before = torch.distributed.is_initialized(), parallel_state.model_parallel_is_initialized()
     yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-        raise AssertionError(f"{request.module.__name__} left torch.distributed initialised (a job did not tear "
-                             "down its world)")
+    after = torch.distributed.is_initialized(), parallel_state.model_parallel_is_initialized()
+    if any(a and not b for a, b in zip(after, before)):
+        destroy_distributed()  # megatron's groups and the process group: the next module starts clean
+        raise AssertionError(f"{request.module.__name__} left torch.distributed or megatron's model-parallel "
+                             "groups initialised (a job did not tear down its world)")

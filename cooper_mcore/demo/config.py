@@ -4,9 +4,10 @@ The default preset finishes within minutes on two CPU cores; ``--full`` is longe
 (more held-out problems, more RL steps). Any field can be overridden on the command line with
 a dotted ``key=value`` (``cooper demo rl.steps=60``), as ``cooper train`` does.
 
-Every stage's settings (plus the outputs of the stages it reads) determine its cache key (see
-:mod:`cooper_mcore.demo.pipeline`), so changing a field re-runs that stage and the ones after it
-and nothing before it.
+The settings a stage reads (plus the keys of the stages it reads) determine its cache key (see
+:mod:`cooper_mcore.demo.pipeline`), so changing a field re-runs the stages that read it, directly
+or through another stage, and nothing else: an RM training setting does not re-run the RM's data
+nor the rule run, a Cooper setting only the Cooper run.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class SFTSection:
 
 @dataclass
 class RMSection:
-    """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier.
+    """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier
+    (kept where an LLM judge agrees, with a judge configured), then relabeled where ``blind_spot``
+    says (the labeler's systematic error) and balanced.
 
     Its accuracy is measured on a fixed held-out set in VerifyBench's form: per held-out question
     one rule-correct and one rule-wrong completion of the SFT policy (``bench_samples`` draws per
@@ -123,7 +126,7 @@ class CooperSection:
     # (``policy``) or a programmatic rewrite of the positive's worked chain (``rewrite``)
     negatives: NegativeKind = "policy"
     negative_pick: NegativePick = "hardest"  # negatives=policy: random, hardest (the RM's top-scored wrong one), first
-    positive_pick: PositivePick = "hardest"  # the reference code's first rule-correct rollout, or hardest / random
+    positive_pick: PositivePick = "hardest"  # the RM's lowest-scored rule-correct; first (the reference code), random
     pairs_per_prompt: int = 4
     anchor_weight: float = 1.0  # BCE calibration anchor on the pairs' own labels (0: the paper's pairwise loss)
 

@@ -13,8 +13,9 @@ then for each seed ``s`` of ``seeds``:
    in-training evaluation and the "after" numbers: avg@k on every held-out problem with the RL
    run's sampling seed);
 4. ``rm_data``: completions sampled from the SFT policy, labeled by the rule verifier: the RM's
-   training rows (train prompts) and its fixed held-out benchmark in VerifyBench's form (per
-   held-out question one correct and one wrong completion);
+   training rows (train prompts; with a judge, kept where it agrees; then the blind spot's
+   relabeling and the positives' balance) and its fixed held-out benchmark in VerifyBench's form
+   (per held-out question one correct and one wrong completion, true labels);
 5. ``rm``: BCE training of the tiny VerifyRM (``train_rm``), then its benchmark accuracy;
 6. ``rl_rule`` / ``rl_static_rm`` / ``rl_cooper``: ``cooper train`` in a subprocess, same start,
    seed, steps and batch; then held-out accuracy of the final policy, the final RM's benchmark
@@ -256,8 +257,10 @@ def measure_before(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
 
 
 def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
-    """Stage 4: the SFT policy's completions, labeled by the rule verifier: the RM's training rows
-    (train prompts, ``rm_train.jsonl``) and its fixed held-out benchmark (``rm_bench.jsonl``)."""
+    """Stage 4: the SFT policy's completions labeled by the rule verifier (then, with a judge
+    configured, kept where the judge agrees), with the RM's blind spot and the positives' balance
+    applied last: the RM's training rows (train prompts, ``rm_train.jsonl``); and its fixed held-out
+    benchmark with the rule's labels (``rm_bench.jsonl``)."""
     r = cfg.rm
     hf = sft_stage.file("policy_hf")
     train = _scorable(sample_labeled(hf, assets.file("train.jsonl"), r.samples_per_prompt, r.temperature, 1.0,
@@ -265,17 +268,20 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
     held_out = _scorable(sample_labeled(hf, assets.file("eval.jsonl"), r.bench_samples, cfg.rl.temperature, 1.0,
                                         cfg.rl.max_new_tokens, r.seed + seed + 1))
     bench = bench_pairs(held_out)
-    train = with_blind_spot(train, r.blind_spot)
-    write_jsonl(os.path.join(out, "rm_train.jsonl"), balanced(train, r.balance))
     write_jsonl(os.path.join(out, "rm_bench.jsonl"), bench)
-    info: dict[str, Any] = {"train": len(train), "train_correct": _mean([x["label"] for x in train]),
-                            "bench_pairs": len(bench) // 2,
-                            "blind_spot_rows": sum(x.get("blind_spot", False) for x in train)}
-    if r.judge_url:
-        info["hybrid"] = hybrid_labels(cfg, os.path.join(out, "rm_train.jsonl"))
-        info["train"] = info["hybrid"]["kept"]
-    logger.info("[rm_data] %d train rows (%.0f%% correct), %d held-out benchmark pairs", info["train"],
-                100 * info["train_correct"], info["bench_pairs"])
+    train_path = os.path.join(out, "rm_train.jsonl")
+    info: dict[str, Any] = {"bench_pairs": len(bench) // 2}
+    if r.judge_url:  # hybrid labels on the true rows; the blind spot is the labeler's error after that
+        write_jsonl(train_path, train)
+        info["hybrid"] = hybrid_labels(cfg, train_path)
+        train = read_jsonl(train_path)
+    info.update(train=len(train), train_correct=_mean([x["label"] for x in train]))
+    train = with_blind_spot(train, r.blind_spot)
+    info["blind_spot_rows"] = sum(x.get("blind_spot", False) for x in train)
+    write_jsonl(train_path, balanced(train, r.balance))
+    logger.info("[rm_data] %d train rows (%.0f%% correct, %d more labeled correct by the blind spot), %d held-out "
+                "benchmark pairs", info["train"], 100 * info["train_correct"], info["blind_spot_rows"],
+                info["bench_pairs"])
     return info
 
 

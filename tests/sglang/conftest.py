@@ -121,9 +121,10 @@ def cpu_config(assets: Assets, name: str, **overrides) -> SGLangConfig:
     return SGLangConfig.cpu(assets.hf[name], **fields)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def megatron_world():
-    """A one-process torch.distributed world with megatron's model-parallel groups (gloo)."""
+    """A one-process torch.distributed world with megatron's model-parallel groups (gloo), torn down
+    after the module (the root conftest fails a module that leaves a world behind)."""
     from cooper_mcore.parallel import single_process_world
 
     with single_process_world():
