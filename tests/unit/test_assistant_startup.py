@@ -46,3 +46,14 @@ def test_live_assistant_lets_the_run_start(tmp_path):
     finally:
         server.stop()
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_steps_without_a_valid_pair_warn_loudly(tmp_path, caplog):
+    """Issue 15 item 2: a Cooper run in which no pair is valid for N steps in a row says so (a random
+    policy solves nothing, so no prompt has a positive)."""
+    assets = build_tiny_assets(str(tmp_path / "assets"), n_train=32, n_eval=4, sft_steps=0)
+    args = [a for a in _args(assets, tmp_path / "run", "unused") if not a.startswith(("rm.negatives", "rm.assistant"))]
+    with caplog.at_level(logging.WARNING):
+        assert cli_main([*args, "rm.negatives=rewrite", "train.steps=2", "train.max_steps_without_pairs=2"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "without a single valid reward-model pair" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("2 steps in a row") and "pairs/no_positive" in warned[0]

@@ -14,13 +14,14 @@ the CPU tests (the RM scores' pipeline broadcast did, issue 12). Two checks mode
 from __future__ import annotations
 
 import ast
+import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from cooper_mcore import collectives
+from cooper_mcore import collectives, parallel
 
 ROOT = Path(__file__).resolve().parents[2] / "cooper_mcore"
 TENSOR_COLLECTIVES = {"broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
@@ -72,3 +73,21 @@ def test_helpers_hand_collectives_device_tensors(meta_device):
     collectives.all_reduce(host)
     collectives.all_gather(host)
     assert meta_device and all(d.type == "meta" for d in meta_device), meta_device
+
+
+def test_the_process_group_timeout_is_the_configured_one(monkeypatch):
+    """Issue 12 item 6: the default group gets ``parallel.timeout_minutes`` (60 by default), not the
+    10 minutes of NCCL's default, so ranks that wait while the leader generates are not killed."""
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.delenv("RANK", raising=False)
+    assert parallel.ParallelConfig().timeout_minutes == 60
+    with pytest.raises(RuntimeError, match="stop here"):
+        parallel.init_distributed(parallel.ParallelConfig(timeout_minutes=75))
+    assert seen["timeout"] == datetime.timedelta(minutes=75)
