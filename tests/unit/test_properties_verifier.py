@@ -22,6 +22,10 @@ from cooper_mcore.reward.verifier import RuleVerifier
 
 TIMEOUT_S = 0.5
 WORKERS = 2
+# An item's bound is its timeout plus this: after a timeout the worker is killed and a new one forked,
+# which took up to 1.4 s beyond the timeout on a 2-core machine at load 16 (other test runs beside it).
+# An item that is not cut at its timeout (answered after seconds, or never) still fails.
+SLACK_S = 2.0
 pytestmark = pytest.mark.timeout(300)
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -82,9 +86,9 @@ def _check(verifier: RuleVerifier, golds: list[str], preds: list[str]) -> None:
         assert out.correct in (True, False, None)
         assert (out.correct is None) == (out.status != "ok")
         assert (out.error is None) == (out.status == "ok")
-        assert 0.0 <= out.seconds <= TIMEOUT_S + 1.0, (out, golds, preds)
+        assert 0.0 <= out.seconds <= TIMEOUT_S + SLACK_S, (out, golds, preds)
     rounds = math.ceil(len(golds) / WORKERS)
-    assert wall <= rounds * (TIMEOUT_S + 1.0) + 10.0, (wall, len(golds))
+    assert wall <= rounds * (TIMEOUT_S + SLACK_S) + 10.0, (wall, len(golds))
 
 
 @SETTINGS
