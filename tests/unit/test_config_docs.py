@@ -11,6 +11,7 @@ import pytest
 from cooper_mcore import config as C
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
+from cooper_mcore.config_checks import config_problems
 from cooper_mcore.reward.negatives import NEGATIVE_KINDS
 from cooper_mcore.reward.rewrites import REWRITE_KINDS
 from tests.conftest import ROOT
@@ -56,11 +57,11 @@ def test_bad_choices_from_python_or_yaml_are_reported_with_the_rest():
     cfg = C.CooperConfig()
     cfg.algo.kl_kind = "k9"  # a config built in Python bypasses OmegaConf's checks
     cfg.rm.rewrite_kinds = ["step", "shuffle"]
-    problems = C.config_problems(cfg, 1)
+    problems = config_problems(cfg, 1)
     assert "algo.kl_kind must be one of ('k1', 'kl', 'k2', 'mse', 'k3', 'low_var_kl', 'abs'), got 'k9'" in problems
     assert "rm.rewrite_kinds must hold some of ('step', 'copy', 'final'), got 'shuffle'" in problems
     loaded = C.load_config(None, ["reward.mode=cooperative", "rollout.engine=vllm"])
-    problems = C.config_problems(loaded, 1)
+    problems = config_problems(loaded, 1)
     assert "reward.mode must be one of ('rule', 'static_rm', 'cooper'), got 'cooperative'" in problems
     assert "rollout.engine must be one of ('hf', 'sglang'), got 'vllm'" in problems
     with pytest.raises(ValueError, match="train.steps"):  # a type error is an error at once

@@ -1,0 +1,198 @@
+"""Checks of a whole Cooper config before any work starts: one error listing every problem.
+
+:func:`validate` (what ``cooper train`` calls) and :func:`config_problems` (the list it reports)
+check the choices of every setting, the parallel layout against the world size and the models'
+shapes (read from the checkpoints' ``cooper_model.json``), the batch sizes, and that every path the
+run reads exists. The config's types are in :mod:`cooper_mcore.config`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+from dataclasses import fields, is_dataclass
+from enum import Enum
+from typing import Any, Literal, Optional
+
+from cooper_mcore.config import CooperConfig, RewardMode
+
+
+def validate(cfg: CooperConfig, world_size: int) -> None:
+    """One clear error for an impossible run, before any work starts.
+
+    Checks the parallel layout against the world size and against the models' architectures
+    (read from the checkpoints' ``cooper_model.json``: attention heads, key/value heads and the
+    vocabulary divisible by TP, layers by PP), that the batch sizes divide (prompts per step by the
+    data-parallel size; each rank's ``prompts * group_size`` sequences by ``micro_batch_size *
+    mini_batches``), the choices and ranges of the settings, and that every path the run reads
+    exists.
+
+    Args:
+        cfg: the run's config.
+        world_size: the number of processes (``WORLD_SIZE``).
+
+    Raises:
+        ValueError: listing every problem found, one per line.
+    """
+    problems = config_problems(cfg, world_size)
+    if problems:
+        hint = ""
+        if any("does not exist" in p and "tiny_assets" in p for p in problems):
+            hint = ("\nThe tiny assets are made by `cooper tiny-assets --out runs/tiny_assets` "
+                    "(examples/tiny_cpu.yaml reads them from there).")
+        raise ValueError(f"invalid config ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
+                         + "\n".join(f"  - {p}" for p in problems) + hint)
+
+
+def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
+    """Every problem :func:`validate` reports, in a fixed order (empty when the config is fine)."""
+    out: list[str] = []
+    t, ro, r = cfg.train, cfg.rollout, cfg.reward
+    out += _choice_problems(cfg)
+    if _trains_rm(cfg) and cfg.rm.negatives == "assistant":
+        out += [f"rm.negatives=assistant needs rm.{k} (or choose negatives policy/perturb/random)"
+                for k in ("assistant_url", "assistant_model") if not getattr(cfg.rm, k)]
+    if t.pack_sequences and not t.max_tokens_per_micro_batch:
+        out.append("train.pack_sequences needs train.max_tokens_per_micro_batch > 0 (the budget of a packed row)")
+    ranges = [("train.steps", t.steps, 0), ("train.prompts_per_step", t.prompts_per_step, 1),
+              ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
+              ("train.micro_batch_size", t.micro_batch_size, 1), ("train.mini_batches", t.mini_batches, 1),
+              ("rollout.group_size", ro.group_size, 2), ("rollout.max_new_tokens", ro.max_new_tokens, 1),
+              ("rollout.bucket_mb", ro.bucket_mb, 1), ("reward.verifier_workers", r.verifier_workers, 1),
+              ("rm.assistant_max_retries", cfg.rm.assistant_max_retries, 0), ("eval.every", cfg.eval.every, 0),
+              ("eval.k", cfg.eval.k, 1), ("checkpoint.every", cfg.checkpoint.every, 0),
+              ("checkpoint.keep", cfg.checkpoint.keep, 1)]
+    out += [f"{name} must be >= {low}, got {value}" for name, value, low in ranges if value < low]
+    positive = [("reward.verifier_timeout_s", r.verifier_timeout_s),
+                ("rm.assistant_timeout_s", cfg.rm.assistant_timeout_s)]
+    out += [f"{name} must be > 0, got {value}" for name, value in positive if not value > 0]
+    non_negative = [("algo.clip_low", cfg.algo.clip_low), ("algo.clip_high", cfg.algo.clip_high),
+                    ("algo.kl_coef", cfg.algo.kl_coef), ("optim.lr", cfg.optim.lr), ("rm.optim.lr", cfg.rm.optim.lr),
+                    ("rollout.temperature", ro.temperature)]
+    out += [f"{name} must be >= 0, got {value}" for name, value in non_negative if not value >= 0]
+    out += [f"{name} must be in (0, 1], got {value}" for name, value in
+            (("rollout.top_p", ro.top_p), ("eval.top_p", cfg.eval.top_p)) if not 0 < value <= 1]
+    if "{question}" not in cfg.data.template:
+        out.append(f"data.template {cfg.data.template!r} has no {{question}} placeholder")
+    out += _layout_problems(cfg, world_size)
+    out += _path_problems(cfg)
+    return out
+
+
+def _uses_rm(cfg: CooperConfig) -> bool:
+    """For the other checks: an invalid mode (reported on its own) counts as reading the RM."""
+    return not isinstance(cfg.reward.mode, RewardMode) or cfg.reward.mode.uses_rm
+
+
+def _trains_rm(cfg: CooperConfig) -> bool:
+    """For the other checks: an invalid mode (reported on its own) counts as not training the RM."""
+    return isinstance(cfg.reward.mode, RewardMode) and cfg.reward.mode.trains_rm
+
+
+def _choice_problems(cfg: Any, prefix: str = "") -> list[str]:
+    """Values outside their ``Literal``/enum choices (OmegaConf checks YAML and overrides; this also
+    covers configs built in Python)."""
+    out = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        name = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            out += _choice_problems(value, name + ".")
+        elif typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
+            out.append(f"{name} must be one of {typing.get_args(hint)}, got {value!r}")
+        elif isinstance(hint, type) and issubclass(hint, Enum) and not isinstance(value, hint):
+            try:
+                setattr(cfg, f.name, hint(value))
+            except ValueError:
+                out.append(f"{name} must be one of {tuple(m.value for m in hint)}, got {value!r}")
+        elif typing.get_origin(hint) is list and typing.get_origin(typing.get_args(hint)[0]) is Literal:
+            allowed = typing.get_args(typing.get_args(hint)[0])
+            out += [f"{name} must hold some of {allowed}, got {v!r}" for v in value if v not in allowed]
+    return out
+
+
+def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
+    """The parallel layout against the world size, the batch sizes and the models' shapes."""
+    par, t = cfg.parallel, cfg.train
+    if par.tp < 1 or par.pp < 1:
+        return [f"parallel.tp and parallel.pp must be >= 1, got tp={par.tp} pp={par.pp}"]
+    out = []
+    if par.sequence_parallel and par.tp == 1:
+        out.append("parallel.sequence_parallel needs parallel.tp > 1")
+    if world_size % (par.tp * par.pp):
+        out.append(f"the world size {world_size} is not divisible by tp*pp = {par.tp}*{par.pp}")
+    else:
+        dp = world_size // (par.tp * par.pp)
+        if t.prompts_per_step % dp:
+            out.append(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the data-parallel "
+                       f"size {dp} (world {world_size} / tp {par.tp} / pp {par.pp})")
+        elif t.micro_batch_size >= 1 and t.mini_batches >= 1:
+            per_rank = t.prompts_per_step // dp * cfg.rollout.group_size
+            if t.max_tokens_per_micro_batch and per_rank % t.mini_batches:
+                out.append(f"{per_rank} sequences per data-parallel rank are not divisible by "
+                           f"train.mini_batches={t.mini_batches}")
+            elif not t.max_tokens_per_micro_batch and per_rank % (t.micro_batch_size * t.mini_batches):
+                out.append(f"{per_rank} sequences per data-parallel rank (prompts_per_step {t.prompts_per_step} / "
+                           f"dp {dp} * group_size {cfg.rollout.group_size}) are not divisible by "
+                           f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
+    models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
+    if _uses_rm(cfg):
+        models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
+    for name, ckpt in models:
+        arch, dtype = _checkpoint_arch(ckpt)
+        if arch is None:
+            continue
+        for field_name, what, size, by in (("num_attention_heads", "attention heads", par.tp, "tp"),
+                                           ("num_query_groups", "key/value heads", par.tp, "tp"),
+                                           ("vocab_size", "vocabulary entries", par.tp, "tp"),
+                                           ("num_layers", "layers", par.pp, "pp")):
+            value = arch.get(field_name)
+            if isinstance(value, int) and value % size:
+                out.append(f"{name} ({ckpt}) has {value} {what}, not divisible by parallel.{by}={size}")
+        if name == "model.policy_ckpt" and dtype is not None and dtype != cfg.model.dtype:
+            out.append(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype} weights; convert the "
+                       "checkpoint in the dtype you train in")
+    return out
+
+
+def _checkpoint_arch(ckpt: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """(arch fields, dtype) from a checkpoint's ``cooper_model.json``; (None, None) when unreadable
+    (the path checks report that)."""
+    try:
+        with open(os.path.join(ckpt, "cooper_model.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        return dict(meta["arch"]), meta.get("dtype")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+
+
+def _path_problems(cfg: CooperConfig) -> list[str]:
+    """Every file or folder the run reads must exist (and be of the right kind)."""
+    m, d = cfg.model, cfg.data
+    ckpts = [("model.policy_ckpt", m.policy_ckpt)]
+    if _uses_rm(cfg):
+        ckpts.append(("model.rm_ckpt", m.rm_ckpt))
+    files = [("data.train_path", d.train_path)] + ([("data.eval_path", d.eval_path)] if cfg.eval.every else [])
+    out = []
+    for name, path in ckpts + [("model.policy_hf", m.policy_hf)] + files:
+        if not path:
+            out.append(f"{name} is not set")
+        elif not os.path.exists(path):
+            out.append(f"{name}: {path!r} does not exist")
+    for name, path in ckpts:
+        if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "cooper_model.json")):
+            out.append(f"{name}: {path!r} is not a cooper_mcore checkpoint (no cooper_model.json; "
+                       "make one with `cooper convert hf-to-mcore`)")
+    if m.policy_hf and os.path.isdir(m.policy_hf) and not os.path.isfile(os.path.join(m.policy_hf, "config.json")):
+        out.append(f"model.policy_hf: {m.policy_hf!r} has no config.json (an HF model folder is expected)")
+    for name, path in files:
+        if path and os.path.exists(path):
+            if not os.path.isfile(path):
+                out.append(f"{name}: {path!r} is not a file")
+            elif not path.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet", ".pq")):
+                out.append(f"{name}: {path!r} is neither JSONL (.jsonl/.json/.ndjson) nor Parquet (.parquet/.pq)")
+    if cfg.checkpoint.resume not in ("none", "auto") and not os.path.isdir(cfg.checkpoint.resume):
+        out.append(f"checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got {cfg.checkpoint.resume!r}")
+    return out
