@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from cooper_mcore.config import CooperConfig, load_config
+from cooper_mcore.convert.checkpoint import META_FILE, read_meta
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.plan import (
     COMPONENTS,
@@ -49,8 +50,6 @@ def _read_config(path: str) -> dict[str, Any]:
 
 
 def _from_checkpoint(ckpt: str) -> Optional[ArchSpec]:
-    from cooper_mcore.convert.checkpoint import META_FILE, read_meta
-
     if ckpt and os.path.isfile(os.path.join(ckpt, META_FILE)):
         return read_meta(ckpt)[0]
     return None
