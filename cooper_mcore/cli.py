@@ -2,7 +2,7 @@
 
 Subcommands are thin: they parse arguments and call one library function.
 
-    cooper convert hf-to-mcore --hf-dir D --out D [--model-type causal_lm|reward]
+    cooper convert hf-to-mcore --hf-dir D --out D [--model-type causal_lm|reward] [--head-std S]
     cooper convert mcore-to-hf --ckpt D --out D
     cooper verify --in F.jsonl --out G.jsonl [--timeout S] [--workers N]
     cooper tiny-assets --out DIR
@@ -50,7 +50,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, TrainingStopped, 
 
 def _convert(args: argparse.Namespace) -> None:
     if args.direction == "hf-to-mcore":
-        hf_to_mcore(args.hf_dir, args.out, args.model_type)
+        hf_to_mcore(args.hf_dir, args.out, args.model_type, head_std=args.head_std)
     else:
         mcore_to_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30))
     logger.info("done: %s", args.out)
@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--out", required=True, help="output checkpoint folder (must not exist)")
     h2m.add_argument("--model-type", choices=["causal_lm", "reward"], default=None,
                      help="default: from the config's architecture")
+    h2m.add_argument("--head-std", type=float, default=None,
+                     help="std of a new reward head (reward from a causal LM); default the config's "
+                          "initializer_range; 0: a zero head")
     m2h = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors folder")
     m2h.add_argument("--ckpt", required=True, help="checkpoint folder written by hf-to-mcore/training")
     m2h.add_argument("--out", required=True, help="output HF folder (must not exist)")

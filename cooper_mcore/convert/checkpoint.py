@@ -102,11 +102,13 @@ def check_hf_shapes(reader: HFCheckpointReader, arch: ArchSpec, hf_dir: str) -> 
             )
 
 
-def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: int = 0) -> None:
+def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: int = 0,
+                    head_std: float | None = None) -> None:
     """Copy an HF checkpoint into a TP=PP=1 Megatron model, one tensor at a time.
 
     A missing ``score.weight`` (reward model made from a causal LM) is initialised with
-    N(0, initializer_range), as transformers does.
+    N(0, ``head_std``); ``head_std=None`` takes the config's ``initializer_range``, as transformers
+    does, and 0 gives a zero head (first scores 0; the backbone gets no gradient until the head moves).
     """
     cfg = load_hf_config(hf_dir)
     reader = HFCheckpointReader(hf_dir)
@@ -118,7 +120,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: i
         for m in param_mappings(arch):
             if m.hf == ("score.weight",) and "score.weight" not in reader.weight_map:
                 gen = torch.Generator().manual_seed(seed)
-                std = cfg.get("initializer_range", 0.02)
+                std = cfg.get("initializer_range", 0.02) if head_std is None else head_std
                 value = torch.randn(params[m.mcore].shape, generator=gen) * std
                 logger.warning("no score.weight in %s: reward head initialised N(0, %g)", hf_dir, std)
                 params[m.mcore].copy_(value)
@@ -354,14 +356,21 @@ def _sharded_tensors(sharded: dict) -> list:
     return out
 
 
-def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None) -> ArchSpec:
+def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None, head_std: float | None = None) -> ArchSpec:
     """Convert an HF safetensors folder into a cooper_mcore model checkpoint.
 
     Args:
         hf_dir: HF model folder (config.json + safetensors).
         out: output folder; must not exist.
         model_type: "causal_lm" or "reward"; default: from the config's architecture.
+        head_std: the std of a new reward head (``model_type="reward"`` from a causal LM, which has
+            no ``score.weight``); default the config's ``initializer_range``; 0 for a zero head.
+
+    Raises:
+        ValueError: a negative ``head_std``.
     """
+    if head_std is not None and head_std < 0:
+        raise ValueError(f"head_std must be >= 0, got {head_std}")
     cfg = load_hf_config(hf_dir)
     arch = ArchSpec.from_hf_config(cfg, model_type)
     reader = HFCheckpointReader(hf_dir)
@@ -371,7 +380,7 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None) -> ArchSpe
     try:
         with single_process_world():
             model = build_model(arch, ParallelConfig(), dtype=dtype, init_weights=False, use_te=False)
-            load_hf_weights(model, hf_dir, arch)
+            load_hf_weights(model, hf_dir, arch, head_std=head_std)
             del reader
             save_model_checkpoint(model, tmp, arch, cfg, dtype, consume=True)
             del model

@@ -23,6 +23,7 @@ from cooper_mcore.algo.rewards import RewardTransform
 from cooper_mcore.config import NegativeKind
 
 BlindSpot = Literal["none", "intermediate", "slip"]
+RMInit = Literal["sft", "random"]
 
 
 @dataclass
@@ -44,7 +45,7 @@ class ModelSection:
 
     policy_hidden: int = 64
     policy_layers: int = 2
-    rm_hidden: int = 64
+    rm_hidden: int = 64  # the RM's size with ``rm.init=random``; ``init=sft`` needs the policy's
     rm_layers: int = 2
     max_positions: int = 128
 
@@ -67,6 +68,11 @@ class RMSection:
     (kept where an LLM judge agrees, with a judge configured), then relabeled where ``blind_spot``
     says (the labeler's systematic error) and balanced.
 
+    It starts (``init="sft"``) from the SFT policy's weights with a new scalar head, as VerifyRM
+    starts from an instruct model: the converter's ``hf_to_mcore(..., "reward", head_std)`` on the
+    policy's HF export. ``init="random"`` starts from the assets' random RM of ``model.rm_hidden`` x
+    ``model.rm_layers`` instead (it needs a higher ``lr``, about 2e-3).
+
     Its accuracy is measured on a fixed held-out set in VerifyBench's form: per held-out question
     one rule-correct and one rule-wrong completion of the SFT policy (``bench_samples`` draws per
     question at the rollout temperature; questions without both are left out).
@@ -80,8 +86,10 @@ class RMSection:
     # a lenient labeler's systematic error, the RM's blind spot: rule-wrong training rows of this kind
     # (cooper_mcore/demo/kinds.py) are labeled correct; the benchmark keeps the true labels
     blind_spot: BlindSpot = "intermediate"
+    init: RMInit = "sft"  # the RM's starting weights: the SFT policy's (new head) or the assets' random RM
+    head_std: float = 0.0  # init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)
     epochs: int = 6
-    lr: float = 2e-3
+    lr: float = 5e-4  # BCE learning rate (a pretrained start: 2e-3 wipes it out; random weights want 2e-3)
     batch: int = 64
     micro_batch: int = 32
     seed: int = 0
@@ -200,5 +208,10 @@ def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]
     result: DemoConfig = OmegaConf.to_object(cfg)
     if not result.seeds or len(set(result.seeds)) != len(result.seeds):
         raise ValueError(f"bad demo setting: seeds must be a non-empty list of distinct integers, got {result.seeds}")
+    m = result.model
+    if result.rm.init == "sft" and (m.rm_hidden, m.rm_layers) != (m.policy_hidden, m.policy_layers):
+        raise ValueError(f"bad demo setting: rm.init=sft starts the RM from the SFT policy, so model.rm_hidden x "
+                         f"rm_layers ({m.rm_hidden} x {m.rm_layers}) must equal the policy's ({m.policy_hidden} x "
+                         f"{m.policy_layers}); set rm.init=random for an RM of another size")
     return result
 

@@ -3,7 +3,8 @@
 :func:`run_demo` reads top to bottom:
 
 1. ``assets``: train and held-out arithmetic problems, the tiny tokenizer, random tiny Qwen2
-   policy and reward model (HF folders and Megatron checkpoints), shared by every seed;
+   policy and reward model (HF folders and Megatron checkpoints; the RM is the start with
+   ``rm.init=random``), shared by every seed;
 
 then for each seed ``s`` of ``seeds``:
 
@@ -16,7 +17,8 @@ then for each seed ``s`` of ``seeds``:
    training rows (train prompts; with a judge, kept where it agrees; then the blind spot's
    relabeling and the positives' balance) and its fixed held-out benchmark in VerifyBench's form
    (per held-out question one correct and one wrong completion, true labels);
-5. ``rm``: BCE training of the tiny VerifyRM (``train_rm``), then its benchmark accuracy;
+5. ``rm``: BCE training of the tiny VerifyRM (``train_rm``) from the SFT policy's weights with a
+   new scalar head (``rm.init``), then its benchmark accuracy;
 6. ``rl_rule`` / ``rl_static_rm`` / ``rl_cooper``: ``cooper train`` in a subprocess, same start,
    seed, steps and batch; then held-out accuracy of the final policy, the final RM's benchmark
    accuracy and its accuracy on the final policy's own completions, what kinds of answers the
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cooper_mcore.config import CooperConfig, save_config
-from cooper_mcore.convert.checkpoint import mcore_to_hf
+from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.mathgen import MathTaskConfig
 from cooper_mcore.data.templates import template_prompts
@@ -69,7 +71,8 @@ logger = logging.getLogger(__name__)
 STAGE_VERSION = 2  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
 MODES = ("rule", "static_rm", "cooper")
-RM_TRAINING_FIELDS = ("epochs", "lr", "batch", "micro_batch")  # read by the rm stage only, not by rm_data
+# read by the rm stage only, not by rm_data
+RM_TRAINING_FIELDS = ("init", "head_std", "epochs", "lr", "batch", "micro_batch")
 
 
 # --------------------------------------------------------------------------- content cache
@@ -346,11 +349,22 @@ def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
     return stats
 
 
-def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, data: Stage, out: str) -> dict[str, Any]:
-    """Stage 5: BCE training of the tiny VerifyRM on the labeled completions; its accuracy on the
-    held-out benchmark."""
+def rm_start(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -> str:
+    """The RM's starting checkpoint (``rm.init``): the SFT policy made a reward model by the converter
+    (its backbone, a new scalar head), written under ``out``; or the assets' random RM."""
+    if cfg.rm.init == "random":
+        return assets.file("rm_mcore")
+    ckpt = os.path.join(out, "init")
+    hf_to_mcore(sft_stage.file("policy_hf"), ckpt, "reward", head_std=cfg.rm.head_std)
+    return ckpt
+
+
+def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, data: Stage,
+                    out: str) -> dict[str, Any]:
+    """Stage 5: BCE training of the tiny VerifyRM (from ``rm.init``'s weights) on the labeled
+    completions; its accuracy on the held-out benchmark."""
     r = cfg.rm
-    summary = train_rm(assets.file("rm_mcore"), data.file("rm_train.jsonl"), os.path.join(out, "train"),
+    summary = train_rm(rm_start(cfg, assets, sft_stage, out), data.file("rm_train.jsonl"), os.path.join(out, "train"),
                        epochs=r.epochs, lr=r.lr, micro_batch_size=min(r.micro_batch, r.batch),
                        global_batch_size=r.batch, seed=r.seed + seed)
     bench = rm_bench(summary["final_checkpoint"], data.file("rm_bench.jsonl"),
@@ -358,6 +372,13 @@ def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, data: Stage, out:
     logger.info("[rm] held-out benchmark: accuracy %.3f, pair accuracy %.3f", bench["acc"], bench["pair_acc"])
     return {"checkpoint": os.path.relpath(summary["final_checkpoint"], out), "bench": bench,
             "train_acc": summary.get("train_acc"), "steps": summary["steps"]}
+
+
+def rm_data_params(cfg: DemoConfig, seed: int) -> dict[str, Any]:
+    """The settings the ``rm_data`` stage reads (its cache key): the RM section but its training
+    fields, and the rollout sampling of its benchmark."""
+    sampling = {k: v for k, v in dataclasses.asdict(cfg.rm).items() if k not in RM_TRAINING_FIELDS}
+    return {"rm": sampling, "rl_sampling": [cfg.rl.temperature, cfg.rl.max_new_tokens], "seed": seed}
 
 
 def mode_params(cfg: DemoConfig, mode: str, seed: int) -> dict[str, Any]:
@@ -444,12 +465,10 @@ def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> dict[str, 
                           lambda d: train_sft(cfg, seed, assets, d))
     before = run_stage(root, "before", {"eval": mode_params(cfg, "rule", seed)["eval"], "rl_seed": cfg.rl.seed + seed},
                        [assets, sft_stage], lambda d: measure_before(cfg, seed, assets, sft_stage, d))
-    sampling = {k: v for k, v in dataclasses.asdict(cfg.rm).items() if k not in RM_TRAINING_FIELDS}
-    data = run_stage(root, "rm_data", {"rm": sampling, "rl_sampling": [cfg.rl.temperature, cfg.rl.max_new_tokens],
-                                       "seed": seed},
-                     [assets, sft_stage], lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d))
-    rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, data],
-                         lambda d: train_verify_rm(cfg, seed, assets, data, d))
+    data = run_stage(root, "rm_data", rm_data_params(cfg, seed), [assets, sft_stage],
+                     lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d))
+    rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, sft_stage, data],
+                         lambda d: train_verify_rm(cfg, seed, assets, sft_stage, data, d))
     b = before.info["eval"]
     runs = {}
     for mode in MODES:

@@ -249,7 +249,11 @@ def _setting(config: Mapping[str, Any]) -> list[str]:
                      f"completions of one kind correct, as a lenient labeler would: {BLIND_SPOTS[rm['blind_spot']]}. "
                      "Its benchmark keeps the true labels. Both RM runs start from this RM; Cooper's updates take "
                      "their labels from math-verify, so they can close the blind spot.")
-    lines.append(f"Settings: RM reward `{rl['rm_transform']}` of the RM's logit (`reward.rm_transform`), advantage std "
+    start = {"sft": f"the SFT policy's weights with a new scalar head (std {rm.get('head_std')})",
+             "random": "random weights"}.get(rm.get("init", "random"), "random weights")
+    lines.append(f"Settings: the RM starts from {start} (`rm.init`) and learns at {rm.get('lr')} for "
+                 f"{rm.get('epochs')} epochs; RM reward `{rl['rm_transform']}` of the RM's logit "
+                 "(`reward.rm_transform`), advantage std "
                  f"floor {rl['adv_std_floor']}; Cooper's pairs: {co['pairs_per_prompt']} per prompt, positive "
                  f"`{co['positive_pick']}`, negative `{co['negative_pick']}` from `{co['negatives']}`, RM lr "
                  f"{co['rm_lr']} (policy {rl['lr']}), BCE anchor weight {co['anchor_weight']}.")

@@ -82,6 +82,24 @@ def test_reward_from_causal_lm_initialises_head(tmp_path):
     assert torch.equal(t["model.norm.weight"], load_file(f"{hf_dir}/model.safetensors")["model.norm.weight"])
 
 
+def test_reward_from_causal_lm_with_a_zero_head_scores_zero(tmp_path):
+    """``head_std=0`` (the demo's RM made from its SFT policy): the backbone unchanged, transformers'
+    forward of the export gives logit 0 for any input."""
+    import transformers
+
+    hf_dir = save_tiny_hf_model(str(tmp_path / "lm"), "qwen2_tied")
+    hf_to_mcore(hf_dir, str(tmp_path / "rm"), model_type="reward", head_std=0.0)
+    mcore_to_hf(str(tmp_path / "rm"), str(tmp_path / "rm_hf"))
+    lm, rm = load_file(f"{hf_dir}/model.safetensors"), _hf_tensors(str(tmp_path / "rm_hf"))
+    assert not rm["score.weight"].any()
+    assert all(torch.equal(rm[k], lm[k]) for k in rm if k != "score.weight")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm_hf"))
+    ids = torch.randint(1, model.config.vocab_size, (2, 7))
+    assert torch.equal(model(input_ids=ids).logits, torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="head_std"):
+        hf_to_mcore(hf_dir, str(tmp_path / "rm2"), model_type="reward", head_std=-1.0)
+
+
 def _run_cli(*args):
     return cli_main(list(args))
 
@@ -99,7 +117,11 @@ def test_cli_convert_and_errors(tmp_path, caplog):
     assert "no config.json" in caplog.text
     assert _run_cli("convert", "mcore-to-hf", "--ckpt", hf_dir, "--out", str(tmp_path / "y")) == 2
     assert "not a cooper_mcore model checkpoint" in caplog.text
+    assert _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "z"), "--model-type",
+                    "reward", "--head-std", "-1") == 2
+    assert "head_std must be >= 0" in caplog.text
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+    assert not os.path.exists(tmp_path / "z")
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 

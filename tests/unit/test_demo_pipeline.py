@@ -8,13 +8,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from cooper_mcore.convert.checkpoint import mcore_to_hf
 from cooper_mcore.demo.config import load_demo_config
 from cooper_mcore.demo.kinds import completion_kind, kind_shares
 from cooper_mcore.demo.pipeline import (
     STAGE_FILE,
     hack_examples,
     mode_params,
+    rm_data_params,
     run_stage,
     with_blind_spot,
     write_jsonl,
@@ -82,6 +86,16 @@ def test_demo_config_presets_and_overrides():
         load_demo_config(None, ["cooper.negative_pick=hard"])
     with pytest.raises(ValueError, match="distinct"):
         load_demo_config(None, ["seeds=[1,1]"])
+    with pytest.raises(ValueError, match="rm.init=sft"):  # the RM made from the policy has the policy's size
+        load_demo_config(None, ["model.rm_hidden=32"])
+    assert load_demo_config(None, ["model.rm_hidden=32", "rm.init=random"]).model.rm_hidden == 32
+
+
+def test_rm_training_settings_do_not_resample_the_rm_data():
+    base = load_demo_config()
+    for change in ("rm.init=random", "rm.head_std=0.02", "rm.lr=1e-3", "rm.epochs=2"):
+        assert rm_data_params(load_demo_config(None, [change]), 0) == rm_data_params(base, 0), change
+    assert rm_data_params(load_demo_config(None, ["rm.blind_spot=slip"]), 0) != rm_data_params(base, 0)
 
 
 def test_rl_stage_keys_hold_only_the_settings_their_mode_reads():
@@ -175,6 +189,16 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
         if "\\boxed{" in row["completion"]:
             pred = parse(row["completion"], [LatexExtractionConfig(boxed_match_priority=0)])
             assert row["label"] == bool(pred and verify(parse(f"${row['reference']}$"), pred)), row
+
+    # the RM started from the SFT policy (rm.init=sft): its backbone is the policy's, its new head zero
+    (sft_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("sft-")]
+    (rm_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("rm-")]
+    mcore_to_hf(str(rm_dir / "init"), str(tmp_path / "rm_init_hf"))
+    rm_init = load_file(str(tmp_path / "rm_init_hf" / "model.safetensors"))
+    policy = load_file(str(sft_dir / "policy_hf" / "model.safetensors"))
+    assert sorted(rm_init) == sorted([k for k in policy if k != "lm_head.weight"] + ["score.weight"])
+    assert all(torch.equal(rm_init[k], policy[k]) for k in rm_init if k != "score.weight")
+    assert not rm_init["score.weight"].any()
 
     # a second run reuses every stage (and rewrites the same report)
     again = _demo(out)

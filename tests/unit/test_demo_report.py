@@ -400,3 +400,4 @@ def test_report_states_the_rms_blind_spot_and_the_reward_settings(tmp_path):
         text = (out / "report.md").read_text()
         assert ("blind spot by construction" in text) is said
         assert "RM reward `binary`" in text and "negative `hardest` from `policy`" in text
+        assert "the RM starts from the SFT policy's weights with a new scalar head (std 0.0) (`rm.init`)" in text
