@@ -208,6 +208,8 @@ def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]
     result: DemoConfig = OmegaConf.to_object(cfg)
     if not result.seeds or len(set(result.seeds)) != len(result.seeds):
         raise ValueError(f"bad demo setting: seeds must be a non-empty list of distinct integers, got {result.seeds}")
+    if result.rm.head_std < 0:  # checked by the converter too, but only at the rm stage, after the SFT
+        raise ValueError(f"bad demo setting: rm.head_std must be >= 0, got {result.rm.head_std}")
     m = result.model
     if result.rm.init == "sft" and (m.rm_hidden, m.rm_layers) != (m.policy_hidden, m.policy_layers):
         raise ValueError(f"bad demo setting: rm.init=sft starts the RM from the SFT policy, so model.rm_hidden x "

@@ -89,6 +89,8 @@ def test_demo_config_presets_and_overrides():
     with pytest.raises(ValueError, match="rm.init=sft"):  # the RM made from the policy has the policy's size
         load_demo_config(None, ["model.rm_hidden=32"])
     assert load_demo_config(None, ["model.rm_hidden=32", "rm.init=random"]).model.rm_hidden == 32
+    with pytest.raises(ValueError, match="head_std"):
+        load_demo_config(None, ["rm.head_std=-0.1"])
 
 
 def test_rm_training_settings_do_not_resample_the_rm_data():
