@@ -249,8 +249,8 @@ def _setting(config: Mapping[str, Any]) -> list[str]:
                      f"completions of one kind correct, as a lenient labeler would: {BLIND_SPOTS[rm['blind_spot']]}. "
                      "Its benchmark keeps the true labels. Both RM runs start from this RM; Cooper's updates take "
                      "their labels from math-verify, so they can close the blind spot.")
-    start = {"sft": f"the SFT policy's weights with a new scalar head (std {rm.get('head_std')})",
-             "random": "random weights"}.get(rm.get("init", "random"), "random weights")
+    start = (f"the SFT policy's weights with a new scalar head (std {rm.get('head_std')})"
+             if rm.get("init") == "sft" else "random weights")  # configs before rm.init started randomly
     lines.append(f"Settings: the RM starts from {start} (`rm.init`) and learns at {rm.get('lr')} for "
                  f"{rm.get('epochs')} epochs; RM reward `{rl['rm_transform']}` of the RM's logit "
                  "(`reward.rm_transform`), advantage std "
