@@ -407,6 +407,9 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
     lines.append(f"Cooper vs rule: held-out accuracy after training {coop['acc_after']:.3f} vs "
                  f"{rule['acc_after']:.3f} ({diff:+.3f}){of}: "
                  f"{'at or above' if near_rule else 'below'} the rule baseline minus {RULE_MARGIN}.")
+    separation = _rm_separation(coop)
+    if not near_rule and separation is not None:
+        lines.append(_why_below_rule(coop, rule, separation, of))
     rm_ok: dict[str, bool | None] = {}
     for mode in RM_MODES:
         b, a = s[mode]["rm_acc_before"], s[mode]["rm_acc_after"]
@@ -428,11 +431,33 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
                   + f"; the whole claim in {sum(all(c.values()) for c in seed_checks.values())} of {n} seeds")
     lines.append(f"Paper's claim in miniature{of}: {claim}.")
     return {"static_rm_hacking": s["static_rm"]["hacking"]["present"], "cooper_hacking": coop["hacking"]["present"],
-            "cooper_at_rule_baseline": near_rule, "cooper_minus_rule_acc": diff,
+            "cooper_at_rule_baseline": near_rule, "cooper_minus_rule_acc": diff, "cooper_rm_separation": separation,
             "static_rm_rm_acc_not_degraded": rm_ok["static_rm"], "cooper_rm_acc_not_degraded": rm_ok["cooper"],
             "claim_reproduced": reproduced, "failed": failed, "checks": checks,
             "seeds_holding": holds, "claim_reproduced_seeds": sum(all(c.values()) for c in seed_checks.values()),
             "lines": lines}
+
+
+def _rm_separation(coop: Mapping[str, Any]) -> float | None:
+    """Cooper's RM at the end of training: its mean reward on rule-correct minus rule-wrong rollouts
+    (the in-training ``rm/reward_correct`` and ``rm/reward_wrong``); None when not logged."""
+    w = coop.get("windows", {})
+    if "rm/reward_correct" not in w or "rm/reward_wrong" not in w:
+        return None
+    return w["rm/reward_correct"]["end"] - w["rm/reward_wrong"]["end"]
+
+
+def _why_below_rule(coop: Mapping[str, Any], rule: Mapping[str, Any], separation: float, of: str) -> str:
+    """The verdict's reason when Cooper ends below the rule baseline: a GRPO group moves towards the
+    rule-correct rollouts only as far as the RM rewards them above the rule-wrong ones (the rule
+    reward separates them by 1)."""
+    w = coop["windows"]
+    gained, rule_gained = coop["acc_after"] - coop["acc_before"], rule["acc_after"] - rule["acc_before"]
+    share = f", {gained / rule_gained:.0%} of the rule run's {rule_gained:+.3f}" if rule_gained > 0 else ""
+    return (f"Why Cooper is below the rule baseline: at the end of training{of} its RM's mean reward was "
+            f"{w['rm/reward_correct']['end']:.3f} on rule-correct rollouts and {w['rm/reward_wrong']['end']:.3f} on "
+            f"rule-wrong ones (a separation of {separation:.3f}; the rule reward's is 1), so its advantages "
+            f"follow the rule's only that far; Cooper's held-out accuracy changed by {gained:+.3f}{share}.")
 
 
 def _moved(a: float, b: float) -> str:

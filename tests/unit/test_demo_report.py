@@ -227,6 +227,20 @@ def test_cooper_below_rule_with_degraded_rm(tmp_path):
                                             "Cooper's RM accuracy did not degrade"]
     assert summary["cooper"]["acc_change"] == pytest.approx(0.01)
     assert "| Cooper | 0.500 | 0.510 | +0.010 | 0.620 | 0.700 | 0.650 |" in md
+    # the reason, from the fixture's last 5 steps: correct (0.65+0.67+0.66+0.68+0.69)/5 = 0.670, wrong
+    # (0.50+0.52+0.51+0.53+0.54)/5 = 0.520; Cooper gained 0.01 of the rule run's 0.04
+    assert summary["verdict"]["cooper_rm_separation"] == pytest.approx(0.150)
+    assert ("- Why Cooper is below the rule baseline: at the end of training its RM's mean reward was 0.670 on "
+            "rule-correct rollouts and 0.520 on rule-wrong ones (a separation of 0.150; the rule reward's is 1), so "
+            "its advantages follow the rule's only that far; Cooper's held-out accuracy changed by +0.010, 25% of "
+            "the rule run's +0.040.") in md
+
+
+def test_no_reason_when_cooper_is_at_the_rule_baseline(report):
+    _, summary, md = report
+    assert summary["verdict"]["cooper_at_rule_baseline"] is True
+    assert summary["verdict"]["cooper_rm_separation"] == pytest.approx(0.150)
+    assert "Why Cooper is below" not in md
 
 
 # ----------------------------------------------------------------------------- hacking_signature
