@@ -448,16 +448,17 @@ def _rm_separation(coop: Mapping[str, Any]) -> float | None:
 
 
 def _why_below_rule(coop: Mapping[str, Any], rule: Mapping[str, Any], separation: float, of: str) -> str:
-    """The verdict's reason when Cooper ends below the rule baseline: a GRPO group moves towards the
-    rule-correct rollouts only as far as the RM rewards them above the rule-wrong ones (the rule
-    reward separates them by 1)."""
+    """The verdict's reason when Cooper ends below the rule baseline: how far its RM's reward
+    separates rule-correct from rule-wrong rollouts (the rule reward separates them by 1); where the
+    RM errs, the policy's advantages point away from the rule's."""
     w = coop["windows"]
     gained, rule_gained = coop["acc_after"] - coop["acc_before"], rule["acc_after"] - rule["acc_before"]
     share = f", {gained / rule_gained:.0%} of the rule run's {rule_gained:+.3f}" if rule_gained > 0 else ""
     return (f"Why Cooper is below the rule baseline: at the end of training{of} its RM's mean reward was "
             f"{w['rm/reward_correct']['end']:.3f} on rule-correct rollouts and {w['rm/reward_wrong']['end']:.3f} on "
-            f"rule-wrong ones (a separation of {separation:.3f}; the rule reward's is 1), so its advantages "
-            f"follow the rule's only that far; Cooper's held-out accuracy changed by {gained:+.3f}{share}.")
+            f"rule-wrong ones (a separation of {separation:.3f}; the rule reward's is 1): where the RM errs, the "
+            f"policy's advantages point away from the rule's; Cooper's held-out accuracy changed by "
+            f"{gained:+.3f}{share}.")
 
 
 def _moved(a: float, b: float) -> str:

@@ -231,9 +231,9 @@ def test_cooper_below_rule_with_degraded_rm(tmp_path):
     # (0.50+0.52+0.51+0.53+0.54)/5 = 0.520; Cooper gained 0.01 of the rule run's 0.04
     assert summary["verdict"]["cooper_rm_separation"] == pytest.approx(0.150)
     assert ("- Why Cooper is below the rule baseline: at the end of training its RM's mean reward was 0.670 on "
-            "rule-correct rollouts and 0.520 on rule-wrong ones (a separation of 0.150; the rule reward's is 1), so "
-            "its advantages follow the rule's only that far; Cooper's held-out accuracy changed by +0.010, 25% of "
-            "the rule run's +0.040.") in md
+            "rule-correct rollouts and 0.520 on rule-wrong ones (a separation of 0.150; the rule reward's is 1): "
+            "where the RM errs, the policy's advantages point away from the rule's; Cooper's held-out accuracy "
+            "changed by +0.010, 25% of the rule run's +0.040.") in md
 
 
 def test_no_reason_when_cooper_is_at_the_rule_baseline(report):
