@@ -340,17 +340,15 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _aggregate(values: Sequence[Any]) -> Any:
-    """Seeds' values of one summary entry: numbers averaged, dicts per key, equal values kept,
-    anything else as the list of the seeds' values."""
-    if len(values) == 1:
+    """Seeds' values of one summary entry: equal values kept (a step count stays an int), numbers
+    averaged, dicts per key, anything else as the list of the seeds' values."""
+    if len(values) == 1 or all(v == values[0] for v in values):
         return values[0]
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         return _mean([float(v) for v in values])
     if all(isinstance(v, dict) for v in values):
         keys = [k for k in values[0] if all(k in v for v in values)]
         return {k: _aggregate([v[k] for v in values]) for k in keys}
-    if all(v == values[0] for v in values):
-        return values[0]
     return list(values)
 
 

@@ -368,6 +368,8 @@ def test_several_seeds_mean_spread_per_seed_rows_and_counts(tmp_path):
     assert static["acc_after"] == pytest.approx(0.42) and static["sd"]["acc_after"] == pytest.approx(0.02)
     assert coop["sd"]["acc_before"] == 0.0 and summary["rule"]["sd"]["rm_acc_before"] is None
     assert summary["per_seed"]["1"]["cooper"]["acc_after"] == 0.50
+    assert summary["rule"]["steps"] == 20 and isinstance(summary["rule"]["steps"], int)  # equal across seeds
+    assert "| rule | 20 | " in md  # the runs table: a step count, not 20.0
     # the signature on the means, and in how many seeds it holds on its own
     assert static["hacking"]["present"] is True and static["hacking"]["present_seeds"] == 2
     assert static["hacking"]["acc_change"] == pytest.approx(-0.08)
