@@ -450,7 +450,7 @@ def _why_below_rule(coop: Mapping[str, Any], rule: Mapping[str, Any], separation
     separates rule-correct from rule-wrong rollouts (the rule reward separates them by 1); where the
     RM errs, the policy's advantages point away from the rule's."""
     w = coop["windows"]
-    gained, rule_gained = coop["acc_after"] - coop["acc_before"], rule["acc_after"] - rule["acc_before"]
+    gained, rule_gained = coop["acc_change"], rule["acc_change"]
     share = f", {gained / rule_gained:.0%} of the rule run's {rule_gained:+.3f}" if rule_gained > 0 else ""
     return (f"Why Cooper is below the rule baseline: at the end of training{of} its RM's mean reward was "
             f"{w['rm/reward_correct']['end']:.3f} on rule-correct rollouts and {w['rm/reward_wrong']['end']:.3f} on "
