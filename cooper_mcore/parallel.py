@@ -35,7 +35,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations along the sequence in tensor-parallel regions (needs tp > 1)."""
     timeout_minutes: int = 60
-    """Collective timeout (NCCL's watchdog): ranks may wait this long while leaders generate or evaluate."""
+    """Collective timeout (NCCL's watchdog) of all process groups: ranks may wait this long while leaders generate."""
 
     def validate(self, world_size: int) -> None:
         """Raise ValueError if the layout cannot be built on ``world_size`` processes."""
@@ -90,6 +90,8 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
             create_gloo_process_groups=False,
+            # megatron's groups otherwise keep its 30-minute default, whatever the world group has
+            distributed_timeout_minutes=parallel.timeout_minutes,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     logger.debug(

@@ -91,3 +91,28 @@ def test_the_process_group_timeout_is_the_configured_one(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         parallel.init_distributed(parallel.ParallelConfig(timeout_minutes=75))
     assert seen["timeout"] == datetime.timedelta(minutes=75)
+
+
+def _group_timeout(group) -> datetime.timedelta:
+    """The collective timeout a process group's backend (gloo here, NCCL on GPUs) was built with."""
+    return group._get_backend(parallel.device()).options._timeout
+
+
+def test_megatron_groups_get_the_configured_timeout():
+    """``parallel.timeout_minutes`` reaches megatron's TP/PP/DP/model-parallel groups too, not only the
+    world group: without it they keep megatron's 30-minute default and ranks waiting on leader-only
+    work abort after 30 minutes whatever the setting says."""
+    from megatron.core import parallel_state
+
+    want = datetime.timedelta(minutes=75)
+    with parallel.single_process_world(parallel.ParallelConfig(timeout_minutes=75)):
+        groups = {
+            "world": dist.group.WORLD,
+            "tensor": parallel_state.get_tensor_model_parallel_group(),
+            "pipeline": parallel_state.get_pipeline_model_parallel_group(),
+            "data": parallel_state.get_data_parallel_group(),
+            "data+context": parallel_state.get_data_parallel_group(with_context_parallel=True),
+            "model": parallel_state.get_model_parallel_group(),
+        }
+        got = {name: _group_timeout(g) for name, g in groups.items()}
+    assert got == dict.fromkeys(groups, want)
