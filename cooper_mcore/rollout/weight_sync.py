@@ -191,6 +191,13 @@ def sync_weights(
         else:
             for _ in counted():
                 pass
+    if torch.cuda.is_available():
+        # A CUDA tensor shared over CUDA IPC (each bucket of an SGLang payload) is not freed when this
+        # process drops it while a receiver may still hold it: torch parks it in its IPC limbo, which is
+        # emptied only when another shared block is freed or on a collect. Each bucket goes when the next
+        # one is dropped, but the last (up to bucket_bytes) would stay allocated through generation. The
+        # engine has loaded every bucket by now, so collect it.
+        torch.cuda.ipc_collect()
     stats["seconds"] = time.perf_counter() - t0
     logger.debug("weight sync v%d: %.0f MB in %.2fs", version, stats["bytes"] / 2**20, stats["seconds"])
     return stats
