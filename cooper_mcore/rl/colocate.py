@@ -59,7 +59,17 @@ class Colocation:
         self.bucket_bytes = bucket_bytes
         self.per_tp_rank = per_tp_rank
         self.synced_version: Optional[int] = None  # the policy version last pushed, on every rank
-        self._release = engine is not None and offload.release_engine
+        self._release = engine is not None and offload.release_engine  # this rank drives the engine's memory
+
+    def push_needed(self, version: int) -> bool:
+        """Whether :meth:`generating` pushes the weights of ``version``.
+
+        The push is collective over the model-parallel group, so the answer must be the same on
+        every rank of it: it reads the config and the version pushed last, both shared, and never
+        whether this rank holds the engine. Released weights are lost, so a releasing engine gets
+        them every time; otherwise only a version it has not had yet.
+        """
+        return self.offload.release_engine or self.synced_version != version
 
     def _moves(self, policy_params: bool) -> list[tuple[ModelState, dict[str, bool]]]:
         o = self.offload
@@ -81,7 +91,7 @@ class Colocation:
                 torch.cuda.empty_cache()
         if self._release:
             self.engine.resume_memory(["weights"])
-        if self._release or self.synced_version != version:  # released weights are lost: push them again
+        if self.push_needed(version):
             with timer.phase("weight_sync"):
                 sync_weights(self.policy.model, self.policy.arch, self.engine if is_group_leader() else None,
                              version, bucket_bytes=self.bucket_bytes, per_tp_rank=self.per_tp_rank)

@@ -93,3 +93,27 @@ def test_the_old_order_samples_from_released_weights(policy):
     with pytest.raises(RuntimeError, match="released without a CPU backup and not pushed again"):
         engine.generate(PROMPTS, PARAMS)
     assert torch.isnan(engine.model.model.embed_tokens.weight).all()  # what SGLang would sample from
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_every_rank_of_a_group_pushes_at_the_same_generations(policy, monkeypatch, release):
+    """The push is collective over the model-parallel group, so the leader (which holds the
+    engine) and a rank without one must enter it at the same generations: after an evaluation the
+    next rollout reuses the version, and a leader that alone pushed again would wait in the push
+    while the others wait in the rollout's broadcast (the hang of every TP/PP > 1 run that evaluated)."""
+    hf_dir, model = policy
+    pushes: dict[str, list[int]] = {"leader": [], "other": []}
+
+    def recorder(rank):
+        return lambda *args, **kwargs: pushes[rank].append(args[3])  # sync_weights(model, arch, engine, version)
+
+    offload = OffloadConfig(release_engine=release)
+    leader = Colocation(HFEngine.from_pretrained(hf_dir), model, None, offload, bucket_bytes=2**20)
+    other = Colocation(None, model, None, offload, bucket_bytes=2**20)
+    for colo, rank in ((leader, "leader"), (other, "other")):
+        monkeypatch.setattr("cooper_mcore.rl.colocate.sync_weights", recorder(rank))
+        for version in (0, 1, 1, 2, 2):  # step 1's rollout, then evaluation and step 2's rollout, ...
+            with colo.generating(version=version, timer=PhaseTimer()):
+                pass
+    assert pushes["leader"] == pushes["other"]
+    assert pushes["other"] == ([0, 1, 1, 2, 2] if release else [0, 1, 2])
