@@ -151,6 +151,8 @@ class AlgoConfig:
     """PPO ratio clip below 1 (eps_low)."""
     clip_high: float = 0.2
     """PPO ratio clip above 1 (eps_high; > clip_low is DAPO's clip-higher)."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual clip (verl's): a negative-advantage token's loss is capped at ratio clip_ratio_c (> 1; null: off)."""
     kl_coef: float = 1e-3
     """Weight of the KL-to-reference loss term (0: no reference model is kept)."""
     kl_kind: KLKind = "low_var_kl"

@@ -11,7 +11,7 @@ Metric key conventions used by the trainer (one flat ``dict[str, float]`` per st
 ``reward_rule_gap`` ``reward/mean - rule/acc`` (:func:`reward_rule_gap`); growth means hacking
 ``kl``              KL divergence of the policy from the reference policy
 ``ratio/mean``      mean importance ratio pi_new / pi_old over response tokens
-``clip_frac``       fraction of response tokens whose ratio was clipped
+``clip_frac``       fraction of response tokens the PPO or the dual clip left without gradient
 ``entropy``         mean token entropy of the policy on the responses
 ``response/length`` mean response length in tokens
 ``rm/pair_acc``     reward model accuracy on its (positive, negative) training pairs

@@ -155,10 +155,12 @@ def policy_loss(
 
     Returns:
         ``(loss, stats)``: ``loss`` is ``[b, t]``, 0 where ``mask`` is 0. ``stats`` (masked over response
-        tokens, detached scalars): ``clip_frac`` (tokens where the clipped term is strictly larger, i.e.
-        the clip is active), ``clip_frac_low`` / ``clip_frac_high`` (those with ratio below / above the
-        range), ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``, ``ratio_min`` (max/min are 0 with no
-        response tokens), ``approx_kl`` (mean of ``old_logp - logp``).
+        tokens, detached scalars): ``clip_frac`` (tokens whose loss is clipped, so that they get no
+        gradient: the PPO clip is active, its clipped term strictly larger, or the dual clip caps them),
+        made of the disjoint ``clip_frac_low`` / ``clip_frac_high`` (PPO clip, ratio below / above the
+        range) and ``dual_clip_frac`` (``A < 0`` and ratio above ``clip_ratio_c``); ``ratio_mean``,
+        ``ratio_max``, ``ratio_min`` (max/min are 0 with no response tokens), ``approx_kl`` (mean of
+        ``old_logp - logp``).
 
     Raises:
         ValueError: shapes do not fit, or clip values out of range.
@@ -197,7 +199,7 @@ def policy_loss(
         r = ratio.detach().float()
         fm = m.float()
         stats = {
-            "clip_frac": masked_mean(clip_active.float(), fm),
+            "clip_frac": masked_mean((clip_active | dual_active).float(), fm),
             "clip_frac_low": masked_mean((clip_active & (r < 1.0 - clip_low)).float(), fm),
             "clip_frac_high": masked_mean((clip_active & (r > 1.0 + clip_high)).float(), fm),
             "dual_clip_frac": masked_mean(dual_active.float(), fm),

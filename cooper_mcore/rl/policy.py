@@ -12,6 +12,7 @@ mean over the whole mini-batch (the paper's ``token-mean`` aggregation), and spl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -34,6 +35,10 @@ class GRPOLoss:
 
     Attributes:
         clip_low / clip_high: the ratio's clip range ``[1 - clip_low, 1 + clip_high]``.
+        clip_ratio_c: dual clip: the loss of a token with a negative advantage is capped at
+            ``-A * clip_ratio_c`` (verl's and the reference implementation's 3.0), so that a token
+            the policy has made much likelier since sampling (a later mini-batch's) cannot set the
+            update's direction; None turns it off.
         kl_coef: weight of the per-token KL to the reference (0: no KL term).
         kl_kind: KL estimator (:func:`cooper_mcore.algo.kl_penalty`).
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
@@ -41,6 +46,7 @@ class GRPOLoss:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
+    clip_ratio_c: Optional[float] = 3.0
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
     entropy_coef: float = 0.0
@@ -49,10 +55,15 @@ class GRPOLoss:
 def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
                     loss: GRPOLoss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO loss ``[b, s]`` of one micro-batch (0 outside the response) and detached
-    per-token terms for the metrics."""
+    per-token terms for the metrics.
+
+    ``clip_frac`` marks the tokens whose surrogate is clipped, so that they give no policy gradient:
+    the PPO clip (ratio below ``1 - clip_low`` with ``A < 0``, above ``1 + clip_high`` with ``A > 0``)
+    or the dual clip (ratio above ``clip_ratio_c`` with ``A < 0``), as ``policy_loss``'s ``clip_frac``.
+    """
     logp = token_logprobs(logits, mb.labels)
     tok, _ = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask,
-                         clip_low=loss.clip_low, clip_high=loss.clip_high)
+                         clip_low=loss.clip_low, clip_high=loss.clip_high, clip_ratio_c=loss.clip_ratio_c)
     kl = kl_penalty(logp, mb.ref_logp, loss.kl_kind) if loss.kl_coef else torch.zeros_like(logp)
     ent = vocab_parallel_entropy(logits) if loss.entropy_coef else None
     total = tok + loss.kl_coef * kl
@@ -62,6 +73,8 @@ def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
         ratio = torch.exp(logp - mb.old_logp)
         adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None].expand_as(logp)
         clipped = ((ratio < 1 - loss.clip_low) & (adv < 0)) | ((ratio > 1 + loss.clip_high) & (adv > 0))
+        if loss.clip_ratio_c is not None:
+            clipped |= (ratio > loss.clip_ratio_c) & (adv < 0)
         terms = {"loss": total.detach(), "kl": kl.detach(), "ratio/mean": ratio, "clip_frac": clipped.float(),
                  "entropy": (ent if ent is not None else vocab_parallel_entropy(logits)).detach()}
     return total, terms

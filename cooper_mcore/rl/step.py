@@ -75,8 +75,8 @@ def update_policy(run: Run, batch: TokenBatch) -> dict[str, float]:
     """``train.mini_batches`` GRPO updates on consecutive slices of the batch; mean metrics and the
     number of skipped (non-finite) updates."""
     cfg, policy = run.cfg, run.policy
-    loss = GRPOLoss(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, kl_coef=cfg.algo.kl_coef,
-                    kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef)
+    loss = GRPOLoss(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_ratio_c,
+                    kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef)
     per_mini = len(batch) // cfg.train.mini_batches
     updates = []
     for i in range(cfg.train.mini_batches):

@@ -157,6 +157,32 @@ def test_policy_loss_dual_clip():
     close(off, [[5.0, 2.0, -1.2]], atol=1e-5)
 
 
+def test_policy_loss_dual_clip_caps_negative_advantages_at_three_abs_a():
+    # clip 0.2 and c = 3, |A| = 2 (verl's and the reference implementation's dual clip):
+    # A=-2, r=5: max(-A*r, -A*clip(r)) = max(10, 2.4) = 10 -> capped at -A*c = 6 (no gradient)
+    # A=-2, r=2: max(4, 2.4) = 4 < 6: not capped (gradient -A*r = 4)
+    # A=+2, r=5: max(-10, -2.4) = -2.4 (PPO clip high, no gradient); A=+2, r=0.5: max(-1, -1.6) = -1
+    # (gradient -A*r = -1): the cap only touches A < 0, positive tokens are as without it
+    logp, old = _ratios_to_logp([[5.0, 2.0, 5.0, 0.5]])
+    logp.requires_grad_(True)
+    adv = torch.tensor([[-2.0, -2.0, 2.0, 2.0]])
+    mask = torch.ones(1, 4)
+    loss, stats = policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)
+    close(loss, [[6.0, 4.0, -2.4, -1.0]], atol=1e-5)
+    loss.sum().backward()
+    close(logp.grad, [[0.0, 4.0, 0.0, -1.0]], atol=1e-5)
+    off, off_stats = policy_loss(logp.detach(), old, adv, mask)
+    close(off, [[10.0, 4.0, -2.4, -1.0]], atol=1e-5)
+    # clip_frac counts the tokens either clip cuts off the gradient: the PPO clip (r=5, A>0) and the
+    # dual clip (r=5, A<0); its parts (below / above the range, dual) add up to it
+    close(stats["dual_clip_frac"], 1 / 4)
+    close(stats["clip_frac_high"], 1 / 4)
+    close(stats["clip_frac_low"], 0.0)
+    close(stats["clip_frac"], 2 / 4)
+    close(off_stats["clip_frac"], 1 / 4)  # without the dual clip the r=5, A<0 token keeps its gradient
+    close(off_stats["dual_clip_frac"], 0.0)
+
+
 def test_policy_loss_per_sequence_advantages_and_nan_padding():
     logp = torch.tensor([[-1.0, -2.0, NAN], [-0.5, INF, NAN]], requires_grad=True)
     old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, NAN]])

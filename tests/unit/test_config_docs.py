@@ -45,6 +45,15 @@ def test_config_show_lists_every_key_with_its_value_and_doc(capsys):
     assert all("  # " in ln and ln.split("  # ", 1)[1].strip() for ln in lines)
 
 
+def test_the_dual_clip_is_on_by_default_and_listed(capsys):
+    """``algo.clip_ratio_c``: verl's and the reference implementation's 3.0, shown by `cooper config`."""
+    assert C.AlgoConfig().clip_ratio_c == 3.0
+    assert cli_main(["config", "--show", "--config", str(ROOT / "examples" / "tiny_cpu.yaml")]) == 0
+    shown = {ln.split("=", 1)[0]: ln.split("=", 1)[1] for ln in capsys.readouterr().out.strip().splitlines()}
+    value, doc = shown["algo.clip_ratio_c"].split("  # ")
+    assert value.strip() == "3.0" and "null" in doc
+
+
 def test_choices_agree_with_the_code_that_reads_them():
     assert set(typing.get_args(C.KLKind)) == set(KL_ESTIMATORS)
     assert set(typing.get_args(C.NegativeKind)) == set(NEGATIVE_KINDS)

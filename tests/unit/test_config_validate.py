@@ -51,7 +51,8 @@ def test_a_good_config_has_no_problem(paths):
 
 def test_every_problem_is_listed_in_one_error(paths):
     cfg = _cfg({**paths, "data.train_path": "/nonexistent/train.jsonl"}, "reward.mode=cooperative",
-               "parallel.tp=3", "rollout.group_size=1", "rollout.top_p=0", "algo.kl_kind=k9", "data.template=Question")
+               "parallel.tp=3", "rollout.group_size=1", "rollout.top_p=0", "algo.kl_kind=k9", "data.template=Question",
+               "algo.clip_ratio_c=1")
     with pytest.raises(ValueError) as info:
         validate(cfg, 4)
     msg = str(info.value)
@@ -59,6 +60,7 @@ def test_every_problem_is_listed_in_one_error(paths):
     assert msg.startswith(f"invalid config ({len(lines)} problems):")
     expected = ["reward.mode must be one of", "algo.kl_kind must be one of", "rollout.group_size must be >= 2, got 1",
                 "rollout.top_p must be in (0, 1], got 0.0", "data.template 'Question' has no {question}",
+                "algo.clip_ratio_c must be > 1 (or null: no dual clip), got 1.0",
                 "the world size 4 is not divisible by tp*pp = 3*1",
                 "data.train_path: '/nonexistent/train.jsonl' does not exist"]
     for name in ("policy_ckpt", "rm_ckpt"):  # the fixture's models (4 heads, 2 kv heads, vocab 128) at tp 3
@@ -100,6 +102,18 @@ def test_layout_against_the_architecture(paths, tmp_path):
 def test_batch_sizes_that_do_not_divide(paths, overrides, world, expected):
     problems = config_problems(_cfg(paths, *overrides), world)
     assert len(problems) == 1 and expected in problems[0], problems
+
+
+@pytest.mark.parametrize("value, problems", [
+    ("3", []), ("1.5", []), ("null", []),  # null turns the dual clip off
+    ("1", ["algo.clip_ratio_c must be > 1 (or null: no dual clip), got 1.0"]),
+    ("0", ["algo.clip_ratio_c must be > 1 (or null: no dual clip), got 0.0"]),
+    ("0.5", ["algo.clip_ratio_c must be > 1 (or null: no dual clip), got 0.5"]),
+])
+def test_the_dual_clip_is_above_one_or_off(paths, value, problems):
+    cfg = _cfg(paths, f"algo.clip_ratio_c={value}")
+    assert cfg.algo.clip_ratio_c == (None if value == "null" else float(value))
+    assert config_problems(cfg, 1) == problems
 
 
 def test_paths_and_their_kinds(paths, tmp_path):

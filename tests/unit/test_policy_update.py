@@ -53,9 +53,12 @@ def _megatron_update(ckpt: str, batch: TokenBatch, mbs: int, loss: GRPOLoss, lr:
     return model, metrics, hf
 
 
-def _reference_grads(hf_dir: str, batch: TokenBatch, loss: GRPOLoss) -> tuple[dict[str, torch.Tensor], float]:
+def _reference_grads(hf_dir: str, batch: TokenBatch, loss: GRPOLoss) -> tuple[dict[str, torch.Tensor], float, float]:
     """The GRPO step written out in plain torch on transformers' model of the same weights:
-    per-token PPO clip, k3 KL to the reference, entropy bonus, token mean over the whole batch."""
+    per-token PPO clip, verl's dual clip (a negative-advantage token's loss capped at
+    ``-A * clip_ratio_c``) when ``clip_ratio_c`` is set, k3 KL to the reference, entropy bonus, token
+    mean over the whole batch. Returns the gradients, the loss, and the fraction of response tokens
+    whose surrogate gives no gradient (what ``clip_frac`` counts)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                                               attn_implementation="eager")
     logits = model(batch.input_ids).logits.float()
@@ -65,14 +68,18 @@ def _reference_grads(hf_dir: str, batch: TokenBatch, loss: GRPOLoss) -> tuple[di
     adv = batch.advantages[:, None]
     ratio = torch.exp(logp - batch.old_logp)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - loss.clip_low, 1 + loss.clip_high))
+    if loss.clip_ratio_c is not None:  # verl: where(A < 0, min(-A * c, clipped surrogate), clipped surrogate)
+        surrogate = torch.where(adv < 0, torch.minimum(-adv * loss.clip_ratio_c, surrogate), surrogate)
     d = batch.ref_logp - logp
     k3 = torch.exp(d) - d - 1
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     per_token = surrogate + loss.kl_coef * k3 - loss.entropy_coef * entropy
     mask = batch.loss_mask
     total = (per_token * mask).sum() / mask.sum()
+    (d_surrogate,) = torch.autograd.grad((surrogate * mask).sum(), logp, retain_graph=True)
+    no_gradient = float(((d_surrogate == 0) & mask.bool()).sum() / mask.sum())
     total.backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, float(total)
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, float(total), no_gradient
 
 
 def _with_logprobs(ckpt: str, batch: TokenBatch, noise: float) -> TokenBatch:
@@ -93,14 +100,88 @@ def test_update_gradient_equals_a_plain_torch_grpo_step(tiny_models, family):
     with single_process_world():
         batch = _with_logprobs(ckpt, _batch(vocab=128), noise=0.3)
         _, metrics, ours = _megatron_update(ckpt, batch, mbs=2, loss=loss)
-    ref, ref_loss = _reference_grads(hf_dir, batch, loss)
+    ref, ref_loss, ref_clip_frac = _reference_grads(hf_dir, batch, loss)
     assert metrics["clip_frac"] > 0.05  # the clip is active on this batch
+    assert metrics["clip_frac"] == pytest.approx(ref_clip_frac, abs=1e-6)
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     scale = max(float(g.abs().max()) for g in ref.values())
     for name, g in ref.items():
         if family == "qwen2_tied" and name == "lm_head.weight":
             continue  # the same tensor as the embedding
         torch.testing.assert_close(ours[name], g, atol=1e-5 * scale, rtol=1e-4, msg=name)
+
+
+def _with_stale_tokens(ckpt: str, batch: TokenBatch) -> tuple[TokenBatch, torch.Tensor]:
+    """Old log-probabilities 1.5 below the current weights' on every other position (ratio e^1.5 = 4.48,
+    above the dual clip's 3: tokens of a policy several mini-batches stale) and within seeded noise of
+    them elsewhere. Returns the batch and where it is stale."""
+    model, _ = load_checkpoint_model(ckpt, ParallelConfig())
+    logp = compute_logprobs(model, batch, MicroBatching(len(batch)))
+    stale = (torch.arange(logp.shape[1]) % 2 == 0).expand_as(logp)
+    noise = 0.1 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(5))
+    batch.old_logp = torch.where(stale, logp - 1.5, logp + noise)
+    batch.ref_logp = logp.clone()
+    return batch, stale
+
+
+def test_update_gradient_applies_the_dual_clip(tiny_models):
+    """With ``clip_ratio_c`` = 3 a negative-advantage token whose ratio is above 3 gives a constant loss
+    (``-3A``) and no gradient, as in verl and the reference implementation: the trainer's gradient
+    equals a plain-torch step with the dual clip and is far from one without it."""
+    hf_dir, ckpt = tiny_models[("qwen2", "causal_lm")]
+    loss = GRPOLoss(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    assert GRPOLoss().clip_ratio_c == 3.0
+    with single_process_world():
+        batch, stale = _with_stale_tokens(ckpt, _batch(vocab=128))
+        _, metrics, ours = _megatron_update(ckpt, batch, mbs=2, loss=loss)
+    mask = batch.loss_mask.bool()
+    negative = (batch.advantages < 0)[:, None].expand_as(mask)
+    capped = mask & negative & stale
+    assert int(capped.sum()) >= 5  # the batch has dual-clipped tokens
+    ref, ref_loss, ref_clip_frac = _reference_grads(hf_dir, batch, loss)
+    no_dual, no_dual_loss, no_dual_clip_frac = _reference_grads(hf_dir, batch, GRPOLoss(0.2, 0.28, clip_ratio_c=None))
+    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert no_dual_loss > ref_loss + 0.1  # the uncapped losses of stale negative tokens (|A| * 4.48 > |A| * 3)
+    # clip_frac counts the tokens either clip leaves without a gradient, the dual-clipped ones included
+    assert metrics["clip_frac"] == pytest.approx(ref_clip_frac, abs=1e-6)
+    assert ref_clip_frac >= no_dual_clip_frac + float(capped.sum() / mask.sum()) - 1e-6
+    scale = max(float(g.abs().max()) for g in ref.values())
+    for name, g in ref.items():
+        torch.testing.assert_close(ours[name], g, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    apart = max(float((ours[n] - g).abs().max()) for n, g in no_dual.items())
+    assert apart > 0.1 * scale, apart
+
+
+def test_update_policy_takes_the_dual_clip_from_the_config(monkeypatch):
+    """``rl/step.py`` builds the update's loss from ``algo``: ``clip_ratio_c`` (default 3.0; null: off)
+    reaches :class:`GRPOLoss` with the other settings."""
+    from types import SimpleNamespace
+
+    from cooper_mcore.config import load_config
+    from cooper_mcore.rl import step
+
+    class Batch:
+        def __len__(self):
+            return 4
+
+        def slice(self, start, end):
+            return self
+
+    seen = []
+
+    def update(ddp, optimizer, batch, batching, loss):
+        seen.append(loss)
+        return {"loss": 0.0, "nonfinite": 0.0}
+
+    monkeypatch.setattr(step, "policy_update", update)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 1e-6}])
+    for overrides, expected in (([], 3.0), (["algo.clip_ratio_c=4.5"], 4.5), (["algo.clip_ratio_c=null"], None)):
+        cfg = load_config(None, ["algo.clip_high=0.28", *overrides])
+        run = SimpleNamespace(cfg=cfg, batching=None, policy=SimpleNamespace(
+            ddp=None, optimizer=optimizer, scheduler=SimpleNamespace(step=lambda n: None)))
+        step.update_policy(run, Batch())
+        assert seen[-1] == GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=1e-3, kl_kind="low_var_kl",
+                                    entropy_coef=0.0, clip_ratio_c=expected)
 
 
 def test_micro_batches_1x8_equal_8x1(tiny_models):

@@ -136,6 +136,7 @@ def test_paper_preset_has_the_paper_settings():
         (16, 1.0, 1.0, 512)
     assert (cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.kl_coef, cfg.algo.kl_kind, cfg.algo.entropy_coef) == \
         (0.2, 0.2, 1e-3, "low_var_kl", 0.0)
+    assert cfg.algo.clip_ratio_c == 3.0
     assert (cfg.rm.optim.lr, cfg.rm.optim.weight_decay, cfg.rm.optim.clip_grad) == (1e-5, 0.01, 1.0)
     assert cfg.rm.optim.warmup_steps == round(0.01 * cfg.train.steps)  # ~1% warm-up
     assert (cfg.reward.mode, cfg.rm.negatives, cfg.model.dtype, cfg.rollout.engine) == \
