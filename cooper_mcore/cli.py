@@ -14,15 +14,19 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper config --show [--config X] [key=value ...]
     cooper demo [--full] [--out DIR] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
+    cooper rehearse --config X [--out DIR] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from cooper_mcore.config import format_settings, load_config
@@ -37,6 +41,7 @@ from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.plan import AssistantSpec, PlanOptions, plan
 from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
 from cooper_mcore.redaction import install_log_filter
+from cooper_mcore.rehearsal.run import Limits, rehearse_preset
 from cooper_mcore.reward.annotate import annotate
 from cooper_mcore.reward.negatives import AssistantUnavailable
 from cooper_mcore.reward.openai_client import OpenAIChatClient
@@ -141,6 +146,14 @@ def _plan(args: argparse.Namespace) -> None:
         print(json.dumps(plan_to_dict(result, cfg, notes), indent=2), flush=True)
     else:
         print(format_plan(result, cfg, notes), flush=True)  # the report table
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    report = rehearse_preset(args.config, args.overrides, out=args.out, policy_config=args.policy_config,
+                             rm_config=args.rm_config,
+                             limits=Limits(startup_s=args.startup_timeout, step_s=args.step_timeout))
+    print(report.format(), flush=True)  # the report, its verdict line last
+    return 0 if report.ok else 1
 
 
 def _config(args: argparse.Namespace) -> None:
@@ -286,6 +299,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print JSON (top-level boolean 'fits')")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 train.micro_batch_size=4")
     pl.set_defaults(func=_plan)
+
+    rh = sub.add_parser("rehearse", help="run a preset's job on CPU with a tiny model of its family: its layout and "
+                                         "features, evaluation, checkpoints, a stop signal and a resume, in minutes")
+    rh.add_argument("--config", required=True, help="the preset (examples/*.yaml)")
+    rh.add_argument("--out", default="", help="rehearsal folder (default runs/rehearse/<preset name>; tiny assets "
+                                              "are cached beside it)")
+    rh.add_argument("--policy-config", default=None, help="the policy's HF config.json (default: model.policy_hf, "
+                                                          "else model_configs/ beside the preset)")
+    rh.add_argument("--rm-config", default=None, help="the reward model's HF config.json (default: the policy's "
+                                                      "backbone with a scalar head)")
+    rh.add_argument("--step-timeout", type=float, default=Limits.step_s,
+                    help="seconds one step may take before the run counts as hung (default %(default)s)")
+    rh.add_argument("--startup-timeout", type=float, default=Limits.startup_s,
+                    help="seconds from launch to the first step (default %(default)s)")
+    rh.add_argument("overrides", nargs="*", help="dotted overrides applied to the preset, e.g. parallel.tp=2")
+    rh.set_defaults(func=_rehearse)
     return p
 
 
@@ -307,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("megatron").setLevel(logging.WARNING)
         _quiet_known_warnings()
     install_log_filter()  # no API key from the environment in any log line
+    if threading.current_thread() is threading.main_thread():  # signal handlers are set there only
+        # `kill -USR2 <pid>` prints every thread's stack: where a hung rank waits (the rehearsal asks for it)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
-        args.func(args)
+        rc = args.func(args)
     except USER_ERRORS as e:
         logger.error("%s", e.args[0] if e.args else e)
         return getattr(e, "exit_code", 2)  # train: 75 preempted (SIGTERM/SIGUSR1), 3 non-finite stop; else 2
@@ -316,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("unexpected error (a bug, or an environment problem the message names); please report "
                          "it with this traceback")
         return 1
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -41,7 +41,8 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
                       hidden_size: int = 64, num_layers: int = 2, task: Optional[MathTaskConfig] = None,
                       rm_hidden_size: Optional[int] = None, rm_num_layers: Optional[int] = None,
                       vocab_size: int = 128, max_positions: int = 512,
-                      sft_steps: int = DEFAULT_SFT_STEPS) -> dict[str, str]:
+                      sft_steps: int = DEFAULT_SFT_STEPS, family: str = "qwen2_tied", rm_family: str = "qwen2",
+                      shape: Optional[dict[str, Any]] = None, dtype: torch.dtype = torch.float32) -> dict[str, str]:
     """Write the tiny assets under ``out`` (existing pieces are reused); return their paths.
 
     Args:
@@ -55,6 +56,9 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         max_positions: the models' ``max_position_embeddings``.
         sft_steps: steps of the policy's SFT on the ``n_train`` problems' worked solutions
             (:func:`cooper_mcore.jobs.sft.sft`); 0 leaves the policy random.
+        family / rm_family: the models' families (:data:`cooper_mcore.models.tiny.FAMILIES`).
+        shape: further config fields of both models (attention heads, key/value heads, head_dim...).
+        dtype: the models' parameter dtype (the SFT keeps fp32 main parameters in megatron's optimizer).
 
     Raises:
         ValueError: ``sft_steps`` is negative.
@@ -79,9 +83,9 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
                   max_position_embeddings=max_positions)
 
     def random_model(kind: str, hf_dir: str, ckpt: str, hidden: int, layers: int) -> None:
-        save_tiny_hf_model(hf_dir, "qwen2_tied" if kind == "causal_lm" else "qwen2", kind,
-                           seed=seed + (kind == "reward"), dtype=torch.float32, hidden_size=hidden,
-                           intermediate_size=2 * hidden, num_hidden_layers=layers, **common)
+        save_tiny_hf_model(hf_dir, family if kind == "causal_lm" else rm_family, kind,
+                           seed=seed + (kind == "reward"), dtype=dtype, hidden_size=hidden,
+                           intermediate_size=2 * hidden, num_hidden_layers=layers, **common, **(shape or {}))
         # copy the files as trained: save_pretrained would rewrite tokenizer_class, and transformers 5
         # would then load a Qwen2Tokenizer next to the qwen2 config (different tokenization)
         shutil.copytree(paths["tokenizer"], hf_dir, dirs_exist_ok=True)

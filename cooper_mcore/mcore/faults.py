@@ -8,10 +8,11 @@ every file but the manifest; ``ckpt_manifest``: the manifest is written, the fol
 renamed; ``ckpt_renamed``: renamed, older checkpoints not yet pruned).
 
 Nothing happens unless the environment variable ``COOPER_FAULT`` is set, to
-``<point>@<step>[+<delay_s>][/TERM]``: at point ``<point>`` of step ``<step>`` (the step being
-run or saved, 1-based) the process sends itself SIGKILL (or SIGTERM with ``/TERM``, a
-preemption), either at once or ``<delay_s>`` seconds later from a timer thread (it then dies at
-a random moment *inside* the phase, or wherever it has got to). SIGKILL cannot be caught:
+``<point>@<step>[+<delay_s>][/TERM|/USR1]``: at point ``<point>`` of step ``<step>`` (the step
+being run or saved, 1-based) the process sends itself SIGKILL (or SIGTERM with ``/TERM``, a
+preemption; or SIGUSR1 with ``/USR1``, the warning SLURM sends before a time limit), either at
+once or ``<delay_s>`` seconds later from a timer thread (it then dies at a random moment *inside*
+the phase, or wherever it has got to). SIGKILL cannot be caught:
 nothing is flushed or cleaned up, exactly as with an OOM kill or a lost node. The check is one environment lookup and a
 string compare, so the hooks stay in production code at no cost.
 """
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 FAULT_ENV = "COOPER_FAULT"
 
 
-_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "USR1": signal.SIGUSR1}
 
 
 def parse_fault(spec: str) -> tuple[str, int, float, signal.Signals]:
@@ -42,7 +43,7 @@ def parse_fault(spec: str) -> tuple[str, int, float, signal.Signals]:
     Raises:
         ValueError: on a malformed spec (naming it).
     """
-    usage = f"{FAULT_ENV}={spec!r}: expected <point>@<step>[+<delay_s>][/TERM]"
+    usage = f"{FAULT_ENV}={spec!r}: expected <point>@<step>[+<delay_s>][/TERM|/USR1]"
     try:
         body, _, sig = spec.partition("/")
         point, rest = body.split("@", 1)
@@ -58,7 +59,7 @@ def parse_fault(spec: str) -> tuple[str, int, float, signal.Signals]:
 def format_fault(point: str, step: int, delay_s: float = 0.0, sig: signal.Signals = signal.SIGKILL) -> str:
     """The ``COOPER_FAULT`` value for :func:`parse_fault`."""
     spec = f"{point}@{step}+{delay_s!r}" if delay_s else f"{point}@{step}"
-    return spec + ("/TERM" if sig == signal.SIGTERM else "")
+    return spec + ("" if sig == signal.SIGKILL else "/" + signal.Signals(sig).name[3:])
 
 
 def fault_point(point: str, step: int) -> None:

@@ -117,6 +117,7 @@ def test_fault_spec_round_trip_and_errors():
     assert parse_fault("rollout@2/TERM") == ("rollout", 2, 0.0, signal.SIGTERM)
     assert parse_fault(format_fault("ckpt_files", 2)) == ("ckpt_files", 2, 0.0, signal.SIGKILL)
     assert parse_fault(format_fault("rollout", 1, 0.125, signal.SIGTERM)) == ("rollout", 1, 0.125, signal.SIGTERM)
+    assert parse_fault(format_fault("rollout", 3, sig=signal.SIGUSR1)) == ("rollout", 3, 0.0, signal.SIGUSR1)
     for bad in ("rollout", "rollout@x", "@2", "rollout@2+-1", "rollout@2/HUP"):
         with pytest.raises(ValueError, match=FAULT_ENV):
             parse_fault(bad)

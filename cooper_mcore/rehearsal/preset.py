@@ -1,0 +1,228 @@
+"""A preset made rehearsable: its layout and features kept, its sizes shrunk to a tiny CPU run.
+
+:func:`plan_rehearsal` turns a preset's config into the config of a rehearsal (a few steps of the
+same job on CPU with gloo, with a tiny model of the preset's architecture family) and lists every
+setting it had to change, with the reason. Pure config work: nothing is built or run here.
+
+What is kept: TP, PP, sequence parallelism, the distributed optimizer (every run has one), the
+reward mode and ``rm_transform``, the negatives (an ``assistant`` is a local stand-in server), the
+micro-batching (fixed, token budget, packing) and ``mini_batches``, the offload and release flags,
+the GRPO and optimizer settings, the dtype. What changes: the model (tiny, of the same family, with
+the preset's GQA ratio, tied or untied embeddings and q/k norm), the data (the tiny arithmetic
+task), the sizes (group 4, a few prompts per rank, short completions, a token budget scaled to
+them), the cadence (evaluation every step, a checkpoint every 2 steps, 4 steps with a stop signal
+in step 3), the data-parallel size (2 where ``tp * pp <= 2``, else 1: at most 4 processes on 2
+cores), and a rollout engine that is not installed (SGLang -> transformers).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from cooper_mcore.config import CooperConfig
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.plan_report import load_shapes
+
+#: the rehearsal's run: STEPS steps, a stop signal in step STOP_STEP, a checkpoint every CKPT_EVERY
+STEPS = 4
+STOP_STEP = 3
+CKPT_EVERY = 2
+MAX_WORLD = 4
+GROUP_SIZE = 4
+PROMPTS_PER_RANK = 2
+MAX_NEW_TOKENS = 24
+EVAL_PROMPTS = 4
+#: the longest tiny prompt plus a completion, in tokens: the unit of the scaled token budget
+TINY_SEQUENCE = 16 + MAX_NEW_TOKENS
+MIN_HEAD_DIM = 8
+TINY_HIDDEN = 64  # about this wide: the tiny task's SFT then gets some answers right
+BUCKET_MB = 1  # several buckets per push, as a real model's push has
+TIMEOUT_MINUTES = 5  # collectives: a rank-divergent call fails in minutes, not after the preset's hour
+
+
+@dataclass
+class Substitution:
+    """One setting the rehearsal runs differently from the preset."""
+
+    setting: str
+    preset: str
+    rehearsal: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.preset} -> {self.rehearsal} ({self.why})"
+
+
+@dataclass
+class TinyShape:
+    """The tiny models' architecture: the preset's family traits at a size every split allows."""
+
+    family: str
+    """The policy's family (:data:`cooper_mcore.models.tiny.FAMILIES`)."""
+    rm_family: str
+    """The reward model's family (its backbone; the scalar head is added)."""
+    fields: dict[str, Any]
+    """Config fields of both models: heads, key/value heads, head_dim, tied embeddings."""
+    hidden_size: int
+    """Hidden size of both models."""
+    num_layers: int
+    """Decoder layers of both models (a multiple of PP)."""
+
+    def describe(self) -> str:
+        f = self.fields
+        return (f"{self.family} (rm {self.rm_family}): {self.num_layers} layers, hidden {self.hidden_size}, "
+                f"{f['num_attention_heads']} heads / {f['num_key_value_heads']} kv heads, "
+                f"{'tied' if f['tie_word_embeddings'] else 'untied'} embeddings")
+
+
+@dataclass
+class RehearsalPlan:
+    """What a rehearsal runs (see the module doc)."""
+
+    preset: str
+    """The preset's path."""
+    cfg: CooperConfig
+    """The rehearsal's config (model and data paths are filled in once the tiny assets exist)."""
+    nproc: int
+    """Processes (tp * pp * dp)."""
+    shape: TinyShape
+    """The tiny models."""
+    substitutions: list[Substitution] = field(default_factory=list)
+    """Every setting changed from the preset, with the reason."""
+    assistant: bool = False
+    """Whether a stand-in assistant server is started (``rm.negatives: assistant``)."""
+
+    def layout(self) -> str:
+        p = self.cfg.parallel
+        return (f"tp={p.tp} pp={p.pp} dp={self.nproc // (p.tp * p.pp)} sequence_parallel="
+                f"{str(p.sequence_parallel).lower()} (world {self.nproc}), distributed optimizer")
+
+    def features(self) -> str:
+        c = self.cfg
+        t = c.train
+        batching = ("packed" if t.pack_sequences else "token budget") if t.max_tokens_per_micro_batch else "fixed"
+        o = c.offload
+        offloaded = [f.name for f in dataclasses.fields(o) if f.name != "release_engine" and getattr(o, f.name)]
+        return (f"reward {c.reward.mode.value} ({c.reward.rm_transform}), negatives {c.rm.negatives}, "
+                f"micro-batches {batching}, mini_batches {t.mini_batches}, offload [{', '.join(offloaded) or '-'}], "
+                f"release_engine {str(o.release_engine).lower()}, dtype {c.model.dtype}, engine {c.rollout.engine}")
+
+
+def tiny_shape(policy: ArchSpec, rm: Optional[ArchSpec], tp: int, pp: int) -> TinyShape:
+    """Tiny models with ``policy``'s family traits that split at ``tp`` and ``pp``.
+
+    Key/value heads are the smallest multiple of ``tp`` that is at least 2 (so GQA stays GQA at TP=1),
+    the query heads keep the preset's ratio, the width is about :data:`TINY_HIDDEN`, layers are ``2 * pp``.
+    """
+    kv = max(2, tp) if max(2, tp) % tp == 0 else tp
+    heads = kv * policy.heads_per_group
+    head_dim = max(MIN_HEAD_DIM, (TINY_HIDDEN // heads) // 2 * 2)  # even: rotary embeddings pair dimensions
+    fields = {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+              "tie_word_embeddings": policy.tie_word_embeddings}
+    rm_family = (rm or policy).family
+    return TinyShape(family=policy.family, rm_family=rm_family, fields=fields, hidden_size=heads * head_dim,
+                     num_layers=2 * pp)
+
+
+def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, int]:
+    """(tp, pp, dp) within :data:`MAX_WORLD` processes."""
+    new_tp, new_pp = tp, pp
+    while new_tp * new_pp > MAX_WORLD:
+        if new_tp > 1:
+            new_tp //= 2
+        else:
+            new_pp //= 2
+    if (new_tp, new_pp) != (tp, pp):
+        subs.append(Substitution("parallel.tp/pp", f"{tp}/{pp}", f"{new_tp}/{new_pp}",
+                                 f"at most {MAX_WORLD} processes on a CPU"))
+    dp = 2 if new_tp * new_pp <= 2 else 1
+    return new_tp, new_pp, dp
+
+
+def _set(cfg: CooperConfig, subs: list[Substitution], setting: str, value: Any, why: str) -> None:
+    """Set a dotted setting of ``cfg`` and record it when it changes."""
+    *path, name = setting.split(".")
+    section = cfg
+    for part in path:
+        section = getattr(section, part)
+    old = getattr(section, name)
+    if old != value:
+        subs.append(Substitution(setting, _text(old), _text(value), why))
+        setattr(section, name, value)
+
+
+def _text(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optional[ArchSpec],
+                   sglang_available: bool) -> RehearsalPlan:
+    """The rehearsal of ``cfg`` (a preset with its overrides); ``cfg`` is not modified.
+
+    Args:
+        preset: the preset's path (for the report).
+        cfg: the preset's config.
+        policy / rm: the preset's architectures (the RM's None in rule mode).
+        sglang_available: whether SGLang can run here (else the transformers engine stands in).
+    """
+    cfg = copy.deepcopy(cfg)
+    subs: list[Substitution] = []
+    par = cfg.parallel
+    tp, pp, dp = _cap_layout(par.tp, par.pp, subs)
+    par.tp, par.pp = tp, pp
+    if par.sequence_parallel and tp == 1:
+        _set(cfg, subs, "parallel.sequence_parallel", False, "needs tp > 1 after the cap")
+    _set(cfg, subs, "parallel.timeout_minutes", TIMEOUT_MINUTES, "a rank-divergent collective fails fast")
+    shape = tiny_shape(policy, rm, tp, pp)
+    tiny = "the tiny model and task of the rehearsal"
+    _set(cfg, subs, "data.template", "{question}", tiny)
+    _set(cfg, subs, "data.use_chat_template", False, "the tiny tokenizer has no chat template")
+    _set(cfg, subs, "data.eval_limit", EVAL_PROMPTS, "a short evaluation")
+    if cfg.rollout.engine == "sglang" and not sglang_available:
+        _set(cfg, subs, "rollout.engine", "hf", "SGLang is not installed here; the transformers engine models its "
+                                               "release and weight-push semantics")
+    _set(cfg, subs, "rollout.group_size", GROUP_SIZE, "tiny sizes")
+    _set(cfg, subs, "rollout.max_new_tokens", MAX_NEW_TOKENS, "tiny sizes")
+    _set(cfg, subs, "rollout.bucket_mb", BUCKET_MB, "several weight-push buckets for a tiny model")
+    _set(cfg, subs, "reward.verifier_workers", 1, "2 cores")
+    t = cfg.train
+    per_rank = PROMPTS_PER_RANK * t.mini_batches
+    _set(cfg, subs, "train.steps", STEPS, f"a stop signal in step {STOP_STEP}, then a resume")
+    _set(cfg, subs, "train.prompts_per_step", per_rank * dp, "tiny sizes")
+    _set(cfg, subs, "train.micro_batch_size", min(t.micro_batch_size, 4), "tiny sizes")
+    if t.max_tokens_per_micro_batch:
+        _set(cfg, subs, "train.max_tokens_per_micro_batch", 2 * TINY_SEQUENCE,
+             "scaled to the tiny sequences: about 2 per micro-batch")
+    _set(cfg, subs, "eval.every", 1, "evaluate every step")
+    _set(cfg, subs, "eval.k", 1, "a short evaluation")
+    _set(cfg, subs, "eval.max_new_tokens", MAX_NEW_TOKENS, "tiny sizes")
+    _set(cfg, subs, "checkpoint.every", CKPT_EVERY, "a checkpoint every 2 steps")
+    _set(cfg, subs, "checkpoint.keep", max(cfg.checkpoint.keep, 2), "keep the stop's and the last checkpoint")
+    _set(cfg, subs, "checkpoint.resume", "none", "the first run starts fresh; the resume asks for auto")
+    _set(cfg, subs, "logging.wandb", False, "no metrics service in a rehearsal")
+    assistant = cfg.reward.mode.trains_rm and cfg.rm.negatives == "assistant"
+    if assistant:
+        subs.append(Substitution("rm.assistant_url", cfg.rm.assistant_url or "(none)", "a local stand-in",
+                                 "answers as an assistant would: wrong, still correct, unparseable or slow"))
+    return RehearsalPlan(preset=preset, cfg=cfg, nproc=tp * pp * dp, shape=shape, substitutions=subs,
+                         assistant=assistant)
+
+
+def preset_shapes(cfg: CooperConfig, preset: str, policy_config: Optional[str] = None,
+                  rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
+    """The preset's architectures, as ``cooper plan`` finds them, else from the config shipped
+    beside the preset: ``model_configs/<name of model.policy_hf, lower case>.json``.
+
+    Raises:
+        ValueError: no shape anywhere (naming the places looked at).
+    """
+    if policy_config is None and not os.path.isfile(os.path.join(cfg.model.policy_hf, "config.json")):
+        name = os.path.basename(os.path.normpath(cfg.model.policy_hf)).lower()
+        shipped = os.path.join(os.path.dirname(os.path.abspath(preset)), "model_configs", f"{name}.json")
+        if name and os.path.isfile(shipped):
+            policy_config = shipped
+    return load_shapes(cfg, policy_config, rm_config)

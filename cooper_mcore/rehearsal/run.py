@@ -1,0 +1,442 @@
+"""``cooper rehearse``: a preset's own job, run on CPU in minutes, before it spends GPU hours.
+
+Three launches of ``cooper train`` under torchrun (gloo, ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) on a
+tiny model of the preset's family (:mod:`cooper_mcore.rehearsal.preset`):
+
+1. the reference: :data:`~cooper_mcore.rehearsal.preset.STEPS` steps, evaluating every step and
+   checkpointing every two;
+2. the same job, sent SIGUSR1 (SLURM's warning before a time limit) in step
+   :data:`~cooper_mcore.rehearsal.preset.STOP_STEP`: it must checkpoint and exit 75;
+3. the same command with ``--resume auto``: it must continue from that checkpoint and end on the
+   reference's metrics and weights, bit for bit.
+
+Every step must finish within a wall-clock limit: with ``DETAIL`` torch checks that all ranks of a
+group call the same collective with the same shapes and raises otherwise; a hang that check cannot
+see (ranks waiting in different groups) is caught by the limit, every rank's Python stack is dumped
+(SIGUSR2, :func:`cooper_mcore.cli.main` registers the handler) and the report names where each rank
+waits. The report lists what ran, what was substituted, per-step metrics, each check and one
+verdict line. What a rehearsal cannot show: NCCL, CUDA IPC, real GPU memory and speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import psutil
+import torch
+from megatron.core.dist_checkpointing import load_plain_tensors
+
+from cooper_mcore.config import CooperConfig, load_config, save_config
+from cooper_mcore.config_checks import validate
+from cooper_mcore.demo.assets import build_tiny_assets
+from cooper_mcore.mcore.faults import FAULT_ENV, format_fault
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.models.tiny import tiny_hf_config
+from cooper_mcore.parallel import single_process_world
+from cooper_mcore.rehearsal.assistant import StandInAssistant
+from cooper_mcore.rehearsal.preset import (
+    STEPS,
+    STOP_STEP,
+    RehearsalPlan,
+    Substitution,
+    TinyShape,
+    plan_rehearsal,
+    preset_shapes,
+)
+from cooper_mcore.rl.loop import EXIT_PREEMPTED
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: steps of the tiny policy's SFT: enough that it is sometimes right, so the RM gets pairs
+SFT_STEPS = 150
+TABLE_KEYS = ("reward/mean", "rule/acc", "loss", "kl", "grad_norm", "rm/loss", "pairs/valid", "eval/acc", "time/step")
+_RANK_EXIT = re.compile(r"rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+@dataclass
+class Limits:
+    """Wall-clock limits of a rehearsal's runs."""
+
+    startup_s: float = 600.0
+    """From launch to the first step's metrics (imports, models, engine)."""
+    step_s: float = 180.0
+    """From one step's metrics to the next's (a step, its evaluation and checkpoint)."""
+
+
+@dataclass
+class RunResult:
+    """One launch of ``cooper train``."""
+
+    name: str
+    rc: Optional[int]
+    steps: list[dict[str, Any]]
+    seconds: float
+    log_dir: str
+    hang: str = ""
+    """Where each rank waited when the run passed its limit (empty: no hang)."""
+    errors: list[str] = field(default_factory=list)
+    """Collective mismatches and the last error line of each failed rank."""
+    rank_exit_codes: dict[int, int] = field(default_factory=dict)
+    """The failed ranks' exit codes, from torchrun's failure summary."""
+    resumed_from: Optional[int] = None
+
+
+@dataclass
+class Check:
+    """One thing the rehearsal requires."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class RehearsalReport:
+    """The outcome of :func:`rehearse`."""
+
+    plan: RehearsalPlan
+    runs: list[RunResult]
+    checks: list[Check]
+    assistant_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def verdict(self) -> str:
+        failed = [c.name for c in self.checks if not c.ok]
+        name = os.path.basename(self.plan.preset)
+        if not failed:
+            return f"rehearsal of {name}: PASS ({len(self.checks)} checks)"
+        return f"rehearsal of {name}: FAIL ({', '.join(failed)})"
+
+    def format(self) -> str:
+        """The report: what ran, substitutions, per-step metrics, checks, the verdict line last."""
+        p = self.plan
+        lines = [f"rehearsal of {p.preset}", f"  layout:   {p.layout()}", f"  features: {p.features()}",
+                 f"  model:    {p.shape.describe()}", "  substituted:"]
+        lines += [f"    {s}" for s in p.substitutions] or ["    nothing"]
+        if self.assistant_counts:
+            counts = ", ".join(f"{k} {v}" for k, v in self.assistant_counts.items())
+            lines.append(f"  stand-in assistant answers: {counts}")
+        for run in self.runs:
+            lines.append(f"  run {run.name}: exit {run.rc}, {len(run.steps)} step(s) logged, {run.seconds:.0f} s"
+                         + (f", resumed from step {run.resumed_from}" if run.resumed_from is not None else ""))
+            lines += [f"    {e}" for e in run.errors]
+            if run.hang:
+                lines.append(f"    hang: {run.hang}")
+        lines.append("  " + " ".join(f"{k:>12}" for k in ("step",) + TABLE_KEYS))
+        reference = self.runs[0].steps if self.runs else []
+        for m in reference:
+            cells = [f"{m['step']:>12}"] + [f"{m[k]:>12.4g}" if isinstance(m.get(k), (int, float)) else f"{'-':>12}"
+                                            for k in TABLE_KEYS]
+            lines.append("  " + " ".join(cells))
+        lines += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"preset": self.plan.preset, "ok": self.ok, "verdict": self.verdict(), "layout": self.plan.layout(),
+                "features": self.plan.features(), "nproc": self.plan.nproc,
+                "substitutions": [dataclasses.asdict(s) for s in self.plan.substitutions],
+                "runs": [dataclasses.asdict(r) for r in self.runs],
+                "checks": [dataclasses.asdict(c) for c in self.checks],
+                "assistant_counts": self.assistant_counts}
+
+
+def build_assets(shape: TinyShape, dtype: str, root: str) -> dict[str, str]:
+    """The tiny task, tokenizer, SFT policy and random RM of ``shape`` (cached under ``root``)."""
+    f = shape.fields
+    key = (f"{shape.family}-{shape.rm_family}-l{shape.num_layers}-h{shape.hidden_size}-a{f['num_attention_heads']}"
+           f"-kv{f['num_key_value_heads']}-{'tied' if f['tie_word_embeddings'] else 'untied'}-{dtype}")
+    return build_tiny_assets(os.path.join(root, key), n_train=512, n_eval=16, hidden_size=shape.hidden_size,
+                             num_layers=shape.num_layers, sft_steps=SFT_STEPS, family=shape.family,
+                             rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
+
+
+def _use_assets(cfg: CooperConfig, assets: dict[str, str]) -> None:
+    cfg.model.policy_ckpt, cfg.model.policy_hf = assets["policy_ckpt"], assets["policy_hf"]
+    cfg.model.rm_ckpt = assets["rm_ckpt"]
+    cfg.data.train_path, cfg.data.eval_path = assets["train"], assets["eval"]
+
+
+def _read_steps(out: str) -> list[dict[str, Any]]:
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def _rank_logs(log_dir: str) -> dict[int, str]:
+    """torchrun's per-rank stderr files (``--redirects 3``), by local rank."""
+    out = {}
+    for path in glob.glob(os.path.join(log_dir, "**", "stderr.log"), recursive=True):
+        rank = os.path.basename(os.path.dirname(path))
+        if rank.isdigit():
+            out[int(rank)] = path
+    return out
+
+
+def _where(text: str) -> str:
+    """Where the main thread of a faulthandler dump waits: the innermost cooper_mcore frame and
+    torch.distributed call."""
+    dumps = text.split("most recent call first")
+    if len(dumps) < 2:
+        return "no stack dump"
+    frames = _FRAME.findall(dumps[-1].split("\n\n")[0])
+    ours = next((f"{os.path.basename(p)}:{n} {fn}" for p, n, fn in frames if "cooper_mcore" in p), "?")
+    dist = next((fn for p, _, fn in frames if "torch/distributed" in p), "")
+    return ours + (f" in {dist}" if dist else "")
+
+
+def _errors(log_dir: str) -> list[str]:
+    """Collective mismatches DETAIL found, and each rank's last error line."""
+    out = []
+    for rank, path in sorted(_rank_logs(log_dir).items()):
+        with open(path, errors="replace") as f:
+            text = f.read()
+        for line in text.splitlines():
+            if "Detected mismatch between collectives" in line:
+                out.append(f"rank {rank}: {line.strip()[:400]}")
+                break
+        errs = [line for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b|^\S+Error:", line)
+                or " ERROR " in line]
+        if errs:
+            out.append(f"rank {rank}: {errs[-1].strip()[:400]}")
+    return out
+
+
+def _stop(proc: subprocess.Popen, dump: bool) -> None:
+    """End a launch and everything it started; first ask its ranks for their stacks."""
+    try:
+        agent = psutil.Process(proc.pid)
+        ranks = agent.children()
+        family = agent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    if dump:
+        for p in ranks:
+            with _quiet():
+                p.send_signal(signal.SIGUSR2)
+        time.sleep(3.0)
+    for p in [agent, *family]:
+        with _quiet():
+            p.kill()
+    proc.wait()
+
+
+class _quiet:
+    """Ignore a process that is already gone."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, *rest: Any) -> bool:
+        return kind is not None and issubclass(kind, psutil.Error)
+
+
+def launch(name: str, cfg_path: str, out: str, nproc: int, limits: Limits, resume: str = "none",
+           env: Optional[dict[str, str]] = None) -> RunResult:
+    """Run ``cooper train`` under torchrun with DETAIL checks and the wall-clock limits."""
+    log_dir = os.path.join(os.path.dirname(out), f"{name}.logs")
+    agent_path = os.path.join(os.path.dirname(out), f"{name}.agent.log")
+    shutil.rmtree(log_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--log-dir", log_dir, "--redirects", "3", "-m", "cooper_mcore", "train", "--config", cfg_path,
+           "--out", out, "--resume", resume]
+    run_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}  # only the fault asked for here
+    run_env.update(TORCH_DISTRIBUTED_DEBUG="DETAIL", OMP_NUM_THREADS="1", WANDB_MODE="disabled", **(env or {}))
+    t0 = last = time.monotonic()
+    seen = len(_read_steps(out))
+    start_steps = seen
+    hang = ""
+    with open(agent_path, "w") as agent_log:
+        proc = subprocess.Popen(cmd, stdout=agent_log, stderr=subprocess.STDOUT, env=run_env)
+        while proc.poll() is None:
+            time.sleep(0.5)
+            n = len(_read_steps(out))
+            now = time.monotonic()
+            if n > seen:
+                seen, last = n, now
+            limit = limits.startup_s if seen == start_steps else limits.step_s
+            if now - last > limit:
+                _stop(proc, dump=True)
+                where = [f"rank {r}: {_where(open(p, errors='replace').read())}"
+                         for r, p in sorted(_rank_logs(log_dir).items())]
+                hang = (f"no step finished within {limit:.0f} s after step {seen} (killed); " + "; ".join(where))
+                break
+    steps = _read_steps(out)
+    with open(agent_path, errors="replace") as f:
+        failures = _RANK_EXIT.findall(f.read())  # torchrun exits 1 for any failure; the ranks' codes are here
+    result = RunResult(name=name, rc=proc.returncode, steps=steps, seconds=time.monotonic() - t0, log_dir=log_dir,
+                       hang=hang, errors=_errors(log_dir) if proc.returncode else [],
+                       rank_exit_codes={int(r): int(c) for r, c in failures})
+    found = [re.search(r"resumed from \S+ \(step (\d+)\)", open(p, errors="replace").read())
+             for p in _rank_logs(log_dir).values()]
+    result.resumed_from = next((int(m.group(1)) for m in found if m), None)
+    return result
+
+
+def _same_metrics(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Keys whose values differ (timings aside; NaN equals NaN)."""
+    keys = {k for k in a.keys() | b.keys() if not k.startswith("time/")}
+
+    def same(x: Any, y: Any) -> bool:
+        both_nan = isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
+        return x == y or both_nan
+
+    return sorted(k for k in keys if not same(a.get(k), b.get(k)))
+
+
+def _weights(ckpt: str) -> dict[str, torch.Tensor]:
+    """The model's tensors in a checkpoint (not the optimizer's: megatron's ``dp_reshardable``
+    buckets hold uninitialised padding; the optimizer's state shows in the next step's weights)."""
+    with single_process_world():
+        return {k: v for k, v in load_plain_tensors(ckpt).items()
+                if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
+
+
+def _weights_differ(a: str, b: str) -> list[str]:
+    wa, wb = _weights(a), _weights(b)
+    if wa.keys() != wb.keys():
+        return [f"tensor names differ: {sorted(wa.keys() ^ wb.keys())[:4]}"]
+    return [k for k in sorted(wa) if not torch.equal(wa[k], wb[k])]
+
+
+def check_runs(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: RunResult) -> list[Check]:
+    """The rehearsal's checks on its three runs (see the module doc)."""
+    cfg = plan.cfg
+    runs = (ref, cut, resumed)
+    hangs = [f"{r.name}: {r.hang}" for r in runs if r.hang]
+    mismatches = [f"{r.name}: {e}" for r in runs for e in r.errors if "mismatch" in e]
+    checks = [Check("collectives", not hangs and not mismatches,
+                    "; ".join(hangs + mismatches) or "every rank called the same collectives (DETAIL), no step "
+                                                     "over its limit")]
+    ref_ok = ref.rc == 0 and [m["step"] for m in ref.steps] == list(range(1, STEPS + 1))
+    checks.append(Check("run", ref_ok, f"exit {ref.rc}, steps {[m['step'] for m in ref.steps]}"
+                        + ("" if ref.rc == 0 else f"; {'; '.join(ref.errors[-2:])}")))
+    if not ref_ok:  # the rest reads the reference's steps and checkpoints
+        return checks
+    evals = [m["step"] for m in ref.steps if "eval/acc" in m]
+    checks.append(Check("evaluation", len(evals) >= 2 and evals == [m["step"] for m in ref.steps],
+                        f"eval/acc at steps {evals}"))
+    ckpts = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(cfg.out, "reference", "checkpoints"))
+                   if d.startswith("step_") and d.split("_")[1].isdigit()) if ref.rc == 0 else []
+    checks.append(Check("checkpoints", len(ckpts) >= 2, f"written at steps {ckpts}"))
+    finite = all(m.get("skipped/nonfinite", 0) == 0 for m in ref.steps)
+    checks.append(Check("finite", finite and ref_ok, "no update skipped for a non-finite loss or gradient norm"
+                        if finite else "an update was skipped (skipped/nonfinite > 0)"))
+    if cfg.reward.mode.trains_rm:
+        valid = sum(m.get("pairs/valid", 0) for m in ref.steps)
+        checks.append(Check("rm pairs", valid > 0, f"{valid:g} valid reward-model pairs over {len(ref.steps)} steps"))
+    stop_ckpt = os.path.join(cfg.out, "cut", "checkpoints", f"step_{STOP_STEP}")
+    codes = sorted(set(cut.rank_exit_codes.values()))
+    preempted = codes == [EXIT_PREEMPTED] and len(cut.rank_exit_codes) == plan.nproc
+    stopped = preempted and os.path.isdir(stop_ckpt) and len(cut.steps) == STOP_STEP
+    checks.append(Check("stop signal", stopped, f"SIGUSR1 in step {STOP_STEP}: ranks exited {codes} "
+                        f"({EXIT_PREEMPTED} expected on all {plan.nproc}), "
+                        f"{len(cut.steps)} step(s), checkpoint step_{STOP_STEP} "
+                        f"{'written' if os.path.isdir(stop_ckpt) else 'missing'}"))
+    checks.append(Check("resume", *_resume_check(cfg, ref, cut, resumed)))
+    return checks
+
+
+def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: RunResult) -> tuple[bool, str]:
+    if resumed.rc != 0 or resumed.resumed_from != STOP_STEP:
+        return False, f"exit {resumed.rc}, resumed from step {resumed.resumed_from} (step {STOP_STEP} expected)"
+    if len(ref.steps) != STEPS or len(resumed.steps) != STEPS:
+        return False, f"{len(resumed.steps)} steps logged, {STEPS} expected"
+    diffs = [f"step {a['step']}: {d}" for a, b in zip(ref.steps, resumed.steps) if (d := _same_metrics(a, b))]
+    if diffs:
+        return False, "metrics differ from the uninterrupted run's: " + "; ".join(diffs[:3])
+    parts = ["policy"] + (["rm"] if cfg.reward.mode.trains_rm else [])
+    final = f"step_{STEPS}"
+    for part in parts:
+        differ = _weights_differ(os.path.join(cfg.out, "reference", "checkpoints", final, part),
+                                 os.path.join(cfg.out, "cut", "checkpoints", final, part))
+        if differ:
+            return False, f"{part} weights at {final} differ from the uninterrupted run's: {differ[:3]}"
+    return True, (f"resumed from step {STOP_STEP}; every step's metrics and the {' and '.join(parts)} weights at "
+                  f"{final} equal the uninterrupted run's bit for bit")
+
+
+def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> RehearsalReport:
+    """Build the tiny assets, run the three launches, check them (see the module doc)."""
+    cfg = plan.cfg
+    os.makedirs(cfg.out, exist_ok=True)
+    _use_assets(cfg, build_assets(plan.shape, cfg.model.dtype, assets_root))
+    counts: dict[str, int] = {}
+    with StandInAssistant(cfg.rm.assistant_model) as assistant:
+        if plan.assistant:
+            cfg.rm.assistant_url = assistant.url
+        validate(cfg, plan.nproc)
+        cfg_path = os.path.join(cfg.out, "rehearsal.yaml")
+        save_config(cfg, cfg_path)
+        for name in ("reference", "cut"):
+            shutil.rmtree(os.path.join(cfg.out, name), ignore_errors=True)
+        ref = launch("reference", cfg_path, os.path.join(cfg.out, "reference"), plan.nproc, limits)
+        cut = resumed = RunResult("cut", None, [], 0.0, "", errors=["not run: the reference run failed"])
+        if ref.rc == 0:  # else the interrupted runs would fail the same way: report the reference's failure
+            fault = {FAULT_ENV: format_fault("rollout", STOP_STEP, sig=signal.SIGUSR1)}
+            cut = launch("cut", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, env=fault)
+            resumed = launch("resumed", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, resume="auto")
+        if plan.assistant:
+            counts = dict(assistant.counts)
+    runs = [ref, cut, resumed] if ref.rc == 0 else [ref]
+    report = RehearsalReport(plan, runs, check_runs(plan, ref, cut, resumed), counts)
+    with open(os.path.join(cfg.out, "report.json"), "w", encoding="utf-8") as f:
+        json.dump(report.to_dict(), f, indent=2, default=str)
+    return report
+
+
+def sglang_runs_here() -> bool:
+    """Whether SGLang and its kernels import here (else the transformers engine stands in)."""
+    try:
+        importlib.import_module("sglang")
+        importlib.import_module("sgl_kernel")
+    except Exception:  # noqa: BLE001 - any failure (missing, CUDA-only kernels) means it cannot run here
+        return False
+    return True
+
+
+def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str = "",
+                    policy_config: Optional[str] = None, rm_config: Optional[str] = None,
+                    limits: Optional[Limits] = None) -> RehearsalReport:
+    """Rehearse the preset at ``preset`` with ``overrides`` (dotted settings) in ``out`` (default
+    ``runs/rehearse/<preset name>``; the tiny assets are cached beside it, in ``assets/``).
+
+    Raises:
+        ValueError: the preset or its rehearsal config is invalid, or no model shape is found.
+    """
+    cfg = load_config(preset, overrides or [])
+    try:
+        policy, rm, _ = preset_shapes(cfg, preset, policy_config, rm_config)
+        missing = None
+    except ValueError as e:  # e.g. tiny_cpu.yaml before `cooper tiny-assets`: its models are that family
+        if policy_config:
+            raise
+        policy, rm = ArchSpec.from_hf_config(tiny_hf_config("qwen2_tied").to_dict()), None
+        missing = Substitution("model shape", "not found", "qwen2 (tied), as `cooper tiny-assets` makes", str(e))
+    plan = plan_rehearsal(preset, cfg, policy, rm, sglang_available=sglang_runs_here())
+    if missing:
+        plan.substitutions.insert(0, missing)
+    stem = os.path.splitext(os.path.basename(preset))[0]
+    plan.cfg.out = os.path.abspath(out or os.path.join("runs", "rehearse", stem))
+    return rehearse(plan, os.path.join(os.path.dirname(plan.cfg.out), "assets"), limits or Limits())

@@ -1,0 +1,31 @@
+"""Every shipped preset rehearses green: its layout, features and cadence run on CPU with a tiny
+model of its family, with a stop signal and a bitwise resume (``cooper rehearse``). A preset added
+to examples/ is rehearsed here without anyone writing a test for it."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.rehearsal.conftest import rehearse
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.rehearsal]
+PRESETS = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
+
+
+def test_every_preset_is_found():
+    names = {os.path.basename(p) for p in PRESETS}
+    assert {"tiny_cpu.yaml", "qwen2.5-1.5b_8xh100.yaml", "llama3.2-1b_8xh100.yaml",
+            "qwen2.5-7b_multinode.yaml"} <= names
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: os.path.splitext(os.path.basename(p))[0])
+def test_preset_rehearses(preset, rehearsal_root):
+    stdout, report = rehearse(rehearsal_root, os.path.splitext(os.path.basename(preset))[0], preset)
+    assert report["ok"] and report["nproc"] <= 4
+    names = {c["name"] for c in report["checks"]}
+    assert {"collectives", "evaluation", "checkpoints", "stop signal", "resume"} <= names
+    assert "substituted:" in stdout and "layout:" in stdout

@@ -1,0 +1,166 @@
+"""`cooper rehearse` without running it: every shipped preset's rehearsal plan keeps its layout and
+features and shrinks the rest; the stand-in assistant answers as an assistant would; the report
+reads torchrun's failure summary and a hung rank's stack dump."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from cooper_mcore.config import load_config
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.models.tiny import tiny_hf_config
+from cooper_mcore.rehearsal.assistant import OUTCOME_WEIGHTS, StandInAssistant, answer, outcome_of, wrong_rewrite
+from cooper_mcore.rehearsal.preset import (
+    MAX_WORLD,
+    STEPS,
+    plan_rehearsal,
+    preset_shapes,
+    tiny_shape,
+)
+from cooper_mcore.rehearsal.run import _RANK_EXIT, _where
+from cooper_mcore.reward.assistant import rewrite_messages
+from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.reward.verifier import check_pair
+from tests.conftest import ROOT
+
+PRESETS = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
+GPU_PRESETS = [p for p in PRESETS if "tiny" not in p]
+
+
+def _plan(preset, *overrides):
+    cfg = load_config(preset, list(overrides))
+    try:
+        policy, rm, _ = preset_shapes(cfg, preset)
+    except ValueError:  # tiny_cpu.yaml before `cooper tiny-assets`
+        policy, rm = ArchSpec.from_hf_config(tiny_hf_config("qwen2_tied").to_dict()), None
+    return cfg, policy, plan_rehearsal(preset, cfg, policy, rm, sglang_available=False)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_plan_keeps_the_presets_layout_and_features(preset):
+    cfg, policy, plan = _plan(preset)
+    r = plan.cfg
+    assert (r.parallel.tp, r.parallel.pp, r.parallel.sequence_parallel) == (
+        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel)
+    assert plan.nproc == r.parallel.tp * r.parallel.pp * (2 if r.parallel.tp * r.parallel.pp <= 2 else 1)
+    assert plan.nproc <= MAX_WORLD
+    for section in ("offload", "algo", "optim"):
+        assert getattr(r, section) == getattr(cfg, section), section
+    assert (r.reward.mode, r.reward.rm_transform, r.rm.negatives, r.model.dtype) == (
+        cfg.reward.mode, cfg.reward.rm_transform, cfg.rm.negatives, cfg.model.dtype)
+    assert (r.train.pack_sequences, r.train.mini_batches, bool(r.train.max_tokens_per_micro_batch)) == (
+        cfg.train.pack_sequences, cfg.train.mini_batches, bool(cfg.train.max_tokens_per_micro_batch))
+    # the cadence: every step evaluates, two checkpoints, the stop and the resume fit in STEPS
+    assert (r.train.steps, r.eval.every, r.checkpoint.every) == (STEPS, 1, 2)
+    assert r.train.prompts_per_step % (plan.nproc // (r.parallel.tp * r.parallel.pp)) == 0
+    # every change is listed with its reason; the engine is named when SGLang stands aside
+    changed = {s.setting for s in plan.substitutions}
+    assert ("rollout.engine" in changed) == (cfg.rollout.engine == "sglang")
+    assert all(s.why for s in plan.substitutions)
+    assert plan.assistant == (cfg.rm.negatives == "assistant" and cfg.reward.mode.trains_rm)
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=os.path.basename)
+def test_tiny_model_keeps_the_family_traits_and_splits(preset):
+    cfg, policy, plan = _plan(preset)
+    shape, tp, pp = plan.shape, plan.cfg.parallel.tp, plan.cfg.parallel.pp
+    f = shape.fields
+    assert shape.family == policy.family
+    assert f["num_attention_heads"] // f["num_key_value_heads"] == policy.heads_per_group  # the GQA ratio
+    assert f["tie_word_embeddings"] == policy.tie_word_embeddings
+    assert f["num_attention_heads"] % tp == 0 and f["num_key_value_heads"] % tp == 0
+    assert shape.num_layers % pp == 0 and shape.hidden_size == f["num_attention_heads"] * f["head_dim"]
+    assert f["head_dim"] % 2 == 0
+
+
+def test_the_7b_preset_is_found_beside_it_and_kept_at_tp2_pp2():
+    _, policy, plan = _plan(str(ROOT / "examples" / "qwen2.5-7b_multinode.yaml"))
+    assert (policy.num_attention_heads, policy.num_query_groups) == (28, 4)  # model_configs/qwen2.5-7b-instruct.json
+    assert plan.layout().startswith("tp=2 pp=2 dp=1 sequence_parallel=true (world 4)")
+
+
+def test_a_layout_over_four_processes_is_capped_and_said():
+    _, _, plan = _plan(str(ROOT / "examples" / "qwen2.5-7b_multinode.yaml"), "parallel.pp=4")
+    assert (plan.cfg.parallel.tp, plan.cfg.parallel.pp, plan.nproc) == (1, 4, 4)
+    cap = [s for s in plan.substitutions if s.setting == "parallel.tp/pp"]
+    assert cap and cap[0].preset == "2/4" and cap[0].rehearsal == "1/4"
+
+
+def test_qwen3_traits_survive_the_shrink():
+    policy = ArchSpec.from_hf_config(tiny_hf_config("qwen3", num_attention_heads=32, num_key_value_heads=8,
+                                                    head_dim=128).to_dict())
+    shape = tiny_shape(policy, None, tp=2, pp=2)
+    assert shape.family == "qwen3" and not shape.fields["tie_word_embeddings"]
+    assert (shape.fields["num_attention_heads"], shape.fields["num_key_value_heads"]) == (8, 2)
+    assert shape.num_layers == 4
+
+
+SOLUTION = "5+7=12,12-3=9 \\boxed{9}"
+
+
+def test_stand_in_outcomes_are_stable_and_mixed():
+    texts = [f"Problem:\n{i}+1=\n\nCorrect response:\n{SOLUTION}" for i in range(400)]
+    outcomes = [outcome_of(t) for t in texts]
+    assert outcomes == [outcome_of(t) for t in texts]  # the same request, the same answer (resume)
+    share = {o: outcomes.count(o) / len(outcomes) for o, _ in OUTCOME_WEIGHTS}
+    total = sum(w for _, w in OUTCOME_WEIGHTS)
+    for o, w in OUTCOME_WEIGHTS:  # 400 draws: a share within 0.08 of its weight (> 3 standard errors)
+        assert abs(share[o] - w / total) < 0.08, share
+
+
+def test_stand_in_answers_are_what_their_outcome_says():
+    assert check_pair("9", wrong_rewrite(SOLUTION))[0] is False  # math-verify: wrong, gold first
+    assert wrong_rewrite(SOLUTION).startswith("5+7=12,12-3=9")  # the chain kept, the final answer changed
+    for i in range(60):
+        user = rewrite_messages(f"{i}+2=", SOLUTION)[1]["content"]
+        outcome, text = answer(user)
+        verdict = check_pair("9", text)[0]
+        expected = {"wrong": False, "slow": False, "still_correct": True}.get(outcome)
+        if outcome == "unparseable":
+            assert verdict is not True and not any(c.isdigit() for c in text)
+        else:
+            assert verdict is expected, (outcome, text)
+
+
+def test_stand_in_server_speaks_the_openai_api():
+    with StandInAssistant("Qwen2.5-7B-Instruct", slow_s=0.01) as server:
+        client = OpenAIChatClient(server.url, "Qwen2.5-7B-Instruct", api_key_env=None, timeout_s=10)
+        assert client.check_ready() == "models"
+        chats = [rewrite_messages(f"{i}+2=", SOLUTION) for i in range(12)]
+        texts = client.chat_batch(chats, temperature=0.7, max_tokens=64)
+    assert all(isinstance(t, str) for t in texts)
+    assert sum(server.counts.values()) == 12
+    assert [answer(c[1]["content"])[1] for c in chats] == texts
+
+
+TORCHRUN_SUMMARY = """[1]:
+  time      : 2026-11-26_12:17:03
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 75 (pid: 14714)
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-26_12:17:03
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -9 (pid: 14713)
+"""
+
+STACK_DUMP = '''Thread 0x00007f (most recent call first):
+  File "/x/threading.py", line 320 in wait
+
+Current thread 0x00007e (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 4188 in gather
+  File "/x/cooper_mcore/rollout/weight_sync.py", line 59 in _gather_tp
+  File "/x/cooper_mcore/rl/colocate.py", line 80 in generating
+
+'''
+
+
+def test_report_reads_rank_exit_codes_and_where_a_rank_waits():
+    assert {int(r): int(c) for r, c in _RANK_EXIT.findall(TORCHRUN_SUMMARY)} == {1: 75, 0: -9}
+    assert _where(STACK_DUMP) == "weight_sync.py:59 _gather_tp in gather"
+    assert _where("no dump here") == "no stack dump"
