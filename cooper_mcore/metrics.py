@@ -20,6 +20,7 @@ Metric key conventions used by the trainer (one flat ``dict[str, float]`` per st
 ``time/<phase>``    wall seconds of a phase this step (:class:`PhaseTimer`): ``rollout``,
                     ``rm_score``, ``logprobs``, ``policy_update``, ``rm_update``,
                     ``weight_sync``, ``offload``; ``time/step`` is their total
+``memory/<phase>``  on a GPU: the phase's peak allocated memory in GiB (:class:`PhaseTimer`)
 ==================  ==========================================================================
 
 Typical loop::
@@ -398,22 +399,38 @@ class PhaseTimer:
 
     GPU work is asynchronous, so pass ``sync=torch.cuda.synchronize`` to time it: ``sync`` is
     called at every phase entry and exit, before the clock is read.
+
+    With ``peak_memory`` (on a GPU: :func:`cuda_peak_memory`), each phase's peak memory is recorded
+    too, as ``memory/<phase>`` in GiB: the most the allocator held at any moment inside the phase
+    (nested phases count toward their enclosing phases' peaks).
     """
 
     def __init__(self, sync: Optional[Callable[[], Any]] = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 peak_memory: Optional[Callable[[], int]] = None) -> None:
         """Create a timer.
 
         Args:
             sync: called at every phase boundary before reading the clock (e.g.
                 ``torch.cuda.synchronize``); None for no synchronisation.
             clock: monotonic clock in seconds (injectable for tests).
+            peak_memory: returns the peak bytes since its last call and starts a new interval
+                (:func:`cuda_peak_memory`); None records no memory.
         """
         self._sync = sync
         self._clock = clock
+        self._peak_memory = peak_memory
         self._times: dict[str, float] = {}
+        self._peaks: dict[str, int] = {}
         self._active: list[str] = []
         self._step_total = 0.0
+
+    def _fold_peak(self) -> None:
+        """Credit the peak of the interval that ends now to every running phase."""
+        if self._peak_memory is not None:
+            peak = self._peak_memory()
+            for name in self._active:
+                self._peaks[name] = max(self._peaks.get(name, 0), peak)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -431,6 +448,7 @@ class PhaseTimer:
             raise ValueError(f"phase {name!r} is already running (phases: {self._active})")
         if self._sync is not None:
             self._sync()
+        self._fold_peak()
         start = self._clock()
         self._active.append(name)
         try:
@@ -441,6 +459,7 @@ class PhaseTimer:
                     self._sync()
             finally:
                 elapsed = self._clock() - start
+                self._fold_peak()
                 self._active.pop()
                 self._times[name] = self._times.get(name, 0.0) + elapsed
                 if not self._active:
@@ -452,7 +471,8 @@ class PhaseTimer:
         return list(self._active)
 
     def pop(self) -> dict[str, float]:
-        """Return this step's ``{"time/<phase>": seconds, ..., "time/step": total}`` and reset.
+        """Return this step's ``{"time/<phase>": seconds, ..., "time/step": total}`` (and
+        ``memory/<phase>`` in GiB when recording memory) and reset.
 
         Raises:
             RuntimeError: if called while a phase is running.
@@ -461,8 +481,16 @@ class PhaseTimer:
             raise RuntimeError(f"PhaseTimer.pop() called inside phase(s) {self._active}")
         out = {f"time/{k}": v for k, v in self._times.items()}
         out["time/step"] = self._step_total
-        self._times, self._step_total = {}, 0.0
+        out.update({f"memory/{k}": v / 2**30 for k, v in self._peaks.items()})
+        self._times, self._peaks, self._step_total = {}, {}, 0.0
         return out
+
+
+def cuda_peak_memory() -> int:
+    """The most the CUDA allocator held since the last call (bytes); starts a new interval."""
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 # ----------------------------------------------------------------------------- progress

@@ -23,6 +23,7 @@ import threading
 from typing import Any, Optional
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from cooper_mcore.collectives import any_rank
@@ -30,7 +31,7 @@ from cooper_mcore.config import CooperConfig, save_config, to_dict
 from cooper_mcore.hacking import RewardHackingDetector
 from cooper_mcore.mcore.checkpoint import find_resume, load_training_checkpoint, save_training_checkpoint
 from cooper_mcore.mcore.faults import FaultPhaseTimer
-from cooper_mcore.metrics import MetricsLogger, ProgressBar, reduce_metrics
+from cooper_mcore.metrics import MetricsLogger, ProgressBar, cuda_peak_memory, reduce_metrics
 from cooper_mcore.parallel import owned_world
 from cooper_mcore.rl.rollouts import evaluate
 from cooper_mcore.rl.setup import Run, build_run
@@ -103,7 +104,9 @@ def train(cfg: CooperConfig) -> dict[str, float]:
         save_config(cfg, os.path.join(cfg.out, "config.yaml"))
     metrics_log = MetricsLogger(cfg.out, run_name=cfg.logging.run_name or None, config=to_dict(cfg),
                                 use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, is_main=main)
-    timer = FaultPhaseTimer(step=lambda: run.step + 1)
+    cuda = torch.cuda.is_available()  # on a GPU: phases timed after their kernels, and their peak memory
+    timer = FaultPhaseTimer(step=lambda: run.step + 1, sync=torch.cuda.synchronize if cuda else None,
+                            peak_memory=cuda_peak_memory if cuda else None)
     detector = RewardHackingDetector(window=cfg.logging.hacking_window,
                                      action="stop" if cfg.logging.stop_on_hacking else "warn")
     bar = ProgressBar(cfg.train.steps, start_step=run.step, enabled=main)
@@ -125,8 +128,9 @@ def train(cfg: CooperConfig) -> dict[str, float]:
                 with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase("eval"):
                     eval_acc = evaluate(engine, run.verifier, run.eval_prompts, cfg.eval.k, run.eval_sampling())
             metrics.update(timer.pop())
-            # the slowest rank sets the pace: time/* are maxima; the rest are means over the ranks
-            metrics = reduce_metrics(metrics, max_keys=[k for k in metrics if k.startswith("time/")])
+            # the slowest rank sets the pace and the fullest GPU the limit: time/* and memory/* are maxima;
+            # the rest are means over the ranks
+            metrics = reduce_metrics(metrics, max_keys=[k for k in metrics if k.startswith(("time/", "memory/"))])
             if eval_acc is not None:  # already over the world
                 metrics["eval/acc"] = eval_acc.accuracy
             metrics_log.log(run.step, metrics)

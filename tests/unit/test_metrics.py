@@ -515,3 +515,20 @@ def test_redact_keeps_data_field_selectors_and_saved_config_loads_back(tmp_path)
     save_config(cfg, str(tmp_path / "config.yaml"))
     back = load_config(str(tmp_path / "config.yaml"))
     assert (back.data.answer_key, back.data.question_key) == ("solution", "problem")
+
+
+def test_phase_timer_records_each_phases_peak_memory_with_nesting():
+    """Peaks per phase from an allocator trace: the interval readings are credited to every phase
+    running through them, so an enclosing phase's peak includes its inner phases'."""
+    readings = iter([0, 5, 9, 3, 4, 2])  # the peak of each interval between phase boundaries, in GiB
+
+    timer = PhaseTimer(peak_memory=lambda: next(readings) * 2**30)
+    with timer.phase("rollout"):  # 0 before it; enter rollout
+        with timer.phase("weight_sync"):  # rollout alone: 5
+            pass  # weight_sync (and rollout): 9
+    # rollout alone after weight_sync: 3
+    with timer.phase("policy_update"):  # outside any phase: 4 (credited to none)
+        pass  # policy_update: 2
+    out = timer.pop()
+    assert out["memory/weight_sync"] == 9 and out["memory/rollout"] == 9 and out["memory/policy_update"] == 2
+    assert "memory/step" not in out and set(PhaseTimer().pop()) == {"time/step"}  # no memory without a probe
