@@ -15,156 +15,170 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper demo [--full] [--out DIR] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
     cooper rehearse --config X [--out DIR] [key=value ...]
+
+Dotted ``key=value`` overrides may come before, between or after the options.
+
+This module imports nothing but the standard library and :mod:`cooper_mcore.redaction`: the
+subcommands' handlers (:mod:`cooper_mcore.commands`) import megatron-core, torch and transformers,
+which takes seconds, so :data:`HANDLERS` names them and :func:`main` imports the chosen one after
+the arguments are parsed. ``cooper --help``, ``--version`` and a mistyped flag answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
-import json
+import importlib
+import importlib.metadata
 import logging
 import os
 import signal
 import sys
 import threading
 import warnings
+from collections.abc import Callable
+from typing import Any, Optional
 
-from cooper_mcore.config import format_settings, load_config
-from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
-from cooper_mcore.demo import load_demo_config, run_demo
-from cooper_mcore.demo.assets import build_tiny_assets
-from cooper_mcore.demo.pipeline import describe
-from cooper_mcore.jobs.evaluate import evaluate_policy
-from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
-from cooper_mcore.models.arch import ArchSpec, load_hf_config
-from cooper_mcore.parallel import ParallelConfig
-from cooper_mcore.plan import AssistantSpec, PlanOptions, plan
-from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
+import cooper_mcore
 from cooper_mcore.redaction import install_log_filter
-from cooper_mcore.rehearsal.run import Limits, rehearse_preset
-from cooper_mcore.reward.annotate import annotate
-from cooper_mcore.reward.negatives import AssistantUnavailable
-from cooper_mcore.reward.openai_client import OpenAIChatClient
-from cooper_mcore.reward.verifier import RuleVerifier, verify_jsonl
-from cooper_mcore.rl.loop import TrainingStopped, train
 
 logger = logging.getLogger("cooper_mcore")
-#: errors that are the user's to fix: one clear line, no traceback
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, TrainingStopped, AssistantUnavailable)
+
+#: Each subcommand's handler as "module:function", imported only when that subcommand runs (see the
+#: module doc: importing the library takes seconds that ``--help`` should not pay). The one place
+#: where cooper_mcore imports a module other than at the top of a file.
+HANDLERS = {
+    "convert": "cooper_mcore.commands.convert:convert",
+    "verify": "cooper_mcore.commands.verify:verify",
+    "annotate": "cooper_mcore.commands.verify:annotate",
+    "train": "cooper_mcore.commands.train:train",
+    "config": "cooper_mcore.commands.train:config",
+    "eval": "cooper_mcore.commands.evaluate:evaluate",
+    "train-rm": "cooper_mcore.commands.evaluate:train_rm",
+    "eval-rm": "cooper_mcore.commands.evaluate:eval_rm",
+    "tiny-assets": "cooper_mcore.commands.demo:tiny_assets",
+    "demo": "cooper_mcore.commands.demo:demo",
+    "plan": "cooper_mcore.commands.plan:plan",
+    "rehearse": "cooper_mcore.commands.rehearse:rehearse",
+}
+
+#: Errors that are the user's (or the machine's) to fix: one clear line, no traceback, exit code 2
+#: (or the error's ``exit_code``: ``cooper train`` stops with 75 when preempted, 3 on non-finite
+#: numbers). Operating-system errors count when they are about a path or the disk (see
+#: :func:`environment_error`); the others (a connection reset, ...) get a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+#: The library's own user errors, by "module.Class": importing them would import megatron-core.
+USER_ERROR_NAMES = frozenset({"cooper_mcore.rl.loop.TrainingStopped",
+                              "cooper_mcore.reward.negatives.AssistantUnavailable"})
+#: Exit code of a user or environment error.
+EXIT_USER_ERROR = 2
+
+# what to do about an operating-system error on a path, by errno ({path}: the path(s) it names)
+_OS_ERROR_HINTS = {
+    errno.EACCES: "permission denied on {path}: use a path this user may write (e.g. another --out) or change its "
+                  "permissions",
+    errno.EPERM: "operation not permitted on {path}: use a path this user may write (e.g. another --out) or change "
+                 "its permissions",
+    errno.EROFS: "{path} is on a read-only file system: write somewhere else (e.g. another --out)",
+    errno.EISDIR: "{path} is a folder, where a file is expected: give a file's path",
+    errno.ENOTDIR: "{path}: a file is where a folder is expected (a path through a file?): give another path",
+    errno.ENOSPC: "no space left on the device of {path}: free some space there or write elsewhere "
+                  "(e.g. another --out)",
+    errno.EDQUOT: "disk quota exceeded writing {path}: free some space there or write elsewhere (e.g. another --out)",
+    errno.ENAMETOOLONG: "file name too long: {path}: give a shorter path",
+    errno.ENOENT: "{path} does not exist",
+    errno.EEXIST: "{path} already exists",
+}
 
 
-def _convert(args: argparse.Namespace) -> None:
-    if args.direction == "hf-to-mcore":
-        hf_to_mcore(args.hf_dir, args.out, args.model_type, head_std=args.head_std)
+def environment_error(e: BaseException, args: Optional[argparse.Namespace] = None) -> Optional[str]:
+    """The one-line message for an operating-system error about a path or the disk, else None.
+
+    The path is the error's (both of a rename); an error that names none (a full disk met by a
+    ``write``) names the command's ``--out``.
+    """
+    if not isinstance(e, OSError) or e.errno not in _OS_ERROR_HINTS:
+        return None
+    if e.filename is not None:
+        path = repr(str(e.filename)) + (f" (-> {str(e.filename2)!r})" if e.filename2 is not None else "")
+    elif getattr(args, "out", None):
+        path = f"--out {args.out!r}"
     else:
-        mcore_to_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30))
-    logger.info("done: %s", args.out)
+        path = "the output"
+    code = e.errno
+    if code == errno.EEXIST and isinstance(e.filename, str) and os.path.lexists(e.filename) \
+            and not os.path.isdir(e.filename):
+        code = errno.ENOTDIR  # os.makedirs(path, exist_ok=True) where a file is
+    return _OS_ERROR_HINTS[code].format(path=path)
 
 
-def _verify(args: argparse.Namespace) -> None:
-    summary = verify_jsonl(args.inp, args.out, timeout_s=args.timeout, num_workers=args.workers,
-                           gold_key=args.gold_key, pred_key=args.pred_key)
-    print(json.dumps(summary), flush=True)  # the summary line
+def user_error(e: BaseException, args: Optional[argparse.Namespace] = None) -> Optional[str]:
+    """The one-line message of a user or environment error (see :data:`USER_ERRORS`), else None."""
+    message = environment_error(e, args)
+    if message is not None:
+        return message
+    if isinstance(e, OSError) and e.errno is not None:  # another errno from the system: not ours to explain
+        return None
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__}
+    if isinstance(e, USER_ERRORS) or names & USER_ERROR_NAMES:
+        return str(e.args[0] if e.args else e)
+    return None
 
 
-def _train(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config, args.overrides)
-    install_log_filter([cfg.rm.api_key_env])
-    if args.out:
-        cfg.out = args.out
-    if args.resume:
-        cfg.checkpoint.resume = args.resume
-    train(cfg)
+def version() -> str:
+    """The installed package's version (``cooper_mcore.__version__`` when it is not installed)."""
+    try:
+        return importlib.metadata.version("cooper_mcore")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(cooper_mcore, "__version__", "unknown")
 
 
-def _eval(args: argparse.Namespace) -> None:
-    result = evaluate_policy(args.model, args.data, k=args.k, temperature=args.temperature, top_p=args.top_p,
-                             max_new_tokens=args.max_new_tokens, template=args.template,
-                             use_chat_template=args.chat_template, limit=args.limit, seed=args.seed)
-    print(json.dumps(result), flush=True)
+def handler(command: str) -> Callable[[argparse.Namespace], Optional[int]]:
+    """Import and return the function that runs ``command`` (see :data:`HANDLERS`)."""
+    module, _, name = HANDLERS[command].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _train_rm(args: argparse.Namespace) -> None:
-    summary = train_rm(args.ckpt, args.train, args.out, eval_path=args.eval, epochs=args.epochs, lr=args.lr,
-                       weight_decay=args.weight_decay, micro_batch_size=args.micro_batch_size,
-                       global_batch_size=args.global_batch_size, eval_every=args.eval_every,
-                       save_every=args.save_every, seed=args.seed, parallel=ParallelConfig(tp=args.tp, pp=args.pp),
-                       max_length=args.max_length, skip_malformed=args.skip_malformed)
-    print(json.dumps(summary, default=str), flush=True)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help followed by its default, unless the default means "not given"."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        default = action.default
+        if default is None or default is False or default == "" or default == [] or action.required:
+            return action.help
+        return super()._get_help_string(action)
 
 
-def _eval_rm(args: argparse.Namespace) -> None:
-    result = eval_rm(args.ckpt, args.data, parallel=ParallelConfig(tp=args.tp, pp=args.pp),
-                     micro_batch_size=args.micro_batch_size, threshold=args.threshold, data_format=args.format,
-                     predictions_path=args.predictions)
-    print(json.dumps(result, default=str), flush=True)
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: its positional ``key=value`` overrides may come on either side of its
+    options (``train --config X a=1 --out D b=2``), as with ``parse_intermixed_args``, which argparse
+    refuses on a parser with subcommands; so each subcommand's parser intermixes for itself when the
+    top-level parser hands it its arguments."""
 
+    _intermixing = False
 
-def _annotate(args: argparse.Namespace) -> None:
-    install_log_filter([args.api_key_env])
-    client = OpenAIChatClient(args.judge_url, args.judge_model, api_key_env=args.api_key_env,
-                              max_retries=args.judge_retries, timeout_s=args.judge_timeout)
-    with RuleVerifier(timeout_s=args.verifier_timeout, num_workers=args.workers) as verifier:
-        stats = annotate(args.inp, args.out, client, verifier, skip_malformed=args.skip_malformed,
-                         judgements_path=args.judgements, on_judge_failure=args.on_judge_failure)
-    print(json.dumps(stats, default=str), flush=True)
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(**kwargs)
 
-
-def _tiny_assets(args: argparse.Namespace) -> None:
-    for name, path in build_tiny_assets(args.out).items():
-        print(f"{name}: {path}")
-
-
-def _demo(args: argparse.Namespace) -> None:
-    cfg = load_demo_config("full" if args.full else args.preset, args.overrides)
-    if args.out:
-        cfg.out = args.out
-    logger.info("%s", describe(cfg))
-    run_demo(cfg)
-
-
-def _plan(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config, args.overrides)
-    policy, rm, notes = load_shapes(cfg, args.policy_config, args.rm_config)
-    assistant: AssistantSpec | str = "none" if args.no_assistant else "auto"
-    if not args.no_assistant and (args.assistant_config or args.assistant_tp or args.assistant_mem_fraction):
-        path = args.assistant_config
-        arch = policy
-        if path:  # an HF config file, or the model folder that holds its config.json
-            if os.path.isfile(path):
-                with open(path, encoding="utf-8") as f:
-                    arch = ArchSpec.from_hf_config(json.load(f))
-            else:
-                arch = ArchSpec.from_hf_config(load_hf_config(path))
-        assistant = AssistantSpec(arch, tp=args.assistant_tp or cfg.parallel.tp,
-                                  mem_fraction=args.assistant_mem_fraction)
-    result = plan(cfg, policy, rm, PlanOptions(
-        gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib, nodes=args.nodes,
-        prompt_tokens=args.prompt_tokens, overhead_gib=args.overhead_gib, recompute=args.recompute,
-        assistant=assistant))
-    if args.json:
-        print(json.dumps(plan_to_dict(result, cfg, notes), indent=2), flush=True)
-    else:
-        print(format_plan(result, cfg, notes), flush=True)  # the report table
-
-
-def _rehearse(args: argparse.Namespace) -> int:
-    report = rehearse_preset(args.config, args.overrides, out=args.out, policy_config=args.policy_config,
-                             rm_config=args.rm_config,
-                             limits=Limits(startup_s=args.startup_timeout, step_s=args.step_timeout))
-    print(report.format(), flush=True)  # the report, its verdict line last
-    return 0 if report.ok else 1
-
-
-def _config(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config, args.overrides)
-    print(format_settings(cfg), flush=True)  # the listing
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._subparsers is not None or self._intermixing:  # (parse_known_intermixed_args calls back here)
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cooper", description="Cooper RL on Megatron-core")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="cooper", description="Cooper RL on Megatron-core: the policy and the reward "
+                                "model trained together. Dotted key=value overrides may come anywhere after the "
+                                "subcommand.", formatter_class=_HelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and the warnings hidden by default")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser)
 
     conv = sub.add_parser("convert", help="convert checkpoints between HF and Megatron formats")
     csub = conv.add_subparsers(dest="direction", required=True)
@@ -177,10 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="std of a new reward head (reward from a causal LM); default the config's "
                           "initializer_range; 0: a zero head")
     m2h = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors folder")
-    m2h.add_argument("--ckpt", required=True, help="checkpoint folder written by hf-to-mcore/training")
+    m2h.add_argument("--ckpt", required=True, help="checkpoint folder written by hf-to-mcore/training "
+                                                   "(<run>/checkpoints/step_N/policy or .../rm)")
     m2h.add_argument("--out", required=True, help="output HF folder (must not exist)")
-    m2h.add_argument("--max-shard-gib", type=float, default=5.0, help="safetensors shard size")
-    conv.set_defaults(func=_convert)
+    m2h.add_argument("--max-shard-gib", type=float, default=5.0, help="safetensors shard size in GiB")
 
     ver = sub.add_parser("verify", help="check predictions against gold answers with math-verify")
     ver.add_argument("--in", dest="inp", required=True, help="JSONL with 'gold' and 'pred' on each line")
@@ -188,73 +202,73 @@ def build_parser() -> argparse.ArgumentParser:
                      "and 'seconds'")
     ver.add_argument("--timeout", type=float, default=5.0, help="hard per-item timeout (s)")
     ver.add_argument("--workers", type=int, default=2, help="verifier processes")
-    ver.add_argument("--gold-key", default="gold")
-    ver.add_argument("--pred-key", default="pred")
-    ver.set_defaults(func=_verify)
+    ver.add_argument("--gold-key", default="gold", help="field of each line holding the gold answer")
+    ver.add_argument("--pred-key", default="pred", help="field of each line holding the prediction")
 
     tr = sub.add_parser("train", help="Cooper RL (reward modes: rule, static_rm, cooper); run under torchrun")
-    tr.add_argument("--config", default=None, help="YAML preset (examples/*.yaml)")
-    tr.add_argument("--out", default=None, help="run folder (config.yaml, metrics.jsonl, checkpoints/)")
-    tr.add_argument("--resume", default=None, help="'auto', 'none' or a checkpoint folder")
-    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule")
-    tr.set_defaults(func=_train)
+    tr.add_argument("--config", default=None, help="YAML preset (examples/*.yaml); default: the built-in defaults")
+    tr.add_argument("--out", default=None, help="run folder (config.yaml, metrics.jsonl, checkpoints/); "
+                                                "default: the preset's `out`")
+    tr.add_argument("--resume", default=None, help="'auto' (the newest whole checkpoint in --out), 'none' or a "
+                                                   "checkpoint folder; default: the preset's checkpoint.resume")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule "
+                                                 "(`cooper config` lists them)")
 
     co = sub.add_parser("config", help="list every `cooper train` setting with its value and doc")
     co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default)")
     co.add_argument("--config", default=None, help="YAML preset whose values to show (default: the defaults)")
     co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01")
-    co.set_defaults(func=_config)
 
     ev = sub.add_parser("eval", help="held-out avg@k accuracy of a policy (HF folder or Megatron checkpoint)")
     ev.add_argument("--model", required=True,
                     help="HF folder, converted checkpoint, or <run>/checkpoints/step_N/policy")
     ev.add_argument("--data", required=True, help="JSONL/Parquet with question and answer")
-    ev.add_argument("--k", type=int, default=8)
-    ev.add_argument("--temperature", type=float, default=0.7)
-    ev.add_argument("--top-p", type=float, default=0.95)
-    ev.add_argument("--max-new-tokens", type=int, default=512)
-    ev.add_argument("--template", default="{question}")
+    ev.add_argument("--k", type=int, default=8, help="samples per prompt")
+    ev.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    ev.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
+    ev.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per sample at most")
+    ev.add_argument("--template", default="{question}", help="prompt template ({question} is replaced)")
     ev.add_argument("--chat-template", action="store_true", help="use the tokenizer's chat template")
-    ev.add_argument("--limit", type=int, default=0)
-    ev.add_argument("--seed", type=int, default=0)
-    ev.set_defaults(func=_eval)
+    ev.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all)")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed")
 
     trm = sub.add_parser("train-rm", help="train VerifyRM with BCE on labeled (question, reference, completion)")
     trm.add_argument("--ckpt", required=True,
                      help="reward-model checkpoint to start from (hf-to-mcore --model-type reward)")
     trm.add_argument("--train", required=True, help="JSONL/Parquet: question, reference, completion, label")
-    trm.add_argument("--out", required=True)
+    trm.add_argument("--out", required=True, help="output folder (must not exist or be empty): checkpoints, metrics")
     trm.add_argument("--eval", default=None, help="VerifyBench-format or labeled eval data")
-    trm.add_argument("--epochs", type=int, default=3)
-    trm.add_argument("--lr", type=float, default=2e-5)
-    trm.add_argument("--weight-decay", type=float, default=0.01)
-    trm.add_argument("--micro-batch-size", type=int, default=4)
-    trm.add_argument("--global-batch-size", type=int, default=32)
-    trm.add_argument("--eval-every", type=int, default=0)
-    trm.add_argument("--save-every", type=int, default=0)
-    trm.add_argument("--max-length", type=int, default=None)
-    trm.add_argument("--seed", type=int, default=1234)
-    trm.add_argument("--tp", type=int, default=1)
-    trm.add_argument("--pp", type=int, default=1)
-    trm.add_argument("--skip-malformed", action="store_true")
-    trm.set_defaults(func=_train_rm)
+    trm.add_argument("--epochs", type=int, default=3, help="passes over the training data")
+    trm.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
+    trm.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    trm.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward micro-batch")
+    trm.add_argument("--global-batch-size", type=int, default=32,
+                     help="rows per optimizer step over all data-parallel ranks")
+    trm.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only after each epoch)")
+    trm.add_argument("--save-every", type=int, default=0, help="also keep a checkpoint every N steps (0: only final)")
+    trm.add_argument("--max-length", type=int, default=None,
+                     help="token limit per row (default: the model's max_position_embeddings)")
+    trm.add_argument("--seed", type=int, default=1234, help="data order and initialisation seed")
+    trm.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    trm.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    trm.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows instead of failing")
 
     erm = sub.add_parser("eval-rm", help="VerifyRM accuracy (threshold 0.5), per answer type")
-    erm.add_argument("--ckpt", required=True)
+    erm.add_argument("--ckpt", required=True, help="reward-model checkpoint (e.g. <train-rm out>/final)")
     erm.add_argument("--data", required=True, help="VerifyBench-format or labeled JSONL")
-    erm.add_argument("--format", default="auto", choices=["auto", "labeled", "verifybench"])
-    erm.add_argument("--micro-batch-size", type=int, default=8)
-    erm.add_argument("--threshold", type=float, default=0.5)
+    erm.add_argument("--format", default="auto", choices=["auto", "labeled", "verifybench"],
+                     help="the data's format (auto: from its fields)")
+    erm.add_argument("--micro-batch-size", type=int, default=8, help="rows per forward micro-batch")
+    erm.add_argument("--threshold", type=float, default=0.5, help="probability above which a row counts as correct")
     erm.add_argument("--predictions", default=None, help="write per-item scores here")
-    erm.add_argument("--tp", type=int, default=1)
-    erm.add_argument("--pp", type=int, default=1)
-    erm.set_defaults(func=_eval_rm)
+    erm.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    erm.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
 
     an = sub.add_parser("annotate", help="hybrid labels: rule verifier and LLM judge, keep agreements")
     an.add_argument("--in", dest="inp", required=True, help="JSONL/Parquet: question, reference, completion")
-    an.add_argument("--out", required=True)
+    an.add_argument("--out", required=True, help="the labeled rows (JSONL, or Parquet by its extension)")
     an.add_argument("--judge-url", required=True, help="OpenAI-compatible endpoint of the judge")
-    an.add_argument("--judge-model", required=True)
+    an.add_argument("--judge-model", required=True, help="the judge's model name at that endpoint")
     an.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
     an.add_argument("--judgements", default=None, help="also write every raw judgement here")
     an.add_argument("--judge-retries", type=int, default=3, help="retries per judge request (exponential backoff)")
@@ -262,27 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--on-judge-failure", choices=["mask", "stop"], default="mask",
                     help="a judge request that fails after its retries: drop that row and count it (mask), "
                          "or stop with an error naming the endpoint (stop)")
-    an.add_argument("--verifier-timeout", type=float, default=5.0)
-    an.add_argument("--workers", type=int, default=2)
-    an.add_argument("--skip-malformed", action="store_true")
-    an.set_defaults(func=_annotate)
+    an.add_argument("--verifier-timeout", type=float, default=5.0, help="hard per-item timeout of math-verify (s)")
+    an.add_argument("--workers", type=int, default=2, help="verifier processes")
+    an.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows instead of failing")
 
     ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
-    ta.add_argument("--out", default="runs/tiny_assets")
-    ta.set_defaults(func=_tiny_assets)
+    ta.add_argument("--out", default="runs/tiny_assets", help="output folder (existing pieces are reused)")
 
     demo = sub.add_parser("demo", help="the embedded default job: rule vs static RM vs Cooper on a tiny CPU setup")
     demo.add_argument("--out", default="", help="output folder (default runs/demo, runs/demo_full with --full)")
     demo.add_argument("--full", action="store_true", help="the longer, bigger preset (within an hour on 2 cores)")
     demo.add_argument("--preset", choices=["smoke"], default=None, help="smoke: every stage at the smallest size")
     demo.add_argument("overrides", nargs="*", help="dotted settings, e.g. rl.steps=60 (cooper_mcore/demo/config.py)")
-    demo.set_defaults(func=_demo)
 
     pl = sub.add_parser("plan", help="predict per-GPU memory per phase and the offload settings a run needs")
     pl.add_argument("--config", default=None, help="YAML preset (examples/*.yaml)")
-    pl.add_argument("--gpus-per-node", type=int, required=True)
+    pl.add_argument("--gpus-per-node", type=int, required=True, help="GPUs on each node")
     pl.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, e.g. 80")
-    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--nodes", type=int, default=1, help="nodes of the run")
     pl.add_argument("--policy-config", default=None, help="the policy's HF config.json (default: model.policy_hf)")
     pl.add_argument("--rm-config", default=None, help="the reward model's HF config.json (default: model.rm_ckpt)")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="the longest prompt in tokens")
@@ -298,7 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--recompute", action="store_true", help="plan with full activation recomputation")
     pl.add_argument("--json", action="store_true", help="print JSON (top-level boolean 'fits')")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 train.micro_batch_size=4")
-    pl.set_defaults(func=_plan)
 
     rh = sub.add_parser("rehearse", help="run a preset's job on CPU with a tiny model of its family: its layout and "
                                          "features, evaluation, checkpoints, a stop signal and a resume, in minutes")
@@ -309,12 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "else model_configs/ beside the preset)")
     rh.add_argument("--rm-config", default=None, help="the reward model's HF config.json (default: the policy's "
                                                       "backbone with a scalar head)")
-    rh.add_argument("--step-timeout", type=float, default=Limits.step_s,
-                    help="seconds one step may take before the run counts as hung (default %(default)s)")
-    rh.add_argument("--startup-timeout", type=float, default=Limits.startup_s,
-                    help="seconds from launch to the first step (default %(default)s)")
+    rh.add_argument("--real-shape", action="store_true",
+                    help="one process (a GPU) at the preset's real model shape with random weights: 3 steps that "
+                         "measure time and peak memory per phase next to cooper plan's prediction")
+    # the defaults of cooper_mcore.rehearsal.run.Limits, written out so that --help needs no import (tested equal)
+    rh.add_argument("--step-timeout", type=float, default=180.0,
+                    help="seconds one step may take before the run counts as hung")
+    rh.add_argument("--startup-timeout", type=float, default=600.0, help="seconds from launch to the first step")
     rh.add_argument("overrides", nargs="*", help="dotted overrides applied to the preset, e.g. parallel.tp=2")
-    rh.set_defaults(func=_rehearse)
     return p
 
 
@@ -340,14 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         # `kill -USR2 <pid>` prints every thread's stack: where a hung rank waits (the rehearsal asks for it)
         faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
-        rc = args.func(args)
-    except USER_ERRORS as e:
-        logger.error("%s", e.args[0] if e.args else e)
-        return getattr(e, "exit_code", 2)  # train: 75 preempted (SIGTERM/SIGUSR1), 3 non-finite stop; else 2
-    except Exception:
-        logger.exception("unexpected error (a bug, or an environment problem the message names); please report "
-                         "it with this traceback")
-        return 1
+        rc = handler(args.command)(args)
+    except Exception as e:
+        message = user_error(e, args)
+        if message is None:
+            logger.exception("unexpected error (a bug, or an environment problem the message names); please report "
+                             "it with this traceback")
+            return 1
+        logger.error("%s", message)
+        return getattr(e, "exit_code", EXIT_USER_ERROR)  # train: 75 preempted (SIGTERM/SIGUSR1), 3 non-finite stop
     return rc or 0
 
 

@@ -57,7 +57,8 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         sft_steps: steps of the policy's SFT on the ``n_train`` problems' worked solutions
             (:func:`cooper_mcore.jobs.sft.sft`); 0 leaves the policy random.
         family / rm_family: the models' families (:data:`cooper_mcore.models.tiny.FAMILIES`).
-        shape: further config fields of both models (attention heads, key/value heads, head_dim...).
+        shape: config fields of both models that override the above (attention heads, key/value
+            heads, head_dim, ... or a whole shape: hidden and FFN sizes, layers, vocabulary).
         dtype: the models' parameter dtype (the SFT keeps fp32 main parameters in megatron's optimizer).
 
     Raises:
@@ -83,9 +84,10 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
                   max_position_embeddings=max_positions)
 
     def random_model(kind: str, hf_dir: str, ckpt: str, hidden: int, layers: int) -> None:
+        fields = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, **common)
+        fields.update(shape or {})
         save_tiny_hf_model(hf_dir, family if kind == "causal_lm" else rm_family, kind,
-                           seed=seed + (kind == "reward"), dtype=dtype, hidden_size=hidden,
-                           intermediate_size=2 * hidden, num_hidden_layers=layers, **common, **(shape or {}))
+                           seed=seed + (kind == "reward"), dtype=dtype, **fields)
         # copy the files as trained: save_pretrained would rewrite tokenizer_class, and transformers 5
         # would then load a Qwen2Tokenizer next to the qwen2 config (different tokenization)
         shutil.copytree(paths["tokenizer"], hf_dir, dirs_exist_ok=True)

@@ -29,6 +29,9 @@ from cooper_mcore.plan_report import load_shapes
 
 #: the rehearsal's run: STEPS steps, a stop signal in step STOP_STEP, a checkpoint every CKPT_EVERY
 STEPS = 4
+#: a real-shape rehearsal (one GPU, the preset's model shape): REAL_STEPS steps of REAL_PROMPTS prompts
+REAL_STEPS = 3
+REAL_PROMPTS = 4
 STOP_STEP = 3
 CKPT_EVERY = 2
 MAX_WORLD = 4
@@ -71,12 +74,14 @@ class TinyShape:
     """Hidden size of both models."""
     num_layers: int
     """Decoder layers of both models (a multiple of PP)."""
+    real: bool = False
+    """The preset's own shape (``fields`` then hold its sizes and vocabulary too)."""
 
     def describe(self) -> str:
         f = self.fields
-        return (f"{self.family} (rm {self.rm_family}): {self.num_layers} layers, hidden {self.hidden_size}, "
-                f"{f['num_attention_heads']} heads / {f['num_key_value_heads']} kv heads, "
-                f"{'tied' if f['tie_word_embeddings'] else 'untied'} embeddings")
+        return (f"{self.family} (rm {self.rm_family}){' at the real shape' if self.real else ''}: {self.num_layers} "
+                f"layers, hidden {self.hidden_size}, {f['num_attention_heads']} heads / {f['num_key_value_heads']} "
+                f"kv heads, {'tied' if f['tie_word_embeddings'] else 'untied'} embeddings")
 
 
 @dataclass
@@ -95,6 +100,8 @@ class RehearsalPlan:
     """Every setting changed from the preset, with the reason."""
     assistant: bool = False
     """Whether a stand-in assistant server is started (``rm.negatives: assistant``)."""
+    real_shape: bool = False
+    """One process at the preset's model shape: one run that measures, no stop and resume."""
 
     def layout(self) -> str:
         p = self.cfg.parallel
@@ -126,6 +133,17 @@ def tiny_shape(policy: ArchSpec, rm: Optional[ArchSpec], tp: int, pp: int) -> Ti
     rm_family = (rm or policy).family
     return TinyShape(family=policy.family, rm_family=rm_family, fields=fields, hidden_size=heads * head_dim,
                      num_layers=2 * pp)
+
+
+def real_shape(policy: ArchSpec, rm: Optional[ArchSpec]) -> TinyShape:
+    """The preset's own model shape (random weights), for a rehearsal on one GPU."""
+    fields = {"num_attention_heads": policy.num_attention_heads, "num_key_value_heads": policy.num_query_groups,
+              "head_dim": policy.head_dim, "tie_word_embeddings": policy.tie_word_embeddings,
+              "intermediate_size": policy.ffn_hidden_size, "vocab_size": policy.vocab_size,
+              "max_position_embeddings": policy.max_position_embeddings, "rms_norm_eps": policy.rms_norm_eps,
+              "rope_theta": policy.rope.theta}
+    return TinyShape(family=policy.family, rm_family=(rm or policy).family, fields=fields,
+                     hidden_size=policy.hidden_size, num_layers=policy.num_layers, real=True)
 
 
 def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, int]:
@@ -160,7 +178,7 @@ def _text(value: Any) -> str:
 
 
 def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optional[ArchSpec],
-                   sglang_available: bool) -> RehearsalPlan:
+                   sglang_available: bool, at_real_shape: bool = False) -> RehearsalPlan:
     """The rehearsal of ``cfg`` (a preset with its overrides); ``cfg`` is not modified.
 
     Args:
@@ -168,23 +186,45 @@ def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optiona
         cfg: the preset's config.
         policy / rm: the preset's architectures (the RM's None in rule mode).
         sglang_available: whether SGLang can run here (else the transformers engine stands in).
+        at_real_shape: one process (one GPU) with the preset's model shape and per-GPU sizes,
+            :data:`REAL_STEPS` steps that measure time and memory per phase; no stop and resume.
     """
     cfg = copy.deepcopy(cfg)
     subs: list[Substitution] = []
     par = cfg.parallel
-    tp, pp, dp = _cap_layout(par.tp, par.pp, subs)
+    if at_real_shape:
+        if (par.tp, par.pp) != (1, 1):
+            subs.append(Substitution("parallel.tp/pp", f"{par.tp}/{par.pp}", "1/1", "one GPU at the real shape"))
+        tp, pp, dp = 1, 1, 1
+    else:
+        tp, pp, dp = _cap_layout(par.tp, par.pp, subs)
     par.tp, par.pp = tp, pp
     if par.sequence_parallel and tp == 1:
         _set(cfg, subs, "parallel.sequence_parallel", False, "needs tp > 1 after the cap")
     _set(cfg, subs, "parallel.timeout_minutes", TIMEOUT_MINUTES, "a rank-divergent collective fails fast")
-    shape = tiny_shape(policy, rm, tp, pp)
-    tiny = "the tiny model and task of the rehearsal"
+    shape = real_shape(policy, rm) if at_real_shape else tiny_shape(policy, rm, tp, pp)
+    tiny = "the tiny task of the rehearsal"
     _set(cfg, subs, "data.template", "{question}", tiny)
     _set(cfg, subs, "data.use_chat_template", False, "the tiny tokenizer has no chat template")
     _set(cfg, subs, "data.eval_limit", EVAL_PROMPTS, "a short evaluation")
     if cfg.rollout.engine == "sglang" and not sglang_available:
         _set(cfg, subs, "rollout.engine", "hf", "SGLang is not installed here; the transformers engine models its "
                                                "release and weight-push semantics")
+    if at_real_shape:
+        _sizes_real(cfg, subs)
+    else:
+        _sizes_tiny(cfg, subs, dp)
+    _set(cfg, subs, "logging.wandb", False, "no metrics service in a rehearsal")
+    assistant = cfg.reward.mode.trains_rm and cfg.rm.negatives == "assistant"
+    if assistant:
+        subs.append(Substitution("rm.assistant_url", cfg.rm.assistant_url or "(none)", "a local stand-in",
+                                 "answers as an assistant would: wrong, still correct, unparseable or slow"))
+    return RehearsalPlan(preset=preset, cfg=cfg, nproc=tp * pp * dp, shape=shape, substitutions=subs,
+                         assistant=assistant, real_shape=at_real_shape)
+
+
+def _sizes_tiny(cfg: CooperConfig, subs: list[Substitution], dp: int) -> None:
+    """Tiny batches and the compressed cadence: 4 steps, evaluation every step, checkpoints."""
     _set(cfg, subs, "rollout.group_size", GROUP_SIZE, "tiny sizes")
     _set(cfg, subs, "rollout.max_new_tokens", MAX_NEW_TOKENS, "tiny sizes")
     _set(cfg, subs, "rollout.bucket_mb", BUCKET_MB, "several weight-push buckets for a tiny model")
@@ -203,13 +243,17 @@ def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optiona
     _set(cfg, subs, "checkpoint.every", CKPT_EVERY, "a checkpoint every 2 steps")
     _set(cfg, subs, "checkpoint.keep", max(cfg.checkpoint.keep, 2), "keep the stop's and the last checkpoint")
     _set(cfg, subs, "checkpoint.resume", "none", "the first run starts fresh; the resume asks for auto")
-    _set(cfg, subs, "logging.wandb", False, "no metrics service in a rehearsal")
-    assistant = cfg.reward.mode.trains_rm and cfg.rm.negatives == "assistant"
-    if assistant:
-        subs.append(Substitution("rm.assistant_url", cfg.rm.assistant_url or "(none)", "a local stand-in",
-                                 "answers as an assistant would: wrong, still correct, unparseable or slow"))
-    return RehearsalPlan(preset=preset, cfg=cfg, nproc=tp * pp * dp, shape=shape, substitutions=subs,
-                         assistant=assistant)
+
+
+def _sizes_real(cfg: CooperConfig, subs: list[Substitution]) -> None:
+    """The preset's group, lengths and micro-batching, a few prompts, 3 steps, one evaluation."""
+    t = cfg.train
+    _set(cfg, subs, "train.steps", REAL_STEPS, "a few steps that measure")
+    _set(cfg, subs, "train.prompts_per_step", REAL_PROMPTS * t.mini_batches, "a few prompts on one GPU")
+    _set(cfg, subs, "eval.every", REAL_STEPS, "one evaluation, at the end")
+    _set(cfg, subs, "eval.k", 1, "a short evaluation")
+    _set(cfg, subs, "checkpoint.every", 0, "the CPU rehearsal checks checkpoints and the resume")
+    _set(cfg, subs, "checkpoint.resume", "none", "a fresh run")
 
 
 def preset_shapes(cfg: CooperConfig, preset: str, policy_config: Optional[str] = None,

@@ -47,8 +47,12 @@ from cooper_mcore.mcore.faults import FAULT_ENV, format_fault
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
 from cooper_mcore.parallel import single_process_world
+from cooper_mcore.plan import PHASES, PlanOptions
+from cooper_mcore.plan import plan as plan_memory
+from cooper_mcore.plan_report import load_shapes
 from cooper_mcore.rehearsal.assistant import StandInAssistant
 from cooper_mcore.rehearsal.preset import (
+    REAL_STEPS,
     STEPS,
     STOP_STEP,
     RehearsalPlan,
@@ -107,6 +111,19 @@ class Check:
 
 
 @dataclass
+class PhaseMeasure:
+    """One phase of a real-shape rehearsal: what it took, and what ``cooper plan`` predicted."""
+
+    phase: str
+    seconds: Optional[float]
+    """The last step's wall seconds."""
+    peak_gib: Optional[float]
+    """The peak allocated GPU memory over the steps (None on a CPU)."""
+    planned_gib: Optional[float]
+    """``cooper plan``'s per-GPU total for the phase (it also counts CUDA contexts and an overhead)."""
+
+
+@dataclass
 class RehearsalReport:
     """The outcome of :func:`rehearse`."""
 
@@ -114,6 +131,8 @@ class RehearsalReport:
     runs: list[RunResult]
     checks: list[Check]
     assistant_counts: dict[str, int] = field(default_factory=dict)
+    phases: list[PhaseMeasure] = field(default_factory=list)
+    """Per-phase time and memory next to the planner's prediction (real-shape rehearsals)."""
 
     @property
     def ok(self) -> bool:
@@ -147,6 +166,10 @@ class RehearsalReport:
             cells = [f"{m['step']:>12}"] + [f"{m[k]:>12.4g}" if isinstance(m.get(k), (int, float)) else f"{'-':>12}"
                                             for k in TABLE_KEYS]
             lines.append("  " + " ".join(cells))
+        if self.phases:
+            lines.append(f"  {'phase':>14} {'seconds':>9} {'peak GiB':>9} {'planned GiB':>12}")
+            lines += [f"  {m.phase:>14} {_cell(m.seconds, '.2f', 9)} {_cell(m.peak_gib, '.2f', 9)} "
+                      f"{_cell(m.planned_gib, '.2f', 12)}" for m in self.phases]
         lines += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
         lines.append(self.verdict())
         return "\n".join(lines)
@@ -157,17 +180,23 @@ class RehearsalReport:
                 "substitutions": [dataclasses.asdict(s) for s in self.plan.substitutions],
                 "runs": [dataclasses.asdict(r) for r in self.runs],
                 "checks": [dataclasses.asdict(c) for c in self.checks],
-                "assistant_counts": self.assistant_counts}
+                "assistant_counts": self.assistant_counts, "phases": [dataclasses.asdict(m) for m in self.phases]}
+
+
+def _cell(value: Optional[float], spec: str, width: int) -> str:
+    return f"{value:>{width}{spec}}" if value is not None else f"{'-':>{width}}"
 
 
 def build_assets(shape: TinyShape, dtype: str, root: str) -> dict[str, str]:
-    """The tiny task, tokenizer, SFT policy and random RM of ``shape`` (cached under ``root``)."""
+    """The tiny task and tokenizer, a policy and a random RM of ``shape`` (cached under ``root``):
+    tiny ones get a short SFT so that the RM sees pairs; at the real shape both are random."""
     f = shape.fields
     key = (f"{shape.family}-{shape.rm_family}-l{shape.num_layers}-h{shape.hidden_size}-a{f['num_attention_heads']}"
-           f"-kv{f['num_key_value_heads']}-{'tied' if f['tie_word_embeddings'] else 'untied'}-{dtype}")
+           f"-kv{f['num_key_value_heads']}-{'tied' if f['tie_word_embeddings'] else 'untied'}-{dtype}"
+           + (f"-v{f['vocab_size']}-real" if shape.real else ""))
     return build_tiny_assets(os.path.join(root, key), n_train=512, n_eval=16, hidden_size=shape.hidden_size,
-                             num_layers=shape.num_layers, sft_steps=SFT_STEPS, family=shape.family,
-                             rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
+                             num_layers=shape.num_layers, sft_steps=0 if shape.real else SFT_STEPS,
+                             family=shape.family, rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
 
 
 def _use_assets(cfg: CooperConfig, assets: dict[str, str]) -> None:
@@ -377,8 +406,37 @@ def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: Ru
                   f"{final} equal the uninterrupted run's bit for bit")
 
 
+def check_real_shape_run(run: RunResult) -> list[Check]:
+    """A real-shape rehearsal's checks: its steps ran, agreed, evaluated and stayed finite."""
+    steps = [m["step"] for m in run.steps]
+    return [Check("collectives", not run.hang and not any("mismatch" in e for e in run.errors),
+                  run.hang or "; ".join(run.errors) or "no step over its limit"),
+            Check("run", run.rc == 0 and steps == list(range(1, REAL_STEPS + 1)), f"exit {run.rc}, steps {steps}"
+                  + ("" if run.rc == 0 else f"; {'; '.join(run.errors[-2:])}")),
+            Check("evaluation", any("eval/acc" in m for m in run.steps), "eval/acc logged"),
+            Check("finite", run.rc == 0 and all(m.get("skipped/nonfinite", 0) == 0 for m in run.steps),
+                  "no update skipped for a non-finite loss or gradient norm")]
+
+
+def measure_phases(cfg: CooperConfig, run: RunResult) -> list[PhaseMeasure]:
+    """Per-phase seconds (last step) and peak memory (over the steps) next to ``cooper plan``'s
+    per-GPU prediction for the same config on this device."""
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    policy, rm, _ = load_shapes(cfg)
+    predicted = plan_memory(cfg, policy, rm, PlanOptions(gpus_per_node=1, gpu_memory_gib=gpu_gib, assistant="none"))
+    planned = {p.phase: p.total / 2**30 for p in predicted.given.phases}
+    last = run.steps[-1] if run.steps else {}
+    out = []
+    for phase in ("offload", *PHASES, "eval"):
+        peaks = [m[f"memory/{phase}"] for m in run.steps if f"memory/{phase}" in m]
+        if f"time/{phase}" in last or peaks or phase in planned:
+            out.append(PhaseMeasure(phase, last.get(f"time/{phase}"), max(peaks) if peaks else None,
+                                    planned.get(phase)))
+    return out
+
+
 def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> RehearsalReport:
-    """Build the tiny assets, run the three launches, check them (see the module doc)."""
+    """Build the assets, run the launches, check them (see the module doc)."""
     cfg = plan.cfg
     os.makedirs(cfg.out, exist_ok=True)
     _use_assets(cfg, build_assets(plan.shape, cfg.model.dtype, assets_root))
@@ -392,6 +450,11 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
         for name in ("reference", "cut"):
             shutil.rmtree(os.path.join(cfg.out, name), ignore_errors=True)
         ref = launch("reference", cfg_path, os.path.join(cfg.out, "reference"), plan.nproc, limits)
+        if plan.real_shape:
+            counts = dict(assistant.counts) if plan.assistant else {}
+            report = RehearsalReport(plan, [ref], check_real_shape_run(ref), counts, measure_phases(cfg, ref))
+            _write(report)
+            return report
         cut = resumed = RunResult("cut", None, [], 0.0, "", errors=["not run: the reference run failed"])
         if ref.rc == 0:  # else the interrupted runs would fail the same way: report the reference's failure
             fault = {FAULT_ENV: format_fault("rollout", STOP_STEP, sig=signal.SIGUSR1)}
@@ -401,9 +464,13 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
             counts = dict(assistant.counts)
     runs = [ref, cut, resumed] if ref.rc == 0 else [ref]
     report = RehearsalReport(plan, runs, check_runs(plan, ref, cut, resumed), counts)
-    with open(os.path.join(cfg.out, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(report.to_dict(), f, indent=2, default=str)
+    _write(report)
     return report
+
+
+def _write(report: RehearsalReport) -> None:
+    with open(os.path.join(report.plan.cfg.out, "report.json"), "w", encoding="utf-8") as f:
+        json.dump(report.to_dict(), f, indent=2, default=str)
 
 
 def sglang_runs_here() -> bool:
@@ -418,9 +485,11 @@ def sglang_runs_here() -> bool:
 
 def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str = "",
                     policy_config: Optional[str] = None, rm_config: Optional[str] = None,
-                    limits: Optional[Limits] = None) -> RehearsalReport:
+                    limits: Optional[Limits] = None, at_real_shape: bool = False) -> RehearsalReport:
     """Rehearse the preset at ``preset`` with ``overrides`` (dotted settings) in ``out`` (default
-    ``runs/rehearse/<preset name>``; the tiny assets are cached beside it, in ``assets/``).
+    ``runs/rehearse/<preset name>``; the assets are cached beside it, in ``assets/``).
+    ``at_real_shape``: one process at the preset's model shape (on a GPU), see
+    :func:`~cooper_mcore.rehearsal.preset.plan_rehearsal`.
 
     Raises:
         ValueError: the preset or its rehearsal config is invalid, or no model shape is found.
@@ -434,7 +503,7 @@ def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str
             raise
         policy, rm = ArchSpec.from_hf_config(tiny_hf_config("qwen2_tied").to_dict()), None
         missing = Substitution("model shape", "not found", "qwen2 (tied), as `cooper tiny-assets` makes", str(e))
-    plan = plan_rehearsal(preset, cfg, policy, rm, sglang_available=sglang_runs_here())
+    plan = plan_rehearsal(preset, cfg, policy, rm, sglang_available=sglang_runs_here(), at_real_shape=at_real_shape)
     if missing:
         plan.substitutions.insert(0, missing)
     stem = os.path.splitext(os.path.basename(preset))[0]
