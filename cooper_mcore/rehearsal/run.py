@@ -377,10 +377,14 @@ def check_runs(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: Run
         checks.append(Check("rm pairs", valid > 0, f"{valid:g} valid reward-model pairs over {len(ref.steps)} steps"))
     stop_ckpt = os.path.join(cfg.out, "cut", "checkpoints", f"step_{STOP_STEP}")
     codes = sorted(set(cut.rank_exit_codes.values()))
-    preempted = codes == [EXIT_PREEMPTED] and len(cut.rank_exit_codes) == plan.nproc
+    said = sum(bool(re.search(rf"preempted \(.*\) after step {STOP_STEP}\b", open(p, errors="replace").read()))
+               for p in _rank_logs(cut.log_dir).values()) if cut.log_dir else 0
+    # torchrun ends the other ranks with SIGTERM once the first has exited: a rank that had said so and
+    # was still tearing down then shows -15
+    preempted = EXIT_PREEMPTED in codes and set(codes) <= {EXIT_PREEMPTED, -signal.SIGTERM} and said == plan.nproc
     stopped = preempted and os.path.isdir(stop_ckpt) and len(cut.steps) == STOP_STEP
-    checks.append(Check("stop signal", stopped, f"SIGUSR1 in step {STOP_STEP}: ranks exited {codes} "
-                        f"({EXIT_PREEMPTED} expected on all {plan.nproc}), "
+    checks.append(Check("stop signal", stopped, f"SIGUSR1 in step {STOP_STEP}: {said} of {plan.nproc} ranks wrote "
+                        f"their part and said so, exit codes {codes} ({EXIT_PREEMPTED} expected), "
                         f"{len(cut.steps)} step(s), checkpoint step_{STOP_STEP} "
                         f"{'written' if os.path.isdir(stop_ckpt) else 'missing'}"))
     checks.append(Check("resume", *_resume_check(cfg, ref, cut, resumed)))
