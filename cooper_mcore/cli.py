@@ -82,7 +82,7 @@ _OS_ERROR_HINTS = {
                  "its permissions",
     errno.EROFS: "{path} is on a read-only file system: write somewhere else (e.g. another --out)",
     errno.EISDIR: "{path} is a folder, where a file is expected: give a file's path",
-    errno.ENOTDIR: "{path}: a file is where a folder is expected (a path through a file?): give another path",
+    errno.ENOTDIR: "{path}: a file is in the way, where a folder is expected: give another path",
     errno.ENOSPC: "no space left on the device of {path}: free some space there or write elsewhere "
                   "(e.g. another --out)",
     errno.EDQUOT: "disk quota exceeded writing {path}: free some space there or write elsewhere (e.g. another --out)",
@@ -122,7 +122,7 @@ def user_error(e: BaseException, args: Optional[argparse.Namespace] = None) -> O
         return None
     names = {f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__}
     if isinstance(e, USER_ERRORS) or names & USER_ERROR_NAMES:
-        return str(e.args[0] if e.args else e)
+        return str(e.args[0] if e.args and not isinstance(e, UnicodeError) else e)  # (a UnicodeError's is its codec)
     return None
 
 
@@ -349,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_known_warnings()
     install_log_filter()  # no API key from the environment in any log line
     if threading.current_thread() is threading.main_thread():  # signal handlers are set there only
-        # `kill -USR2 <pid>` prints every thread's stack: where a hung rank waits (the rehearsal asks for it)
-        faulthandler.register(signal.SIGUSR2, all_threads=True)
+        # `kill -USR2 <pid>` prints every thread's stack: where a hung rank waits (the rehearsal asks for it);
+        # to the process's own stderr, which has a file descriptor even where sys.stderr is replaced
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
     try:
         rc = handler(args.command)(args)
     except Exception as e:

@@ -10,6 +10,7 @@ settings before any work starts.
 from __future__ import annotations
 
 import ast
+import errno
 import inspect
 import json
 import os
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Literal, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -349,16 +351,15 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
     the config; an unknown key or a value of the wrong type is an error at once.
 
     Raises:
-        ValueError: unknown key, wrong type, or an unreadable preset (naming it).
-        FileNotFoundError: the preset does not exist.
+        ValueError: unknown key, wrong type, or an unreadable preset (naming it: a YAML error with
+            its line, an empty preset, a top level that is not a mapping of sections).
+        FileNotFoundError / IsADirectoryError: the preset does not exist / is a folder.
     """
     cfg = OmegaConf.structured(CooperConfig)
     items: list[tuple[str, str, Any]] = []
     try:
         if preset:
-            if not os.path.isfile(preset):
-                raise FileNotFoundError(f"config preset {preset!r} not found")
-            items += [(preset, k, v) for k, v in _leaves(OmegaConf.to_container(OmegaConf.load(preset)))]
+            items += [(preset, k, v) for k, v in _leaves(_read_preset(preset))]
         for item in overrides or []:
             items += [(f"override {item!r}", k, v) for k, v in _leaves(OmegaConf.to_container(
                 OmegaConf.from_dotlist([item])))]
@@ -381,6 +382,56 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
             obj = getattr(obj, part)
         object.__setattr__(obj, name, value)
     return result
+
+
+def _read_preset(path: str) -> dict[str, Any]:
+    """A YAML preset's top-level mapping of sections.
+
+    Raises:
+        FileNotFoundError / IsADirectoryError: no such file; a folder.
+        ValueError: not UTF-8, a YAML error (with the file's line and column), an empty preset, or
+            a top level that is not a mapping.
+    """
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config preset {path!r} not found")
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(path))
+    except yaml.YAMLError as e:
+        raise ValueError(f"preset {path}: {_yaml_problem(e, path)}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"preset {path} is not UTF-8 text (byte {e.start}): is it the right file?") from None
+    if not tree:
+        raise ValueError(f"preset {path} is empty: give it sections such as `train:` (see examples/tiny_cpu.yaml), "
+                         f"or leave out --config to use the defaults")
+    if not isinstance(tree, dict):
+        raise ValueError(f"preset {path} must be a mapping of sections (model:, train:, ...), got a "
+                         f"{'list' if isinstance(tree, list) else type(tree).__name__}")
+    return tree
+
+
+def _yaml_problem(e: yaml.YAMLError, path: str) -> str:
+    """One line: where in the file and what is wrong (a tab indent and a repeated key explained)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = " ".join(str(getattr(e, "problem", None) or e).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    if mark is not None and _char_at(path, mark.line, mark.column) == "\t":
+        problem += " (a tab: YAML indents with spaces only)"
+    elif problem.startswith("found duplicate key"):
+        context_mark = getattr(e, "context_mark", None)
+        section = f" (in the mapping that starts on line {context_mark.line + 1})" if context_mark is not None else ""
+        problem += f"{section}: each key may appear once"
+    return f"{where}{problem}"
+
+
+def _char_at(path: str, line: int, column: int) -> str:
+    """The character of a text file at a 0-based line and column ('' past the end)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, text in enumerate(f):
+            if i == line:
+                return text[column:column + 1]
+    return ""
 
 
 def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:

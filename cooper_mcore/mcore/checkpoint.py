@@ -295,7 +295,10 @@ def load_training_checkpoint(path: str, models: list[ModelState]) -> dict[str, A
         trainer_state = json.load(f)
     if trainer_state["world_size"] != dist.get_world_size():
         raise ValueError(f"{path} was written by {trainer_state['world_size']} processes, this run has "
-                         f"{dist.get_world_size()} (exact resume needs the same layout)")
+                         f"{dist.get_world_size()} (exact resume needs the same layout): for a separate run give "
+                         f"another --out; to start over in this folder (its checkpoints are replaced) give "
+                         f"--resume none (checkpoint.resume=none); to continue it, launch "
+                         f"{trainer_state['world_size']} processes with its parallel.* settings")
     for m in models:
         with torch.no_grad():
             folder = os.path.join(path, m.name)

@@ -1,0 +1,43 @@
+"""The ``cooper`` subcommands' handlers: each takes the parsed arguments and calls the library.
+
+:mod:`cooper_mcore.cli` parses the command line and imports the one module here that the chosen
+subcommand needs (its ``HANDLERS`` table), so that ``cooper --help``, ``--version`` and a mistyped
+flag do not pay for importing megatron-core, torch and transformers. Each handler returns the exit
+code (``None``: 0) or raises; :func:`cooper_mcore.cli.main` turns the user's errors into one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+def check_output_folder(path: str) -> None:
+    """Fail before any work when the folder ``path`` (to be created or filled) cannot be written.
+
+    The nearest existing path on the way to ``path`` must be a folder this process may write into.
+
+    Raises:
+        NotADirectoryError: that path is a file.
+        PermissionError: the folder is not writable (its permissions, or a read-only file system).
+    """
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        code = errno.EROFS if os.statvfs(probe).f_flag & os.ST_RDONLY else errno.EACCES
+        raise PermissionError(code, os.strerror(code), probe)
+
+
+def check_output_file(path: str) -> None:
+    """Fail before any work when ``path`` (a file to write) is a folder or cannot be written.
+
+    Raises:
+        IsADirectoryError: ``path`` is a folder.
+        NotADirectoryError / PermissionError: as :func:`check_output_folder` for its folder.
+    """
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    check_output_folder(os.path.dirname(os.path.abspath(path)))

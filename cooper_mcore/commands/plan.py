@@ -1,0 +1,38 @@
+"""``cooper plan``: per-GPU memory of each phase of a run, and the offloads it needs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from cooper_mcore.config import load_config
+from cooper_mcore.models.arch import ArchSpec, load_hf_config
+from cooper_mcore.plan import AssistantSpec, PlanOptions
+from cooper_mcore.plan import plan as plan_memory
+from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
+
+
+def plan(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config, args.overrides)
+    policy, rm, notes = load_shapes(cfg, args.policy_config, args.rm_config)
+    assistant: AssistantSpec | str = "none" if args.no_assistant else "auto"
+    if not args.no_assistant and (args.assistant_config or args.assistant_tp or args.assistant_mem_fraction):
+        path = args.assistant_config
+        arch = policy
+        if path:  # an HF config file, or the model folder that holds its config.json
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    arch = ArchSpec.from_hf_config(json.load(f))
+            else:
+                arch = ArchSpec.from_hf_config(load_hf_config(path))
+        assistant = AssistantSpec(arch, tp=args.assistant_tp or cfg.parallel.tp,
+                                  mem_fraction=args.assistant_mem_fraction)
+    result = plan_memory(cfg, policy, rm, PlanOptions(
+        gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib, nodes=args.nodes,
+        prompt_tokens=args.prompt_tokens, overhead_gib=args.overhead_gib, recompute=args.recompute,
+        assistant=assistant))
+    if args.json:
+        print(json.dumps(plan_to_dict(result, cfg, notes), indent=2), flush=True)
+    else:
+        print(format_plan(result, cfg, notes), flush=True)  # the report table

@@ -1,0 +1,26 @@
+"""``cooper train`` (the Cooper trainer) and ``cooper config`` (its settings)."""
+
+from __future__ import annotations
+
+import argparse
+
+from cooper_mcore.commands import check_output_folder
+from cooper_mcore.config import format_settings, load_config
+from cooper_mcore.redaction import install_log_filter
+from cooper_mcore.rl.loop import train as train_run
+
+
+def train(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config, args.overrides)
+    install_log_filter([cfg.rm.api_key_env])
+    if args.out:
+        cfg.out = args.out
+    if args.resume:
+        cfg.checkpoint.resume = args.resume
+    check_output_folder(cfg.out)
+    train_run(cfg)
+
+
+def config(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config, args.overrides)
+    print(format_settings(cfg), flush=True)  # the listing
