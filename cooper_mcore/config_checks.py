@@ -2,8 +2,10 @@
 
 :func:`validate` (what ``cooper train`` calls) and :func:`config_problems` (the list it reports)
 check the choices of every setting, the parallel layout against the world size and the models'
-shapes (read from the checkpoints' ``cooper_model.json``), the batch sizes, and that every path the
-run reads exists. The config's types are in :mod:`cooper_mcore.config`.
+shapes (read from the checkpoints' ``cooper_model.json``), that the policy checkpoint and
+``model.policy_hf`` are the same model (vocabulary and shapes), the batch sizes, and that every
+path the run reads exists and its JSON metadata parses. The config's types are in
+:mod:`cooper_mcore.config`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from enum import Enum
 from typing import Any, Literal, Optional
 
 from cooper_mcore.config import CooperConfig, RewardMode
+from cooper_mcore.convert.file_errors import read_json_object
+
+#: fields the policy checkpoint's ``cooper_model.json`` "arch" and ``model.policy_hf``'s
+#: ``config.json`` must agree on: (arch field, config.json key)
+_SAME_MODEL_FIELDS = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                      ("num_layers", "num_hidden_layers"), ("num_attention_heads", "num_attention_heads"),
+                      ("num_query_groups", "num_key_value_heads"), ("ffn_hidden_size", "intermediate_size"))
 
 
 def validate(cfg: CooperConfig, world_size: int) -> None:
@@ -79,6 +88,7 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
         out.append(f"data.template {cfg.data.template!r} has no {{question}} placeholder")
     out += _layout_problems(cfg, world_size)
     out += _path_problems(cfg)
+    out += _policy_hf_problems(cfg)
     return out
 
 
@@ -170,6 +180,55 @@ def _checkpoint_arch(ckpt: str) -> tuple[Optional[dict[str, Any]], Optional[str]
         return None, None
 
 
+def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
+    """Broken JSON metadata, and a policy checkpoint that is not the model of ``model.policy_hf``
+    (the rollout engine starts from the HF folder and receives the checkpoint's weights: a
+    different vocabulary or shape would fail only at the first weight push)."""
+    m = cfg.model
+    out = []
+    ckpts = [("model.policy_ckpt", m.policy_ckpt)] + ([("model.rm_ckpt", m.rm_ckpt)] if _uses_rm(cfg) else [])
+    for name, ckpt in ckpts:
+        problem = _json_problem(os.path.join(ckpt, "cooper_model.json")) if ckpt else None
+        if problem:
+            out.append(f"{name}: {problem}")
+    hf_cfg = None
+    if m.policy_hf:
+        path = os.path.join(m.policy_hf, "config.json")
+        problem = _json_problem(path)
+        if problem:
+            out.append(f"model.policy_hf: {problem}")
+        elif os.path.isfile(path):
+            hf_cfg = read_json_object(path)
+    arch, _ = _checkpoint_arch(m.policy_ckpt) if m.policy_ckpt else (None, None)
+    if arch is None or hf_cfg is None:
+        return out
+    diffs = []
+    for field_name, key in _SAME_MODEL_FIELDS:
+        want, got = arch.get(field_name), hf_cfg.get(key)
+        if key == "num_key_value_heads" and got is None:
+            got = hf_cfg.get("num_attention_heads")
+        if isinstance(want, int) and isinstance(got, int) and want != got:
+            diffs.append(f"{field_name} {want} vs {key} {got}")
+    if diffs:
+        out.append(f"model.policy_ckpt ({m.policy_ckpt}) and model.policy_hf ({m.policy_hf}) are not the same model "
+                   f"(checkpoint vs config.json: {', '.join(diffs)}); the rollout engine starts from model.policy_hf "
+                   "and receives the checkpoint's weights: convert model.policy_hf with `cooper convert hf-to-mcore`, "
+                   "or export the checkpoint with `cooper convert mcore-to-hf` and point model.policy_hf at it")
+    return out
+
+
+def _json_problem(path: str) -> Optional[str]:
+    """Why an existing JSON metadata file cannot be read (None when it can, or does not exist: the
+    path checks report that)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        read_json_object(path)
+    except (OSError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def _path_problems(cfg: CooperConfig) -> list[str]:
     """Every file or folder the run reads must exist (and be of the right kind)."""
     m, d = cfg.model, cfg.data
@@ -191,7 +250,9 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
         out.append(f"model.policy_hf: {m.policy_hf!r} has no config.json (an HF model folder is expected)")
     for name, path in files:
         if path and os.path.exists(path):
-            if not os.path.isfile(path):
+            if os.path.isdir(path):
+                out.append(f"{name}: {path!r} is a directory, expected a .jsonl or .parquet file")
+            elif not os.path.isfile(path):
                 out.append(f"{name}: {path!r} is not a file")
             elif not path.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet", ".pq")):
                 out.append(f"{name}: {path!r} is neither JSONL (.jsonl/.json/.ndjson) nor Parquet (.parquet/.pq)")

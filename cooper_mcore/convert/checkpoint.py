@@ -8,7 +8,12 @@ folder, so that an export is a complete HF model folder).
 ``hf-to-mcore`` builds the model once at TP=PP=1 without random init, fills it one HF tensor
 at a time and saves it without extra copies; ``mcore-to-hf`` builds no model and reads the
 checkpoint one layer at a time. Neither needs the model in memory twice. Folders are written under a temporary
-name and renamed when complete.
+name and renamed when complete; a write that fails (a full disk is reported as such, naming the
+output: :mod:`cooper_mcore.convert.file_errors`) removes the temporary folder.
+
+A checkpoint is checked before megatron-core reads it (:func:`check_checkpoint_files`): a damaged
+``cooper_model.json``, ``metadata.json`` naming another backend than ``torch_dist``, an
+unreadable ``common.pt``, or a missing or truncated shard is a ``ValueError`` naming the folder.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -28,6 +34,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint import FileSystemReader
 
+from cooper_mcore.convert.file_errors import explain_write_errors, read_json_object
 from cooper_mcore.convert.mapping import (
     _LAYER_RE,
     _LOCAL_TO_TE,
@@ -61,15 +68,32 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def read_meta(ckpt_dir: str) -> tuple[ArchSpec, dict[str, Any], torch.dtype]:
-    """Read a checkpoint's architecture, original HF config and dtype."""
+    """Read a checkpoint's architecture, original HF config and dtype.
+
+    Raises:
+        FileNotFoundError: no ``cooper_model.json``.
+        ValueError: ``cooper_model.json`` is not valid JSON (file, line and column named) or lacks
+            or garbles a field.
+    """
     path = os.path.join(ckpt_dir, META_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{ckpt_dir!r} is not a cooper_mcore model checkpoint (no {META_FILE})"
         )
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    return ArchSpec.from_dict(meta["arch"]), meta["hf_config"], _DTYPES[meta["dtype"]]
+    meta = read_json_object(path)
+    hint = "; the checkpoint's metadata is damaged: restore it or convert the model again"
+    missing = [k for k in ("arch", "hf_config", "dtype") if k not in meta]
+    if missing:
+        raise ValueError(f"{path} has no {', '.join(repr(k) for k in missing)}{hint}")
+    if meta["dtype"] not in _DTYPES:
+        raise ValueError(f"{path}: unknown dtype {meta['dtype']!r} (expected one of {sorted(_DTYPES)}){hint}")
+    if not isinstance(meta["hf_config"], dict):
+        raise ValueError(f"{path}: 'hf_config' must be a JSON object{hint}")
+    try:
+        arch = ArchSpec.from_dict(meta["arch"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: its 'arch' is not a valid architecture ({type(e).__name__}: {e}){hint}") from None
+    return arch, meta["hf_config"], _DTYPES[meta["dtype"]]
 
 
 def write_meta(ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
@@ -188,17 +212,24 @@ def save_model_checkpoint_atomic(model: torch.nn.Module, dest: str, arch: ArchSp
     """Save under ``dest + ".tmp"`` (with ``extra_from/hf_extra`` copied in), then rename to
     ``dest``, so a folder named ``dest`` is always complete. Collective."""
     tmp = dest + ".tmp"
-    if torch.distributed.get_rank() == 0:
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     torch.distributed.barrier()
-    save_model_checkpoint(model, tmp, arch, hf_config, dtype)
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        extra = os.path.join(extra_from, EXTRA_DIR) if extra_from else ""
-        if extra and os.path.isdir(extra):
-            shutil.copytree(extra, os.path.join(tmp, EXTRA_DIR))
-        os.replace(tmp, dest)
+    try:
+        with explain_write_errors(dest, "model checkpoint"):
+            save_model_checkpoint(model, tmp, arch, hf_config, dtype)
+            torch.distributed.barrier()
+            if rank0:
+                extra = os.path.join(extra_from, EXTRA_DIR) if extra_from else ""
+                if extra and os.path.isdir(extra):
+                    shutil.copytree(extra, os.path.join(tmp, EXTRA_DIR))
+                os.replace(tmp, dest)
+    except BaseException:
+        if rank0:  # nothing half-written is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     torch.distributed.barrier()
 
 
@@ -312,17 +343,49 @@ def drop_absent_extra_state(sharded: dict, ckpt_dir: str) -> dict:
     return walk(sharded)
 
 
-def check_checkpoint_files(ckpt_dir: str) -> None:
-    """Refuse a truncated or incomplete dist checkpoint before megatron-core reads it.
-
-    Every stored item's byte range (from the checkpoint's ``.metadata``) must lie inside its
-    ``.distcp`` file; megatron-core itself fails on a short file with a bare ``EOFError`` deep in
-    unpickling.
+def check_checkpoint_format(ckpt_dir: str) -> None:
+    """Refuse a folder that megatron-core would fail on with a raw traceback: no or a damaged
+    ``metadata.json``, a backend other than ``torch_dist``, a missing or unreadable ``common.pt``.
 
     Raises:
-        ValueError: a shard file is missing, or shorter than the bytes recorded for it (the
-            message names the file, its expected and actual size, and the first tensor cut off).
+        ValueError: naming the folder and what is wrong.
     """
+    path = os.path.join(ckpt_dir, "metadata.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {ckpt_dir!r} is not a megatron-core distributed checkpoint (no metadata.json); "
+                         "convert an HF model with `cooper convert hf-to-mcore`")
+    meta = read_json_object(path)
+    backend = meta.get("sharded_backend")
+    if backend != "torch_dist":
+        raise ValueError(f"checkpoint {ckpt_dir!r} is not a torch_dist checkpoint: metadata.json says backend "
+                         f"{backend!r}; cooper_mcore reads torch_dist checkpoints only (convert the model again "
+                         "with `cooper convert hf-to-mcore`)")
+    common = os.path.join(ckpt_dir, "common.pt")
+    if not os.path.isfile(common):
+        raise ValueError(f"checkpoint {ckpt_dir!r} is incomplete: common.pt is missing")
+    try:
+        torch.load(common, map_location="cpu", weights_only=True)  # what megatron-core does, as a check
+    except Exception as e:  # garbage gives UnpicklingError, RuntimeError (zip), EOFError, ...
+        # torch's weights-only error starts with advice to load unsafely: keep only its reason
+        reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
+        first = reason.group(1).strip() if reason else (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"checkpoint {ckpt_dir!r}: common.pt is unreadable ({type(e).__name__}: {first}); the "
+                         "checkpoint is damaged: use another one or write it again") from None
+
+
+def check_checkpoint_files(ckpt_dir: str) -> None:
+    """Refuse a damaged, truncated or incomplete dist checkpoint before megatron-core reads it.
+
+    The folder's format is checked first (:func:`check_checkpoint_format`). Every stored item's
+    byte range (from the checkpoint's ``.metadata``) must lie inside its ``.distcp`` file;
+    megatron-core itself fails on a short file with a bare ``EOFError`` deep in unpickling.
+
+    Raises:
+        ValueError: another backend, an unreadable ``common.pt``, a shard file missing, or shorter
+            than the bytes recorded for it (the message names the file, its expected and actual
+            size, and the first tensor cut off).
+    """
+    check_checkpoint_format(ckpt_dir)
     try:
         storage = FileSystemReader(ckpt_dir).read_metadata().storage_data
     except FileNotFoundError:
@@ -372,7 +435,10 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None, head_std: 
     if head_std is not None and head_std < 0:
         raise ValueError(f"head_std must be >= 0, got {head_std}")
     cfg = load_hf_config(hf_dir)
-    arch = ArchSpec.from_hf_config(cfg, model_type)
+    try:
+        arch = ArchSpec.from_hf_config(cfg, model_type)
+    except ValueError as e:
+        raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: {e}") from None
     reader = HFCheckpointReader(hf_dir)
     dtype = _hf_dtype(reader, cfg)
     check_hf_shapes(reader, arch, hf_dir)
@@ -382,9 +448,11 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None, head_std: 
             model = build_model(arch, ParallelConfig(), dtype=dtype, init_weights=False, use_te=False)
             load_hf_weights(model, hf_dir, arch, head_std=head_std)
             del reader
-            save_model_checkpoint(model, tmp, arch, cfg, dtype, consume=True)
+            with explain_write_errors(out, "converted checkpoint"):
+                save_model_checkpoint(model, tmp, arch, cfg, dtype, consume=True)
             del model
-        _copy_extra_files(hf_dir, os.path.join(tmp, EXTRA_DIR))
+        with explain_write_errors(out, "converted checkpoint"):
+            _copy_extra_files(hf_dir, os.path.join(tmp, EXTRA_DIR))
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -486,13 +554,15 @@ def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSp
             layout = [(n, shapes[n], dtype) for m, _, _ in _export_order(arch) for n in m.hf]
             # the torch-native spec keeps norm weights in fp32; export them in the model dtype
             tensors = ((n, t.to(dtype)) for n, t in stream_checkpoint_tensors(ckpt, arch))
-            write_tensors(tmp, layout, tensors, max_shard_bytes)
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(hf_config_for(arch, base_cfg, dtype), f, indent=2)
-        extra = os.path.join(ckpt, EXTRA_DIR)
-        if os.path.isdir(extra):
-            for name in os.listdir(extra):
-                shutil.copy2(os.path.join(extra, name), os.path.join(tmp, name))
+            with explain_write_errors(out, "exported model"):
+                write_tensors(tmp, layout, tensors, max_shard_bytes)
+        with explain_write_errors(out, "exported model"):
+            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(hf_config_for(arch, base_cfg, dtype), f, indent=2)
+            extra = os.path.join(ckpt, EXTRA_DIR)
+            if os.path.isdir(extra):
+                for name in os.listdir(extra):
+                    shutil.copy2(os.path.join(extra, name), os.path.join(tmp, name))
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

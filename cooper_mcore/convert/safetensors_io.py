@@ -10,6 +10,7 @@ bytes first).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -187,8 +188,8 @@ def write_tensors(
         raw += b" " * (-len(raw) % 8)
         tmp = os.path.join(out_dir, fname + ".tmp")
         with open(tmp, "wb", buffering=0) as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
+            _write_all(f, struct.pack("<Q", len(raw)))
+            _write_all(f, raw)
             for name, shape, dtype, _ in shard:
                 got_name, t = next(it)
                 if got_name != name or tuple(t.shape) != shape or t.dtype != dtype:
@@ -196,7 +197,7 @@ def write_tensors(
                         f"tensor {got_name!r} {tuple(t.shape)} {t.dtype} does not match the "
                         f"planned {name!r} {shape} {dtype}"
                     )
-                f.write(_tensor_bytes(t.detach().to("cpu").contiguous()))
+                _write_all(f, _tensor_bytes(t.detach().to("cpu").contiguous()))
         os.replace(tmp, os.path.join(out_dir, fname))
         total += offset
     if count > 1:
@@ -205,6 +206,17 @@ def write_tensors(
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
     return names
+
+
+def _write_all(f, data) -> None:
+    """Write all of ``data`` to an unbuffered file: a raw ``write`` may write only part of it (a disk
+    filling up), which would leave a short file without an error."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = f.write(view)
+        if not n:
+            raise OSError(errno.ENOSPC, "no bytes written (disk full?)", f.name)
+        view = view[n:]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -97,8 +97,11 @@ def iter_raw_rows(path: str) -> Iterator[RawRow]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: unknown suffix, or a Parquet file that cannot be read.
+        ValueError: ``path`` is a directory, has an unknown suffix, or is a Parquet file that cannot be read.
     """
+    if os.path.isdir(path):
+        raise ValueError(f"data file {path!r} is a directory, expected a .jsonl or .parquet file "
+                         f"(give the path of one file: {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)})")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
     fmt = file_format(path)

@@ -35,6 +35,8 @@ import sentencepiece as spm
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers
 
+from cooper_mcore.convert.file_errors import read_json_object
+
 logger = logging.getLogger(__name__)
 
 PAD, BOS, UNK, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>"
@@ -215,13 +217,63 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     Args:
         path: the tokenizer (or model) folder.
         trust_remote_code: allow a folder's own Python tokenizer code to run (off unless asked).
+
+    Raises:
+        ValueError: the tokenizer files are missing or damaged (a broken ``tokenizer_config.json``
+            is named with its line and column).
     """
     cfg_path = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(cfg_path):
-        with open(cfg_path, encoding="utf-8") as f:
-            if json.load(f).get("tokenizer_class") == "PreTrainedTokenizerFast":
-                return transformers.PreTrainedTokenizerFast.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    fast = os.path.isfile(cfg_path) and read_json_object(cfg_path).get("tokenizer_class") == "PreTrainedTokenizerFast"
+    try:
+        if fast:
+            return transformers.PreTrainedTokenizerFast.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # tokenizers' bare Exception for a broken tokenizer.json, transformers' OSError, ...
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"cannot load the tokenizer in {path!r} ({type(e).__name__}: {first}); its tokenizer "
+                         "files are missing or damaged") from e
+
+
+def tokenizer_size(tokenizer: Any) -> int:
+    """The number of token ids a tokenizer can produce: its largest id + 1 (added tokens included),
+    or ``len(tokenizer)`` when it does not list its vocabulary."""
+    try:
+        ids = [i for i in tokenizer.get_vocab().values() if isinstance(i, int)]
+    except (AttributeError, NotImplementedError, TypeError):
+        ids = []
+    return max(ids) + 1 if ids else len(tokenizer)
+
+
+def check_vocab_fits(size: int, vocab_size: int, what: str, model: str) -> None:
+    """Refuse token ids up to ``size - 1`` for a model with ``vocab_size`` embedding rows.
+
+    The one check of every loader (training, SFT, the reward-model jobs, ``cooper eval``, the
+    rollout engine): without it an id past the embedding fails deep in the first forward with
+    ``IndexError: index out of range in self``.
+
+    Args:
+        size: the ids' upper bound (a tokenizer's :func:`tokenizer_size`, or the largest id + 1).
+        vocab_size: the model's vocabulary (``config.json``'s or ``cooper_model.json``'s ``vocab_size``).
+        what: the ids' source for the message, e.g. ``"the tokenizer 'runs/tok'"``.
+        model: the model's path for the message.
+
+    Raises:
+        ValueError: ``size > vocab_size``, naming both and both sizes.
+    """
+    if size > vocab_size:
+        raise ValueError(
+            f"{what} has {size} token ids (0..{size - 1}), the model {model!r} a vocabulary of {vocab_size} "
+            f"(ids >= {vocab_size} have no embedding): use the tokenizer the model was made with "
+            "(the checkpoint's hf_extra/ or the HF folder it was converted from), or a model whose vocab_size "
+            f"is at least {size}"
+        )
+
+
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int, model: str, tokenizer_path: Optional[str] = None) -> None:
+    """:func:`check_vocab_fits` for a tokenizer (named by ``tokenizer_path``, default the folder it
+    was loaded from)."""
+    path = tokenizer_path or getattr(tokenizer, "name_or_path", "") or "?"
+    check_vocab_fits(tokenizer_size(tokenizer), vocab_size, f"the tokenizer {path!r}", model)
 
 
 def pad_id_of(source: Any) -> int:

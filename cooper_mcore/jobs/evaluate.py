@@ -13,14 +13,24 @@ import tempfile
 
 import torch
 
-from cooper_mcore.convert.checkpoint import META_FILE, mcore_to_hf
+from cooper_mcore.convert.checkpoint import EXTRA_DIR, META_FILE, mcore_to_hf, read_meta
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.templates import template_prompts
+from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rollout.base import SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 
 logger = logging.getLogger(__name__)
+
+
+def _check_checkpoint_tokenizer(ckpt: str) -> None:
+    """A checkpoint's ``hf_extra/`` must hold a tokenizer that fits its vocabulary (ValueError otherwise)."""
+    extra = os.path.join(ckpt, EXTRA_DIR)
+    if not any(os.path.isfile(os.path.join(extra, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                                 "tokenizer_config.json")):
+        raise ValueError(f"{ckpt!r} has no tokenizer files (in {EXTRA_DIR}/); evaluation needs one")
+    check_tokenizer_fits(load_tokenizer(extra), read_meta(ckpt)[0].vocab_size, ckpt, tokenizer_path=extra)
 
 
 def evaluate_policy(model_dir: str, data_path: str, k: int = 8, temperature: float = 0.7, top_p: float = 0.95,
@@ -37,18 +47,21 @@ def evaluate_policy(model_dir: str, data_path: str, k: int = 8, temperature: flo
     Returns:
         ``{"acc", "prompts", "samples", "unverifiable", "pass@k"}``.
     """
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model folder not found: {model_dir} (an HF folder or a cooper_mcore checkpoint)")
+    prompts, _ = read_prompts(data_path)  # a bad --data fails before any model is loaded
+    if limit:
+        prompts = prompts[:limit]
     with tempfile.TemporaryDirectory(prefix="cooper-eval-") as tmp:
         hf_dir = model_dir
         if os.path.isfile(os.path.join(model_dir, META_FILE)):
+            _check_checkpoint_tokenizer(model_dir)  # before the export
             hf_dir = os.path.join(tmp, "hf")
             mcore_to_hf(model_dir, hf_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         engine = HFEngine.from_pretrained(hf_dir, device=device)
         if engine.tokenizer is None:
             raise ValueError(f"{model_dir!r} has no tokenizer files; evaluation needs one")
-        prompts, _ = read_prompts(data_path)
-        if limit:
-            prompts = prompts[:limit]
         template_prompts(prompts, template, engine.tokenizer, use_chat_template, tokenize=True)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         outs = engine.generate([p.token_ids for p in prompts for _ in range(k)], params)

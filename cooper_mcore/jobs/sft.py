@@ -50,7 +50,7 @@ from cooper_mcore.data.mathgen import (
     worked_solution,
 )
 from cooper_mcore.data.templates import template_prompts
-from cooper_mcore.data.tokenizer import pad_id_of
+from cooper_mcore.data.tokenizer import check_vocab_fits, pad_id_of
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import build_token_batch, token_logprobs
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, train_step, wrap_for_training
@@ -260,6 +260,8 @@ def sft(
     arch, hf_config, dtype = read_meta(ckpt_in)
     if arch.model_type != "causal_lm":
         raise ValueError(f"sft needs a causal-LM checkpoint; {ckpt_in!r} is a {arch.model_type} model")
+    top = max(max(max(p), max(r)) for p, r in examples)
+    check_vocab_fits(top + 1, arch.vocab_size, "the tokenizer of the SFT examples", ckpt_in)
     longest = max(len(p) + len(r) for p, r in examples)
     if longest > arch.max_position_embeddings:
         raise ValueError(f"sft: an example has {longest} tokens, more than the model's "

@@ -52,7 +52,7 @@ from cooper_mcore.collectives import all_gather
 from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
 from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
-from cooper_mcore.data.tokenizer import pad_id_of
+from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
 from cooper_mcore.mcore.reward_model import (
     bce_train_step,
     load_rm_tokenizer,
@@ -156,11 +156,13 @@ def score_texts(
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _load_rm(ckpt: str, parallel: ParallelConfig):
+def _load_rm(ckpt: str, parallel: ParallelConfig, tokenizer: Any):
+    """Load a reward-model checkpoint after checking its type and that ``tokenizer`` fits its vocabulary."""
     arch, hf_config, dtype = read_meta(ckpt)
     if arch.model_type != "reward":
         raise ValueError(f"checkpoint {ckpt!r} is a {arch.model_type} model, not a reward model "
                          "(convert with --model-type reward)")
+    check_tokenizer_fits(tokenizer, arch.vocab_size, ckpt)
     model, arch = load_checkpoint_model(ckpt, parallel)
     return model, arch, hf_config, dtype
 
@@ -210,8 +212,8 @@ def eval_rm(
     parallel = parallel or ParallelConfig()
     examples, skipped = read_eval_examples(data_path, data_format, skip_malformed)
     with job_world(parallel, seed):
-        model, arch, _, _ = _load_rm(ckpt, parallel)
         tokenizer = load_rm_tokenizer(ckpt)
+        model, arch, _, _ = _load_rm(ckpt, parallel, tokenizer)
         scores = score_texts(model, tokenizer, [ex.rm_text() for ex in examples], micro_batch_size,
                              max_length or arch.max_position_embeddings)
         rank0 = dist.get_rank() == 0
@@ -315,8 +317,8 @@ def train_rm(
                              f"data-parallel size = {micro_batch_size} * {dp}")
         rank0 = dist.get_rank() == 0
         torch.manual_seed(seed)
-        model, arch, hf_config, dtype = _load_rm(ckpt_in, parallel)
         tokenizer = load_rm_tokenizer(ckpt_in)
+        model, arch, hf_config, dtype = _load_rm(ckpt_in, parallel, tokenizer)
         max_len = max_length or arch.max_position_embeddings
         pad = pad_id_of(tokenizer)
         tokens = tokenize_texts(tokenizer, [ex.rm_text() for ex in train], max_len)

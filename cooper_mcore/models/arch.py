@@ -8,13 +8,14 @@ nothing here needs transformers.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from cooper_mcore.convert.file_errors import read_json_object
 
 # HF ``architectures`` entry -> (family, model type)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -27,6 +28,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 FAMILY_CLASS_PREFIX = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3"}
 MODEL_TYPES = ("causal_lm", "reward")
+_REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 
 
 @dataclass
@@ -112,6 +114,9 @@ class ArchSpec:
             raise ValueError("llama with mlp_bias=True is not supported")
         if cfg.get("use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
+        missing = [k for k in _REQUIRED_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
+        if missing:
+            raise ValueError(f"config has no integer {', '.join(repr(k) for k in missing)}")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -162,12 +167,16 @@ def _read_rope(cfg: dict[str, Any]) -> RopeSpec:
 
 
 def load_hf_config(hf_dir: str) -> dict[str, Any]:
-    """Read ``config.json`` from a Hugging Face model folder, with a clear error if missing."""
+    """Read ``config.json`` from a Hugging Face model folder.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: it is not valid JSON (the message names the file, line and column) or not an object.
+    """
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {hf_dir!r}")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:

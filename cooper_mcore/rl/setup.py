@@ -24,7 +24,7 @@ from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
-from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
@@ -102,12 +102,17 @@ def _optim(o: OptimSection) -> OptimConfig:
 
 def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Optional[OptimSection],
                schedule_steps: int) -> ModelState:
-    """Load a model checkpoint at the run's layout; wrap it for training when ``optim`` is given."""
-    module, arch = load_checkpoint_model(ckpt, cfg.parallel)
-    _, hf_config, dtype = read_meta(ckpt)
+    """Load a model checkpoint at the run's layout; wrap it for training when ``optim`` is given.
+
+    Raises:
+        ValueError: the checkpoint's dtype is not ``model.dtype``, or ``tokenizer`` has ids past its vocabulary.
+    """
+    ckpt_arch, hf_config, dtype = read_meta(ckpt)
     if dtype != DTYPES[cfg.model.dtype]:
         raise ValueError(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype}; convert the checkpoint "
                          "in the dtype you train in")
+    check_tokenizer_fits(tokenizer, ckpt_arch.vocab_size, ckpt)  # before the load: no IndexError in a forward
+    module, arch = load_checkpoint_model(ckpt, cfg.parallel)
     ddp = optimizer = scheduler = None
     if optim is not None:
         ddp, optimizer = wrap_for_training(module, _optim(optim), per_token_loss=True)

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import transformers
 
-from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams, memory_tags
 
 logger = logging.getLogger(__name__)
@@ -70,14 +70,19 @@ class HFEngine:
 
         Weights are read from safetensors only (a folder with only ``pytorch_model.bin`` pickles is
         refused); ``trust_remote_code`` lets the folder's own Python code run (off unless asked).
+
+        Raises:
+            ValueError: the tokenizer has ids past the model's vocabulary (both sizes named).
         """
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code).to(device)
         tok = None
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
                                                                  "tokenizer_config.json")):
             tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
-        return cls(model, tok, **kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
+        if tok is not None:
+            check_tokenizer_fits(tok, model.get_input_embeddings().num_embeddings, path, tokenizer_path=path)
+        return cls(model.to(device), tok, **kwargs)
 
     # -- generation ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -136,6 +136,47 @@ def test_paths_and_their_kinds(paths, tmp_path):
     ]
 
 
+def test_a_data_directory_is_named_as_one(paths, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    problems = config_problems(_cfg({**paths, "data.train_path": str(folder)}), 1)
+    assert problems == [f"data.train_path: {str(folder)!r} is a directory, expected a .jsonl or .parquet file"]
+
+
+def _hf_config(folder, **fields):
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, **fields}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_policy_checkpoint_and_policy_hf_must_be_the_same_model(paths, tmp_path):
+    hf = tmp_path / "policy_hf"
+    _hf_config(hf)  # the fixture's checkpoint: vocab 128, hidden 32, 4 layers, 4 heads, 2 kv heads
+    assert config_problems(_cfg(paths), 1) == []
+    _hf_config(hf, vocab_size=256, hidden_size=64, num_hidden_layers=2, num_key_value_heads=None)
+    problems = config_problems(_cfg(paths), 1)
+    assert problems == [
+        f"model.policy_ckpt ({paths['model.policy_ckpt']}) and model.policy_hf ({hf}) are not the same model "
+        "(checkpoint vs config.json: vocab_size 128 vs vocab_size 256, hidden_size 32 vs hidden_size 64, "
+        "num_layers 4 vs num_hidden_layers 2, num_query_groups 2 vs num_key_value_heads 4); the rollout engine "
+        "starts from model.policy_hf and receives the checkpoint's weights: convert model.policy_hf with `cooper "
+        "convert hf-to-mcore`, or export the checkpoint with `cooper convert mcore-to-hf` and point "
+        "model.policy_hf at it"]
+    with pytest.raises(ValueError, match=r"invalid config \(1 problem\):\n  - model.policy_ckpt .* are not the same"):
+        validate(_cfg(paths), 1)
+
+
+def test_broken_json_metadata_is_listed_with_file_and_line(paths, tmp_path):
+    (tmp_path / "policy_hf" / "config.json").write_text('{"vocab_size": 128,\n "hidden_size": }')
+    (tmp_path / "rm" / "cooper_model.json").write_text("{\n\n[")
+    problems = config_problems(_cfg(paths), 1)
+    assert problems == [
+        f"model.rm_ckpt: {tmp_path / 'rm' / 'cooper_model.json'} is not valid JSON: Expecting property name "
+        "enclosed in double quotes at line 3, column 1; fix or restore the file",
+        f"model.policy_hf: {tmp_path / 'policy_hf' / 'config.json'} is not valid JSON: Expecting value at line 2, "
+        "column 17; fix or restore the file"]
+
+
 def test_assistant_settings_and_dtype(paths):
     problems = config_problems(_cfg(paths, "rm.negatives=assistant", "rm.on_assistant_failure=retry",
                                     "rm.assistant_max_retries=-1", "model.dtype=bfloat16"), 1)

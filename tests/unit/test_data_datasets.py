@@ -96,6 +96,16 @@ def test_missing_file_empty_file_and_unknown_suffix(tmp_path):
         read_prompts(str(csv))
 
 
+def test_a_directory_is_not_a_data_file(tmp_path):
+    folder = tmp_path / "data.jsonl"  # even with a data file's suffix
+    folder.mkdir()
+    for path in (tmp_path, folder):
+        with pytest.raises(ValueError, match=rf"^data file '{path}' is a directory, expected a \.jsonl or \.parquet "
+                                             r"file \(give the path of one file: \.jsonl, \.json, \.ndjson, \.parquet, "
+                                             r"\.pq\)$"):
+            read_prompts(str(path))
+
+
 def test_parquet_rows_and_typed_columns(tmp_path):
     path = str(tmp_path / "p.parquet")
     pq.write_table(pa.table({
