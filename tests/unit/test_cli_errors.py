@@ -106,20 +106,18 @@ def test_tiny_assets_out_is_a_file(tmp_path, caplog, capsys):
 
 # -- ENOSPC --------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_no_space_left_on_device(tmp_path, monkeypatch, caplog, capsys):
-    """The verifier's output goes to /dev/full (every write: ENOSPC, naming no path), as on a full disk."""
-    import tempfile
+    """A write() on a full disk raises ENOSPC naming no path: the message names the command's --out."""
+    def full_disk(args):
+        with open("/dev/full" if os.path.exists("/dev/full") else os.devnull, "w") as f:
+            f.write("x")
+            if f.name == os.devnull:  # no /dev/full here: raise what it would
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    out_dir = tmp_path / "out"
-
-    def mkstemp(prefix="", suffix="", dir=None):  # noqa: A002 (tempfile's name)
-        return os.open("/dev/full", os.O_WRONLY), os.path.join(dir, f"{prefix}x{suffix}")
-
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
-    rc = main(["verify", "--in", _verify_input(tmp_path), "--out", str(out_dir / "v.jsonl")])
-    assert rc == EXIT_USER_ERROR
-    _one_clear_line(caplog, capsys, "no space left", str(out_dir / "v.jsonl"))
+    monkeypatch.setattr(cli, "handler", lambda command: full_disk)
+    out = tmp_path / "out" / "v.jsonl"
+    assert main(["verify", "--in", _verify_input(tmp_path), "--out", str(out)]) == EXIT_USER_ERROR
+    _one_clear_line(caplog, capsys, "no space left", str(out))
 
 
 # -- YAML and preset shape -----------------------------------------------------------------------
