@@ -291,6 +291,8 @@ class CheckpointConfig:
     """Newest complete checkpoints kept."""
     resume: str = "none"
     """none, auto (the newest checkpoint that verifies) or a checkpoint folder."""
+    overwrite: bool = False
+    """Start over in an out folder that holds a run, deleting its metrics and checkpoints (default: refuse)."""
 
 
 @dataclass

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from cooper_mcore import atomic
 from cooper_mcore.collectives import all_reduce
 from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
 from cooper_mcore.redaction import scrub, scrub_config
@@ -337,12 +338,9 @@ def _drop_torn_tail(path: str) -> None:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    """Write ``obj`` as indented JSON under a temporary name, then rename it to ``path``."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``obj`` as indented JSON under a temporary name, then rename it to ``path``
+    (:func:`cooper_mcore.atomic.write_json_atomic`: a special file at ``path`` is refused)."""
+    atomic.write_json_atomic(path, obj)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

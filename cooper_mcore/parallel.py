@@ -11,9 +11,12 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import socket
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -129,11 +132,78 @@ def owned_world() -> Iterator[None]:
 
     try:
         yield
-    except BaseException:
+    except BaseException as e:
+        timeout = collective_timeout(e)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             teardown()
+        if timeout is not None:
+            raise timeout from e
         raise
     teardown()
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than ``parallel.timeout_minutes`` for the other ranks of its group.
+
+    The message names this rank, the call (``torch.distributed.<op>``), the group's ranks and where
+    it was called from; ``rank``, ``op`` and ``ranks`` hold them too. Every job's world
+    (:func:`owned_world`) turns torch's timeout error into this, so the CLI reports one line.
+    """
+
+    def __init__(self, message: str, rank: int, op: str, ranks: Optional[list[int]]) -> None:
+        super().__init__(message)
+        self.rank, self.op, self.ranks = rank, op, ranks
+
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def collective_timeout(e: BaseException) -> Optional[CollectiveTimeout]:
+    """``e`` as a :class:`CollectiveTimeout` when it is torch.distributed's timeout of a collective
+    (gloo: ``RuntimeError: ... Timed out waiting 5000ms for recv operation``; NCCL: a
+    ``DistBackendError`` naming the watchdog's timeout), else None.
+
+    The call and the group come from the traceback: the outermost frame in torch's
+    ``distributed_c10d`` (its function, its ``group`` argument) and the innermost frame outside
+    torch that called it.
+    """
+    if not isinstance(e, RuntimeError) or isinstance(e, CollectiveTimeout) or not _TIMED_OUT.search(str(e)):
+        return None
+    op, ranks, callers = None, None, []
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        path = frame.f_code.co_filename
+        if path.endswith(_C10D) and frame.f_code.co_name not in ("wrapper", "inner"):
+            op = frame.f_code.co_name
+            group = frame.f_locals.get("group")
+            try:
+                ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            except Exception:  # noqa: BLE001 - the ranks only decorate the message
+                ranks = None
+            break
+        if not path.startswith(_TORCH):
+            callers.append(f"{_short(path)}:{lineno} ({frame.f_code.co_name})")
+    if op is None:  # not raised by a collective of torch.distributed
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    caller = " <- ".join(reversed(callers[-3:]))
+    message = (f"rank {rank} of {world}: torch.distributed.{op} over ranks {ranks if ranks is not None else '?'} "
+               f"timed out{f', called from {caller}' if caller else ''}: another rank of that group never joined "
+               "it (it failed, hangs, or is far slower: see the other ranks' logs first); the limit is "
+               f"parallel.timeout_minutes. torch: {first[:300]}")
+    return CollectiveTimeout(message, rank, op, ranks)
+
+
+def _short(path: str) -> str:
+    """``path`` from its package folder on (``cooper_mcore/rl/loop.py``, ``megatron/core/...``)."""
+    parts = path.split(os.sep)
+    for root in ("cooper_mcore", "megatron", "tests"):
+        if root in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(root):])
+    return path
 
 
 @contextlib.contextmanager

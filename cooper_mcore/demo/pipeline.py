@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cooper_mcore.atomic import atomic_open
 from cooper_mcore.config import CooperConfig, save_config
 from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
@@ -119,10 +120,8 @@ def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Ca
     start = time.perf_counter()
     info = fn(path)
     info["seconds"] = round(time.perf_counter() - start, 1)
-    tmp = marker + ".tmp"
-    with open(tmp, "w") as f:
+    with atomic_open(marker) as f:
         json.dump({"key": key, "doc": doc, "info": info}, f, indent=1, default=str)
-    os.replace(tmp, marker)
     logger.info("[%s] done in %.0f s", name, info["seconds"])
     return Stage(name, key, path, info)
 
@@ -147,10 +146,9 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 def write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with atomic_open(path) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(path + ".tmp", path)
 
 
 def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, top_p: float, max_new_tokens: int,

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.collectives import all_gather
 from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
 from cooper_mcore.convert.compare import load_checkpoint_model
@@ -210,6 +211,8 @@ def eval_rm(
         :func:`accuracy_report` plus ``ckpt``, ``data``, ``skipped``.
     """
     parallel = parallel or ParallelConfig()
+    if predictions_path:
+        check_output_path(predictions_path)  # a device or FIFO there is refused before any work
     examples, skipped = read_eval_examples(data_path, data_format, skip_malformed)
     with job_world(parallel, seed):
         tokenizer = load_rm_tokenizer(ckpt)
@@ -225,14 +228,11 @@ def eval_rm(
 
 
 def _write_predictions(path: str, examples: Sequence[RMExample], scores: torch.Tensor, threshold: float) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path) as f:
         for ex, s in zip(examples, scores.tolist()):
             p = 1.0 / (1.0 + math.exp(-s)) if s >= 0 else math.exp(s) / (1.0 + math.exp(s))
             f.write(json.dumps({"id": ex.id, "label": ex.label, "score": s, "prob": p, "pred": p >= threshold,
                                 "answer_type": ex.answer_type}) + "\n")
-    os.replace(tmp, path)
 
 
 def train_rm(

@@ -15,6 +15,13 @@ A checkpoint is written under ``step_<n>.tmp``; when every rank has finished, ra
 manifest and renames the folder to ``step_<n>``, so a process killed at any moment leaves either
 a complete ``step_<n>`` or a ``*.tmp`` folder that is ignored (and removed later).
 
+A part that fails to write on any rank (a full disk, a file-size limit; megatron-core's own
+``CheckpointException`` included) raises :class:`CheckpointWriteError` on every rank (the ranks
+agree after each part instead of meeting at a barrier, so none waits for one that failed). A
+``KeyboardInterrupt`` (a second Ctrl-C) kills the writer processes megatron-core forked for this
+write before it propagates; megatron-core's results-queue process is started with the stop
+signals blocked, so a Ctrl-C or a SIGTERM sent to every process of the job does not kill it.
+
 Resuming verifies before loading: a ``step_<n>`` folder without a manifest, or with a file that
 is missing or whose size or CRC-32 disagrees with it (a truncated copy, a flipped bit, a partial
 rsync), is reported with its path and reason (``logging.warning``) and the next older checkpoint
@@ -31,13 +38,17 @@ without). Verifying reads the whole checkpoint once, on rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
 import shutil
+import signal
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -45,7 +56,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from torch.distributed.checkpoint.api import CheckpointException
 
+from cooper_mcore.atomic import atomic_open
+from cooper_mcore.collectives import any_rank
 from cooper_mcore.convert.checkpoint import EXTRA_DIR, drop_absent_extra_state, write_meta
 from cooper_mcore.mcore.faults import fault_point
 from cooper_mcore.mcore.model_state import ModelState
@@ -110,43 +124,133 @@ def save_training_checkpoint(
 
     Returns:
         The checkpoint folder.
+
+    Raises:
+        CheckpointWriteError: on every rank, when any rank failed to write its part (a full disk,
+            a file-size limit, an I/O error); ``step_<n>.tmp`` is left behind, ignored by resume.
+        KeyboardInterrupt: a second Ctrl-C (see :mod:`cooper_mcore.rl.loop`); megatron-core's
+            writer processes this write started are killed first, so the exit does not wait on them.
     """
     rank = dist.get_rank()
     final = os.path.join(out_dir, f"step_{step}")
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _start_results_queue()
+    writers_before = set(multiprocessing.active_children())
+    try:
+        with _agreed(final, "its folder"):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                for m in models:
+                    os.makedirs(os.path.join(tmp, m.name))
+                os.makedirs(os.path.join(tmp, "rng"))
         for m in models:
-            os.makedirs(os.path.join(tmp, m.name))
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    for m in models:
-        dist_checkpointing.save(_sharded_state(m), os.path.join(tmp, m.name))
-        fault_point(f"ckpt_{m.name}", step)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
-    if rank == 0:
-        for m in models:
-            write_meta(os.path.join(tmp, m.name), m.arch, m.hf_config, m.dtype)
-            if os.path.isdir(m.extra_dir):  # tokenizer files: the folder exports as a full HF model
-                shutil.copytree(m.extra_dir, os.path.join(tmp, m.name, EXTRA_DIR))
-        adam = {m.name: adam_step(m.optimizer) for m in models if m.optimizer is not None}
-        with open(os.path.join(tmp, "trainer.json"), "w") as f:
-            json.dump({"step": step, "world_size": dist.get_world_size(), "adam_steps": adam, **trainer_state}, f)
-    dist.barrier()
-    if rank == 0:
-        fault_point("ckpt_files", step)
-        write_manifest(tmp)
-        fault_point("ckpt_manifest", step)
-        if os.path.exists(final):  # a corrupt or stale checkpoint of a step this run has redone
-            logger.warning("replacing the existing %s", final)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(out_dir)
-        fault_point("ckpt_renamed", step)
-        _prune(out_dir, keep, step)
-    dist.barrier()
+            with _agreed(final, f"the {m.name} model's files"):
+                try:
+                    dist_checkpointing.save(_sharded_state(m), os.path.join(tmp, m.name))
+                except CheckpointException as e:  # a BaseException: made an ordinary error here
+                    raise _WriterFailed(_checkpoint_exception_text(e)) from e
+            fault_point(f"ckpt_{m.name}", step)
+        with _agreed(final, "the RNG states and trainer state"):
+            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+            if rank == 0:
+                for m in models:
+                    write_meta(os.path.join(tmp, m.name), m.arch, m.hf_config, m.dtype)
+                    if os.path.isdir(m.extra_dir):  # tokenizer files: the folder exports as a full HF model
+                        shutil.copytree(m.extra_dir, os.path.join(tmp, m.name, EXTRA_DIR))
+                adam = {m.name: adam_step(m.optimizer) for m in models if m.optimizer is not None}
+                with open(os.path.join(tmp, "trainer.json"), "w") as f:
+                    json.dump({"step": step, "world_size": dist.get_world_size(), "adam_steps": adam,
+                               **trainer_state}, f)
+        with _agreed(final, "the manifest"):
+            if rank == 0:
+                fault_point("ckpt_files", step)
+                write_manifest(tmp)
+                fault_point("ckpt_manifest", step)
+                if os.path.exists(final):  # a corrupt or stale checkpoint of a step this run has redone
+                    logger.warning("replacing the existing %s", final)
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(out_dir)
+                fault_point("ckpt_renamed", step)
+                _prune(out_dir, keep, step)
+    except KeyboardInterrupt:
+        _kill_new_children(writers_before)
+        raise
     logger.info("checkpoint: %s", final)
     return final
+
+
+class CheckpointWriteError(RuntimeError):
+    """A training checkpoint could not be written (raised on every rank; the message names the
+    checkpoint, the part and, on the rank that failed, the cause)."""
+
+
+class _WriterFailed(RuntimeError):
+    """megatron-core's writer failed (its message is the cause's, type included)."""
+
+
+@contextlib.contextmanager
+def _agreed(final: str, part: str) -> Iterator[None]:
+    """Run the block, then learn whether it failed on any rank (collective, in place of a
+    barrier): a rank whose write failed does not leave the others waiting in the next barrier
+    until the collective timeout, and every rank raises."""
+    error: Optional[BaseException] = None
+    try:
+        yield
+    except Exception as e:
+        error = e
+    if any_rank(error is not None):
+        if error is None:
+            cause = " on another rank (its log names the cause)"
+        elif isinstance(error, _WriterFailed):
+            cause = f": {error}"
+        else:
+            cause = f": {type(error).__name__}: {_first_line(error)}"
+        raise CheckpointWriteError(f"could not write checkpoint {final} ({part}){cause}") from error
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(e).__name__
+
+
+def _checkpoint_exception_text(e: BaseException) -> str:
+    """The innermost cause of megatron-core's ``CheckpointException`` (its ``failures`` by rank)."""
+    failures = getattr(e, "failures", None) or {}
+    for failure in failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        while exc.__cause__ is not None:
+            exc = exc.__cause__
+        return f"{type(exc).__name__}: {_first_line(exc)}"
+    return _first_line(e)
+
+
+def _start_results_queue() -> None:
+    """Start megatron-core's write-results queue (a process it spawns once) with the stop signals
+    blocked, so that process inherits them blocked: a Ctrl-C to the terminal's process group, or
+    a SIGTERM/SIGUSR1 a scheduler sends to every process of the job, does not kill it in the
+    middle of the write the run then needs (the preemption checkpoint)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    start = getattr(filesystem_async, "_get_write_results_queue", None)
+    if start is None:  # another megatron-core: it starts its queue itself
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
+    try:
+        start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _kill_new_children(before: set) -> None:
+    """SIGKILL the processes started since ``before`` (megatron-core's forked shard writers), so
+    an interrupted run neither waits for them nor leaves them writing."""
+    for p in set(multiprocessing.active_children()) - before:
+        with contextlib.suppress(Exception):
+            p.kill()
+            p.join(timeout=5)
 
 
 def _fsync_dir(path: str) -> None:
@@ -194,12 +298,8 @@ def write_manifest(folder: str) -> dict[str, Any]:
     manifest = {"format": 1, "checksum": "crc32",
                 "files": {r: {"size": os.path.getsize(os.path.join(folder, r)), "crc32": c}
                           for r, c in zip(rels, crcs)}}
-    tmp = os.path.join(folder, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_open(os.path.join(folder, MANIFEST), fsync=True) as f:
         json.dump(manifest, f, indent=0)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, MANIFEST))
     return manifest
 
 
@@ -296,8 +396,8 @@ def load_training_checkpoint(path: str, models: list[ModelState]) -> dict[str, A
     if trainer_state["world_size"] != dist.get_world_size():
         raise ValueError(f"{path} was written by {trainer_state['world_size']} processes, this run has "
                          f"{dist.get_world_size()} (exact resume needs the same layout): for a separate run give "
-                         f"another --out; to start over in this folder (its checkpoints are replaced) give "
-                         f"--resume none (checkpoint.resume=none); to continue it, launch "
+                         f"another --out; to start over in this folder (its metrics and checkpoints are deleted) "
+                         f"give --resume none with checkpoint.overwrite=true; to continue it, launch "
                          f"{trainer_state['world_size']} processes with its parallel.* settings")
     for m in models:
         with torch.no_grad():

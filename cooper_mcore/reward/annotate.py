@@ -11,7 +11,15 @@ Each (question, reference, completion) row is judged twice:
 
 A row is kept, with ``label`` = the common verdict, iff both verdicts are known and equal; every
 other row is dropped and counted. The output keeps every input field and adds ``label`` (true or
-false); JSONL or Parquet by the output's suffix, written under a temporary name and renamed.
+false); JSONL or Parquet by the output's suffix, written under a temporary name and renamed
+(:mod:`cooper_mcore.atomic`: an output path that is a device, a FIFO or a folder is refused before
+any work).
+
+Nothing to label is an error, never an empty output with exit 0: an input without rows raises
+``ValueError`` (:func:`~cooper_mcore.data.datasets.read_records`); a judge none of whose answers
+could be read (every request failed, came back without text, or said neither yes nor no: a wrong
+model name, a reasoning judge cut off by ``max_tokens``, ...) raises :class:`JudgeUnavailable`
+naming the endpoint, and nothing is written.
 
 Rows are read like the RM training data of :mod:`cooper_mcore.jobs.verify_rm` (field names
 configurable; a malformed row raises ``ValueError`` naming file and line, or is skipped and
@@ -37,6 +45,7 @@ from typing import Any, Optional, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cooper_mcore.atomic import atomic_path, check_output_path
 from cooper_mcore.data.datasets import file_format, read_records, require_text
 from cooper_mcore.data.templates import truncate_completion
 
@@ -63,7 +72,8 @@ def judge_user_prompt(question: str, reference: str, completion: str) -> str:
 
 
 class JudgeUnavailable(RuntimeError):
-    """The LLM judge failed after its retries and the run was told to stop (``on_judge_failure="stop"``)."""
+    """The LLM judge failed after its retries and the run was told to stop (``on_judge_failure="stop"``),
+    or no judge answer of the whole input could be read (the CLI reports it in one line, exit 2)."""
 
 
 class ChatClient(Protocol):
@@ -146,20 +156,13 @@ def _read_rows(path: str, keys: tuple[str, str, str], skip_malformed: bool) -> t
 
 def _write_rows(rows: list[dict], path: str) -> None:
     fmt = file_format(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    try:
+    with atomic_path(path) as tmp:
         if fmt == "jsonl":
             with open(tmp, "w", encoding="utf-8") as f:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
         else:
             pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def annotate(
@@ -206,9 +209,11 @@ def annotate(
         ``judge_failed`` (requests without an answer, included in ``judge`` None), ``out_path``.
 
     Raises:
-        ValueError: bad arguments, or a malformed row (unless skipped).
+        ValueError: bad arguments, an output path that is not a regular file, an input without
+            (valid) rows, or a malformed row (unless skipped).
         JudgeUnavailable: with ``on_judge_failure="stop"``, a judge request failed for good (the
-            message names the endpoint and how many requests of the chunk failed).
+            message names the endpoint and how many requests of the chunk failed); or, whatever
+            ``on_judge_failure``, no judge answer of the input could be read (nothing is written).
     """
     if on_judge_failure not in ("mask", "stop"):
         raise ValueError(f"on_judge_failure must be 'mask' or 'stop', got {on_judge_failure!r}")
@@ -217,11 +222,15 @@ def annotate(
     file_format(out_path)  # an unknown suffix fails before any work
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    for path in (out_path, judgements_path):
+        if path:
+            file_format(path)
+            check_output_path(path)
     rows, triples, skipped = _read_rows(in_path, (question_key, reference_key, completion_key), skip_malformed)
     table = {r: dict.fromkeys(VERDICTS, 0) for r in VERDICTS}
     kept_rows: list[dict] = []
     audit: list[dict] = []
-    judge_failed = 0
+    judge_failed = judge_empty = 0
     with ThreadPoolExecutor(1, thread_name_prefix="annotate-judge") as pool:
         for start in range(0, len(triples), chunk_size):
             chunk = triples[start:start + chunk_size]
@@ -241,6 +250,7 @@ def annotate(
             for j, (text, outcome) in enumerate(zip(answers, outcomes)):
                 rule, judge = outcome.correct, parse_judgement(text)
                 judge_failed += text is None
+                judge_empty += text is not None and not text.strip()
                 table[_key(rule)][_key(judge)] += 1
                 kept = rule is not None and rule == judge
                 if kept:
@@ -252,6 +262,15 @@ def annotate(
                                   "kept": kept})
             logger.info("annotate: %d/%d rows judged, %d kept", min(start + chunk_size, len(triples)),
                         len(triples), len(kept_rows))
+    if not any(table[r][j] for r in VERDICTS for j in ("true", "false")):
+        endpoint = getattr(judge_client, "url", "?")
+        model = getattr(judge_client, "model", None)
+        unreadable = len(triples) - judge_failed - judge_empty
+        raise JudgeUnavailable(
+            f"the LLM judge at {endpoint}{f' (model {model!r})' if model else ''} gave no readable answer for any of "
+            f"the {len(triples)} rows ({judge_failed} requests failed after their retries, {judge_empty} answers had "
+            f"no text, {unreadable} said neither yes nor no); nothing was written to {out_path}. Check that the "
+            "endpoint serves that model and answers chat completions (for a reasoning judge, raise max_tokens)")
     _write_rows(kept_rows, out_path)
     if judgements_path:
         _write_rows(audit, judgements_path)

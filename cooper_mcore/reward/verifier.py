@@ -33,7 +33,6 @@ import multiprocessing as mp
 import os
 import resource
 import signal
-import tempfile
 import threading
 import time
 import weakref
@@ -45,6 +44,7 @@ from typing import Any, Optional
 
 from math_verify import LatexExtractionConfig, parse, verify
 
+from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.reward.extract import extract_answer
 
 __all__ = ["RuleVerifier", "VerifyOutcome", "extract_answer", "verify_jsonl"]
@@ -447,11 +447,14 @@ def verify_jsonl(
     completion or a bare answer). Each output line is that object plus ``correct`` (true, false, or
     null when unverifiable) and ``seconds``; existing fields of those names are overwritten. Blank
     lines are skipped. All lines are validated before any verification; the output is written to a
-    temporary file in the output folder and renamed into place at the end.
+    temporary file in the output folder and renamed into place at the end
+    (:func:`cooper_mcore.atomic.atomic_open`). An input without a single row is an error, not a
+    score: there is nothing to verify, and no output is written.
 
     Args:
         in_path: Input JSONL file.
-        out_path: Output JSONL file (replaced atomically if it exists).
+        out_path: Output JSONL file (replaced atomically if it exists; if it exists, it must be a
+            regular file or a link to one).
         timeout_s: Hard per-item limit in seconds.
         num_workers: Worker processes.
         gold_key: Name of the gold field.
@@ -464,43 +467,36 @@ def verify_jsonl(
 
     Raises:
         ValueError: On a malformed line (bad UTF-8 or JSON, not an object, missing or non-string
-            field), naming the file and line number.
+            field), naming the file and line number; an input without rows; an ``out_path`` that
+            exists and is not a regular file (a device, a FIFO, a folder).
         FileNotFoundError: If ``in_path`` does not exist.
     """
     t0 = time.monotonic()
+    check_output_path(out_path)
     records = _read_jsonl(in_path, gold_key, pred_key)
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.", suffix=".tmp", dir=out_dir)
+    if not records:
+        raise ValueError(f"{in_path} has no rows to verify (it is empty or holds only blank lines); nothing was "
+                         f"written to {out_path}")
     max_s = sum_s = 0.0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f, RuleVerifier(timeout_s, num_workers) as verifier:
-            for start in range(0, len(records), chunk_size):
-                chunk = records[start : start + chunk_size]
-                outcomes = verifier.verify_batch([r[gold_key] for r in chunk], [r[pred_key] for r in chunk])
-                for rec, out in zip(chunk, outcomes):
-                    rec["correct"] = out.correct
-                    rec["seconds"] = round(out.seconds, 6)
-                    max_s, sum_s = max(max_s, out.seconds), sum_s + out.seconds
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                logger.info("verify: %d/%d items", start + len(chunk), len(records))
-            stats = verifier.stats
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(out_path) as f, RuleVerifier(timeout_s, num_workers) as verifier:
+        for start in range(0, len(records), chunk_size):
+            chunk = records[start : start + chunk_size]
+            outcomes = verifier.verify_batch([r[gold_key] for r in chunk], [r[pred_key] for r in chunk])
+            for rec, out in zip(chunk, outcomes):
+                rec["correct"] = out.correct
+                rec["seconds"] = round(out.seconds, 6)
+                max_s, sum_s = max(max_s, out.seconds), sum_s + out.seconds
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            logger.info("verify: %d/%d items", start + len(chunk), len(records))
+        stats = verifier.stats
     wall = time.monotonic() - t0
     total = stats["total"]
     return {
         **stats,
         "unverifiable": stats["timeout"] + stats["error"],
-        "accuracy": stats["correct"] / total if total else 0.0,
+        "accuracy": stats["correct"] / total,
         "max_seconds": round(max_s, 6),
-        "mean_seconds": round(sum_s / total, 6) if total else 0.0,
+        "mean_seconds": round(sum_s / total, 6),
         "wall_seconds": round(wall, 3),
         "items_per_s": round(total / wall, 1) if wall > 0 else 0.0,
         "out": out_path,

@@ -4,13 +4,24 @@ updated every step (``cooper``), kept frozen (``static_rm``) or replaced by the 
 
 Per step: :func:`cooper_mcore.rl.step.cooper_step`, then evaluation, metrics, checkpoints and the
 stop conditions. Faults: ``checkpoint.resume: auto`` continues from the newest checkpoint that
-verifies against its manifest (:mod:`cooper_mcore.mcore.checkpoint`). SIGTERM (preemption) or
+verifies against its manifest (:mod:`cooper_mcore.mcore.checkpoint`). SIGTERM (preemption),
 SIGUSR1 (the early warning a scheduler sends before its time limit, e.g. ``#SBATCH
---signal=B:USR1@600`` forwarded by the launcher) is caught; at the end of the current step every
-rank writes a checkpoint and :class:`TrainingStopped` is raised with ``EXIT_PREEMPTED`` (75). A
+--signal=B:USR1@600`` forwarded by the launcher) or a first Ctrl-C (SIGINT) is caught; at the end of
+the current step (or right after the checkpoint being written when it came) every rank writes a
+checkpoint and :class:`TrainingStopped` is raised with ``EXIT_PREEMPTED`` (75). A second Ctrl-C
+stops at once: the checkpoint being written, if any, is left incomplete (``step_<n>.tmp``, which
+resume ignores), megatron-core's writer processes are killed, and :class:`TrainingStopped` is
+raised with ``EXIT_INTERRUPTED`` (130) naming the newest complete checkpoint. Forked children
+(megatron-core's checkpoint writers) ignore the stop signals: the trainer decides. A checkpoint
+that cannot be written (a full disk, ...) stops the run with ``EXIT_CHECKPOINT_FAILED`` (74). A
 step whose policy or RM update is skipped for a non-finite loss or gradient norm is logged
 (``skipped/nonfinite``); after ``train.max_nonfinite_steps`` such steps in a row a checkpoint is
 written and :class:`TrainingStopped` is raised with ``EXIT_NONFINITE`` (3).
+
+A run folder (``out``) that already holds a run (a ``metrics.jsonl`` with lines, or anything in
+``checkpoints/``) is continued only with ``checkpoint.resume: auto`` (or a checkpoint of its own);
+otherwise the run is refused before any work (:func:`check_run_folder`), unless
+``checkpoint.overwrite: true``, which deletes that run's files first (:data:`RUN_FILES`).
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import signal
 import threading
 from typing import Any, Optional
@@ -29,9 +41,22 @@ import torch.distributed as dist
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.config import CooperConfig, save_config, to_dict
 from cooper_mcore.hacking import RewardHackingDetector
-from cooper_mcore.mcore.checkpoint import find_resume, load_training_checkpoint, save_training_checkpoint
+from cooper_mcore.mcore.checkpoint import (
+    CheckpointWriteError,
+    complete_checkpoints,
+    find_resume,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 from cooper_mcore.mcore.faults import FaultPhaseTimer
-from cooper_mcore.metrics import MetricsLogger, ProgressBar, cuda_peak_memory, reduce_metrics
+from cooper_mcore.metrics import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    MetricsLogger,
+    ProgressBar,
+    cuda_peak_memory,
+    reduce_metrics,
+)
 from cooper_mcore.parallel import owned_world
 from cooper_mcore.rl.rollouts import evaluate
 from cooper_mcore.rl.setup import Run, build_run
@@ -40,33 +65,57 @@ from cooper_mcore.rl.step import cooper_step
 logger = logging.getLogger(__name__)
 
 EXIT_NONFINITE = 3
+EXIT_CHECKPOINT_FAILED = 74  # sysexits' EX_IOERR: a checkpoint could not be written
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, run the same command again
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+CHECKPOINTS_DIR = "checkpoints"
+#: what a run writes into its folder (deleted by ``checkpoint.overwrite``; nothing else is touched)
+RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "config.yaml", CONFIG_FILE, "wandb")
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped early on purpose after writing a checkpoint; ``exit_code`` is the CLI's."""
+    """The run stopped early (a stop signal, non-finite numbers, a checkpoint that could not be
+    written); ``exit_code`` is the CLI's; ``checkpoint`` the newest complete checkpoint (or None)."""
 
-    def __init__(self, message: str, exit_code: int, checkpoint: str) -> None:
+    def __init__(self, message: str, exit_code: int, checkpoint: Optional[str]) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.checkpoint = checkpoint
 
 
 class StopSignal:
-    """Catch SIGTERM and SIGUSR1 into a flag checked at the end of every step; restore on exit."""
+    """Catch SIGTERM, SIGUSR1 and a first SIGINT into a flag checked at the end of every step (and
+    after every checkpoint); a second SIGINT raises ``KeyboardInterrupt``; restore on exit.
+
+    A process forked while the handlers are installed (megatron-core's checkpoint writers)
+    inherits them; there they do nothing, so a Ctrl-C sent to the whole process group (the
+    terminal's) leaves the writers alone and the trainer decides.
+    """
 
     def __init__(self) -> None:
         self.caught: Optional[str] = None
+        self.interrupts = 0
+        self._pid = os.getpid()
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a forked child: the trainer decides
+            return
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt
+            logger.warning("Ctrl-C (SIGINT): will write a checkpoint and exit at the end of this step; press Ctrl-C "
+                           "again to stop at once (the steps since the last complete checkpoint are then lost)")
+        elif self.caught is None:
+            logger.warning("%s: will write a checkpoint and exit at the end of this step", name)
         if self.caught is None:
-            logger.warning("%s: will write a checkpoint and exit at the end of this step", signal.Signals(signum).name)
-        self.caught = signal.Signals(signum).name
+            self.caught = name
 
     def any_rank(self) -> bool:
         """Whether any rank caught a stop signal (collective: every rank calls it once per step)."""
@@ -93,11 +142,79 @@ def resume_path(ckpt_dir: str, resume: str) -> Optional[str]:
     return value
 
 
+def _run_history(out: str) -> list[str]:
+    """What in the run folder ``out`` shows that a run was there (empty: nothing to lose)."""
+    found = []
+    metrics = os.path.join(out, METRICS_FILE)
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append(METRICS_FILE)
+    ckpts = os.path.join(out, CHECKPOINTS_DIR)
+    if os.path.isdir(ckpts) and os.listdir(ckpts):
+        found.append(f"{CHECKPOINTS_DIR}/")
+    return found
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def check_run_folder(out: str, resume: str, overwrite: bool) -> bool:
+    """Refuse to start a run in a folder that holds another one (before any work; every rank
+    checks the same shared folder before the world is built, so none writes before all checked).
+
+    A run in ``out`` is continued by ``resume="auto"`` or by a checkpoint under
+    ``out/checkpoints``; ``resume="none"`` or another run's checkpoint would replace its
+    checkpoints and append a second history to its ``metrics.jsonl``.
+
+    Returns:
+        Whether the folder's previous run must be deleted first (``overwrite`` and there is one).
+
+    Raises:
+        FileExistsError: ``out`` holds a run that this one would not continue, and not ``overwrite``.
+        ValueError: ``overwrite`` with ``resume`` naming a checkpoint inside ``out`` (it would be deleted).
+    """
+    history = _run_history(out)
+    if not history:
+        return False
+    if overwrite:
+        if resume not in ("none", "auto") and _inside(resume, out):
+            raise ValueError(f"checkpoint.overwrite=true deletes the run in {out!r}, including the checkpoint "
+                             f"{resume!r} to resume from: resume from it without overwrite, or copy it elsewhere")
+        return True
+    if resume == "auto" or (resume != "none" and _inside(resume, os.path.join(out, CHECKPOINTS_DIR))):
+        return False
+    raise FileExistsError(f"run folder {out!r} already holds a run ({', '.join(history)}); checkpoint.resume="
+                          f"{resume} would replace its checkpoints and mix two histories in its metrics: use --resume "
+                          "auto to continue it, another --out, or checkpoint.overwrite=true to start over (its metrics "
+                          "and checkpoints are deleted)")
+
+
+def clear_run_folder(out: str) -> None:
+    """Delete what a previous run wrote into ``out`` (:data:`RUN_FILES`; nothing else)."""
+    gone = []
+    for name in RUN_FILES:
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+        else:
+            continue
+        gone.append(name)
+    logger.warning("checkpoint.overwrite=true: deleted the previous run's %s in %s", ", ".join(gone), out)
+
+
 @owned_world()  # the world build_run makes is destroyed on exit: an in-process run leaves none behind
 def train(cfg: CooperConfig) -> dict[str, float]:
     """Run (or resume) a Cooper training job; return the last step's metrics (see the module doc)."""
+    clear = check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.checkpoint.overwrite)
     run = build_run(cfg)
-    ckpt_dir = os.path.join(cfg.out, "checkpoints")
+    ckpt_dir = os.path.join(cfg.out, CHECKPOINTS_DIR)
+    if clear:
+        if dist.get_rank() == 0:
+            clear_run_folder(cfg.out)
+        dist.barrier()  # cleared before any rank reads or writes the folder
     streak = restore(run, resume_path(ckpt_dir, cfg.checkpoint.resume))
     main = dist.get_rank() == 0
     if main:
@@ -113,16 +230,28 @@ def train(cfg: CooperConfig) -> dict[str, float]:
     stop_signal = StopSignal()
     no_pairs = 0  # cooper steps in a row without a valid pair
 
+    def newest_checkpoint() -> Optional[str]:
+        steps = complete_checkpoints(ckpt_dir)
+        return os.path.join(ckpt_dir, f"step_{steps[-1]}") if steps else None
+
     def checkpoint() -> str:
-        return save_training_checkpoint(ckpt_dir, run.step, run.trained_models,
-                                        {"data": run.data.state_dict(), "nonfinite_streak": streak},
-                                        keep=cfg.checkpoint.keep)
+        try:
+            return save_training_checkpoint(ckpt_dir, run.step, run.trained_models,
+                                            {"data": run.data.state_dict(), "nonfinite_streak": streak},
+                                            keep=cfg.checkpoint.keep)
+        except CheckpointWriteError as e:
+            last = newest_checkpoint()
+            raise TrainingStopped(f"stopping after step {run.step}: {e}. The newest complete checkpoint is "
+                                  f"{last or 'none (the run would start over)'}; fix the cause (free disk space, "
+                                  "...), then run the same command with --resume auto to continue from it",
+                                  EXIT_CHECKPOINT_FAILED, last) from e
 
     metrics: dict[str, float] = {}
     try:
         while run.step < cfg.train.steps:
             metrics = cooper_step(run, run.data.next_batch(), timer)
             run.step += 1
+            metrics["data/skipped_too_long"] = run.skipped_too_long
             eval_acc = None
             if cfg.eval.every and run.step % cfg.eval.every == 0:
                 with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase("eval"):
@@ -155,10 +284,13 @@ def train(cfg: CooperConfig) -> dict[str, float]:
             due = cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or run.step == cfg.train.steps)
             if due or preempted or nonfinite_stop:
                 path = checkpoint()
+                # a stop signal during the write: stop now, with the checkpoint just written
+                preempted = preempted or stop_signal.any_rank()
             if preempted:
-                raise TrainingStopped(f"preempted ({stop_signal.caught or 'a stop signal on another rank'}) after "
-                                      f"step {run.step}: checkpoint {path} written; run the same command with "
-                                      "--resume auto to continue", EXIT_PREEMPTED, path)
+                what = ("stopped by Ctrl-C (SIGINT)" if stop_signal.caught == "SIGINT"
+                        else f"preempted ({stop_signal.caught or 'a stop signal on another rank'})")
+                raise TrainingStopped(f"{what} after step {run.step}: checkpoint {path} written; run the same "
+                                      "command with --resume auto to continue", EXIT_PREEMPTED, path)
             if nonfinite_stop:
                 raise TrainingStopped(f"stopping: {streak} steps in a row had a non-finite loss or gradient norm "
                                       f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); checkpoint "
@@ -167,6 +299,12 @@ def train(cfg: CooperConfig) -> dict[str, float]:
             if hacking_stop:
                 logger.error("stopping: reward hacking detected")
                 break
+    except KeyboardInterrupt:  # a second Ctrl-C (the first is a stop signal)
+        last = newest_checkpoint()
+        raise TrainingStopped(f"interrupted (Ctrl-C twice) with {run.step} steps done: stopped at once, the steps "
+                              f"since the newest complete checkpoint are lost; that checkpoint is "
+                              f"{last or 'none (the run starts over)'}: run the same command with --resume auto to "
+                              "continue from it", EXIT_INTERRUPTED, last) from None
     finally:
         stop_signal.restore()
         bar.close()

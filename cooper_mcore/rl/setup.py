@@ -59,6 +59,8 @@ class Run:
         data: this data-parallel rank's prompt stream.
         eval_prompts: the held-out prompts (all of them; evaluation splits them across replicas).
         step: steps finished.
+        skipped_too_long: training prompts left out because a rollout from them would not fit the
+            policy's context (:func:`drop_too_long`; the ``data/skipped_too_long`` metric).
     """
 
     cfg: CooperConfig
@@ -71,6 +73,7 @@ class Run:
     data: PromptIterator
     eval_prompts: list[Prompt] = field(default_factory=list)
     step: int = 0
+    skipped_too_long: int = 0
 
     @property
     def trained_models(self) -> list[ModelState]:
@@ -172,12 +175,42 @@ def connect_assistant(cfg: CooperConfig) -> Optional[OpenAIChatClient]:
     return client
 
 
-def read_data(cfg: CooperConfig, tokenizer) -> tuple[PromptIterator, list[Prompt]]:
-    """This data-parallel rank's training prompt stream and the held-out prompts, templated."""
+def drop_too_long(prompts: list[Prompt], context: int, max_new_tokens: int, what: str) -> list[Prompt]:
+    """``prompts`` without those whose templated tokens plus ``max_new_tokens`` exceed ``context``
+    (the policy's ``max_position_embeddings``): their rollouts would run past what the policy was
+    trained to attend to (an engine may refuse them). The count and the first ids are logged.
+
+    Raises:
+        ValueError: no room for any prompt, or none is short enough (naming the numbers).
+    """
+    limit = context - max_new_tokens
+    if limit < 1:
+        raise ValueError(f"{what}: max_new_tokens={max_new_tokens} leaves no room for a prompt in the policy's "
+                         f"context of {context} tokens (max_position_embeddings): lower max_new_tokens")
+    kept = [p for p in prompts if len(p.token_ids) <= limit]
+    if len(kept) < len(prompts):
+        long_ids = [p.id for p in prompts if len(p.token_ids) > limit]
+        if not kept:
+            raise ValueError(f"{what}: every one of the {len(prompts)} prompts is longer than {limit} tokens (the "
+                             f"policy's context of {context} minus max_new_tokens={max_new_tokens}); first ids: "
+                             f"{', '.join(long_ids[:5])}: shorten the prompts or lower max_new_tokens")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning("%s: skipping %d of %d prompts longer than %d tokens (the policy's context of %d minus "
+                           "max_new_tokens=%d; counted in data/skipped_too_long); first ids: %s", what, len(long_ids),
+                           len(prompts), limit, context, max_new_tokens, ", ".join(long_ids[:5]))
+    return kept
+
+
+def read_data(cfg: CooperConfig, tokenizer, context: int) -> tuple[PromptIterator, list[Prompt], int]:
+    """This data-parallel rank's training prompt stream, the held-out prompts (templated; those
+    too long for the policy's ``context`` left out, :func:`drop_too_long`) and how many training
+    prompts were left out."""
     d = cfg.data
     prompts, skipped = read_prompts(d.train_path, question_key=d.question_key, answer_key=d.answer_key,
                                     skip_malformed=d.skip_malformed)
     template_prompts(prompts, d.template, tokenizer, d.use_chat_template, tokenize=True)
+    n_read = len(prompts)
+    prompts = drop_too_long(prompts, context, cfg.rollout.max_new_tokens, f"data.train_path {d.train_path}")
     data = PromptIterator(prompts, cfg.train.prompts_per_step, dp_rank=parallel_state.get_data_parallel_rank(),
                           dp_size=parallel_state.get_data_parallel_world_size(), seed=cfg.train.seed)
     eval_prompts: list[Prompt] = []
@@ -187,10 +220,12 @@ def read_data(cfg: CooperConfig, tokenizer) -> tuple[PromptIterator, list[Prompt
         if d.eval_limit:
             eval_prompts = eval_prompts[:d.eval_limit]
         template_prompts(eval_prompts, d.template, tokenizer, d.use_chat_template, tokenize=True)
+        eval_prompts = drop_too_long(eval_prompts, context, cfg.eval.max_new_tokens, f"data.eval_path {d.eval_path}")
     if dist.get_rank() == 0:
-        logger.info("run: %d train prompts (%d skipped), %d eval prompts, reward mode %s, world %d",
-                    len(prompts), skipped, len(eval_prompts), cfg.reward.mode.value, dist.get_world_size())
-    return data, eval_prompts
+        logger.info("run: %d train prompts (%d skipped: %d malformed, %d too long), %d eval prompts, reward mode %s, "
+                    "world %d", len(prompts), skipped + n_read - len(prompts), skipped, n_read - len(prompts),
+                    len(eval_prompts), cfg.reward.mode.value, dist.get_world_size())
+    return data, eval_prompts, n_read - len(prompts)
 
 
 def build_run(cfg: CooperConfig) -> Run:
@@ -223,6 +258,6 @@ def build_run(cfg: CooperConfig) -> Run:
     per_tp_rank = cfg.rollout.engine == "sglang" and torch.cuda.is_available()
     colocation = Colocation(engine, policy, rm, cfg.offload, bucket_bytes=cfg.rollout.bucket_mb * 2**20,
                             per_tp_rank=per_tp_rank)
-    data, eval_prompts = read_data(cfg, tokenizer)
+    data, eval_prompts, too_long = read_data(cfg, tokenizer, policy.arch.max_position_embeddings)
     return Run(cfg=cfg, policy=policy, rm=rm, reference=reference, colocation=colocation, verifier=verifier,
-               assistant=assistant, data=data, eval_prompts=eval_prompts)
+               assistant=assistant, data=data, eval_prompts=eval_prompts, skipped_too_long=too_long)

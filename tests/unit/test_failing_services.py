@@ -197,12 +197,15 @@ def test_failing_judge_masks_rows_or_stops_naming_the_endpoint(tmp_path):
         annotate(inp, str(tmp_path / "x.jsonl"), client, AllRight(), on_judge_failure="skip")
 
 
-def test_dead_judge_with_mask_keeps_nothing_and_says_so(tmp_path):
+def test_dead_judge_with_mask_is_an_error_naming_the_endpoint(tmp_path):
+    # every request failed: not an empty output with exit 0, an error naming the judge; nothing written
     inp = _triples(tmp_path / "in.jsonl", n=2)
     client = _client(_closed_port_url(), retries=1)
-    stats = annotate(inp, str(tmp_path / "out.jsonl"), client, AllRight())
-    assert stats["judge_failed"] == 2 and stats["kept"] == 0
-    assert stats["table"]["true"]["none"] == 2
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(JudgeUnavailable, match=rf"judge at {client.url} \(model 'assistant'\) gave no readable "
+                                               r"answer for any of the 2 rows \(2 requests failed"):
+        annotate(inp, str(out), client, AllRight())
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- rollout engine (SGLang HTTP)
