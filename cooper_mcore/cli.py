@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "default: the preset's `out`")
     tr.add_argument("--resume", default=None, help="'auto' (the newest whole checkpoint in --out), 'none' or a "
                                                    "checkpoint folder; default: the preset's checkpoint.resume")
+    tr.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a run, deleting its "
+                                                             "metrics and checkpoints (checkpoint.overwrite=true)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule "
                                                  "(`cooper config` lists them)")
 

@@ -17,6 +17,8 @@ def train(args: argparse.Namespace) -> None:
         cfg.out = args.out
     if args.resume:
         cfg.checkpoint.resume = args.resume
+    if args.overwrite:
+        cfg.checkpoint.overwrite = True
     check_output_folder(cfg.out)
     train_run(cfg)
 

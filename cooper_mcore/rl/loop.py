@@ -186,8 +186,8 @@ def check_run_folder(out: str, resume: str, overwrite: bool) -> bool:
         return False
     raise FileExistsError(f"run folder {out!r} already holds a run ({', '.join(history)}); checkpoint.resume="
                           f"{resume} would replace its checkpoints and mix two histories in its metrics: use --resume "
-                          "auto to continue it, another --out, or checkpoint.overwrite=true to start over (its metrics "
-                          "and checkpoints are deleted)")
+                          "auto to continue it, another --out, or --overwrite (checkpoint.overwrite=true) to start "
+                          "over (its metrics and checkpoints are deleted)")
 
 
 def clear_run_folder(out: str) -> None:

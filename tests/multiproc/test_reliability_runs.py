@@ -116,12 +116,12 @@ def test_resume_none_on_a_finished_run_is_refused_and_overwrite_starts_over(asse
     assert rc == 2, log[-3000:]
     (line,) = _errors(log)
     assert f"run folder '{out}' already holds a run (metrics.jsonl, checkpoints/)" in line
-    assert "use --resume auto to continue it, another --out, or checkpoint.overwrite=true" in line
+    assert "use --resume auto to continue it, another --out, or --overwrite (checkpoint.overwrite=true)" in line
     assert "Traceback" not in log and "megatron-core CPU mode" not in log  # refused before any work
     after = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, files in os.walk(out) for p in files}
     assert after == before and open(out / "metrics.jsonl").read() == metrics  # nothing touched
 
-    rc, log = _run(assets, out, "train.steps=2", "checkpoint.every=2", "checkpoint.overwrite=true")
+    rc, log = _run(assets, out, "train.steps=2", "checkpoint.every=2", "--overwrite")
     assert rc == 0, log[-3000:]
     assert "checkpoint.overwrite=true: deleted the previous run's metrics.jsonl, checkpoints" in log
     assert _steps(out) == [1, 2]  # one history, not 1, 2, 1, 2

@@ -236,7 +236,8 @@ def test_a_run_folder_with_a_run_is_continued_or_refused_never_mixed(tmp_path):
     _finished_run(out)
     with pytest.raises(FileExistsError, match=r"run folder .*run' already holds a run \(metrics.jsonl, checkpoints/\); "
                                               r"checkpoint.resume=none would .*use --resume auto to continue it, "
-                                              r"another --out, or checkpoint.overwrite=true to start over"):
+                                              r"another --out, or --overwrite \(checkpoint.overwrite=true\) to "
+                                              r"start over"):
         check_run_folder(str(out), "none", False)
     other = tmp_path / "other" / "checkpoints" / "step_5"
     with pytest.raises(FileExistsError, match="already holds a run"):
@@ -252,10 +253,18 @@ def test_a_run_folder_with_a_run_is_continued_or_refused_never_mixed(tmp_path):
     assert check_run_folder(str(out), "none", False) is False
 
 
-def test_overwrite_is_a_documented_setting():
+def test_overwrite_is_a_documented_setting_and_a_train_option(tmp_path, monkeypatch):
+    import cooper_mcore.commands.train as train_command
+    from cooper_mcore import cli
     from cooper_mcore.config import CheckpointConfig, field_docs
 
     assert CheckpointConfig().overwrite is False and "overwrite" in field_docs(CheckpointConfig)
+    seen = []
+    monkeypatch.setattr(train_command, "train_run", seen.append)
+    preset = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_cpu.yaml")
+    for flag, want in ((["--overwrite"], True), ([], False)):
+        assert cli.main(["train", "--config", preset, "--out", str(tmp_path / "run"), *flag]) == 0
+        assert seen.pop().checkpoint.overwrite is want
 
 
 # --------------------------------------------------------------------------- Ctrl-C
