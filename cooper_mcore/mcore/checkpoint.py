@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from cooper_mcore.atomic import atomic_open
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.convert.checkpoint import EXTRA_DIR, drop_absent_extra_state, write_meta
+from cooper_mcore.convert.file_errors import free_bytes, is_no_space
 from cooper_mcore.mcore.faults import fault_point
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.training import adam_step, restore_adam_step
@@ -202,10 +203,14 @@ def _agreed(final: str, part: str) -> Iterator[None]:
     if any_rank(error is not None):
         if error is None:
             cause = " on another rank (its log names the cause)"
-        elif isinstance(error, _WriterFailed):
-            cause = f": {error}"
         else:
-            cause = f": {type(error).__name__}: {_first_line(error)}"
+            said = str(error) if isinstance(error, _WriterFailed) else f"{type(error).__name__}: {_first_line(error)}"
+            cause = f": {said}"
+            if is_no_space(error):
+                free = free_bytes(final)
+                cause = (f": no space left on the device (or a quota or file-size limit; "
+                         f"{'unknown' if free is None else f'{free / 2**20:.1f} MiB'} free there; the writer said: "
+                         f"{said})")
         raise CheckpointWriteError(f"could not write checkpoint {final} ({part}){cause}") from error
 
 

@@ -134,7 +134,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_an_error(assets,
     rc, log = _run(assets, out, "train.steps=3", "checkpoint.every=1", limit_file_bytes=300_000)
     assert rc == 74, log[-3000:]
     (line,) = _errors(log)
-    assert f"stopping after step 1: could not write checkpoint {out}/checkpoints/step_1 (the policy model's " in line
+    assert f"stopping after step 1: could not write checkpoint {out}/checkpoints/step_1 (the policy model's " \
+           "files): no space left on the device (or a quota or file-size limit; " in line
     assert "The newest complete checkpoint is none" in line and "--resume auto" in line
     assert "unexpected error" not in log and _steps(out) == [1]
     assert os.listdir(out / "checkpoints") == ["step_1.tmp"]  # incomplete, ignored by resume
