@@ -86,11 +86,11 @@ def atomic_path(path: str, fsync: bool = False) -> Iterator[str]:
         yield tmp
         os.chmod(tmp, _permissions(real))
         if fsync:
-            _fsync(tmp)
+            fsync_path(tmp)
         check_output_path(path)  # it may have been made a special file while the block ran
         os.replace(tmp, real)
         if fsync:
-            _fsync(folder)
+            fsync_path(folder)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -114,7 +114,8 @@ def write_json_atomic(path: str, obj: Any, indent: int | None = 2, fsync: bool =
         f.write("\n")
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a folder: so that a rename in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

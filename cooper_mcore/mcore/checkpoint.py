@@ -58,9 +58,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from torch.distributed.checkpoint.api import CheckpointException
 
-from cooper_mcore.atomic import atomic_open
+from cooper_mcore.atomic import atomic_open, fsync_path
 from cooper_mcore.collectives import any_rank
-from cooper_mcore.convert.checkpoint import EXTRA_DIR, drop_absent_extra_state, write_meta
+from cooper_mcore.convert.checkpoint import EXTRA_DIR, check_checkpoint_format, drop_absent_extra_state, write_meta
 from cooper_mcore.convert.file_errors import free_bytes, is_no_space
 from cooper_mcore.mcore.faults import fault_point
 from cooper_mcore.mcore.model_state import ModelState
@@ -171,7 +171,7 @@ def save_training_checkpoint(
                     logger.warning("replacing the existing %s", final)
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _fsync_dir(out_dir)
+                fsync_path(out_dir)
                 fault_point("ckpt_renamed", step)
                 _prune(out_dir, keep, step)
     except KeyboardInterrupt:
@@ -256,14 +256,6 @@ def _kill_new_children(before: set) -> None:
         with contextlib.suppress(Exception):
             p.kill()
             p.join(timeout=5)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _crc32(path: str) -> str:
@@ -407,6 +399,7 @@ def load_training_checkpoint(path: str, models: list[ModelState]) -> dict[str, A
     for m in models:
         with torch.no_grad():
             folder = os.path.join(path, m.name)
+            check_checkpoint_format(folder)  # a clear error, not megatron's traceback, for a foreign or damaged one
             state = dist_checkpointing.load(drop_absent_extra_state(_sharded_state(m), folder), folder)
             missing, _ = m.module.load_state_dict(state["model"], strict=False)
             assert not [k for k in missing if not k.endswith("_extra_state")], missing
