@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a handful of places. This module is the only place in
 cooper_mcore that adapts it, and it does nothing when CUDA is available.
 
-What it covers (see ``docs``/README, "CPU mode"):
+What it covers (see docs/training.md, "CPU mode"):
 
 1. ``torch.cuda.current_device()``, ``device="cuda"`` literals, ``torch.cuda.synchronize``,
    streams and events inside megatron-core modules. Each imported ``megatron.core`` module

@@ -129,9 +129,9 @@ def test_rehearse_timeouts_default_to_the_rehearsals_limits():
     assert (args.startup_timeout, args.step_timeout) == (Limits().startup_s, Limits().step_s)
 
 
-def test_the_readmes_plan_commands_run(monkeypatch, capsys):
-    """The README's `cooper plan` lines, as written (no placeholder arguments)."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_planner_pages_plan_commands_run(monkeypatch, capsys):
+    """The planner page's `cooper plan` lines, as written (no placeholder arguments)."""
+    readme = (ROOT / "docs" / "planner.md").read_text()
     block = readme.split("## Memory planner")[1].split("```bash\n")[1].split("```")[0]
     commands = [shlex.split(c, comments=True) for c in block.replace("\\\n", " ").splitlines() if c.strip()]
     assert len(commands) == 2
