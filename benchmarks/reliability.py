@@ -1,4 +1,4 @@
-"""Reliability figures (issue 7): injected faults, bad inputs, adversarial verifier items.
+"""Reliability figures: injected faults, bad inputs, adversarial verifier items.
 
 1. **Faults**: ``python -m tests.harness.fault_trials`` (a tiny CPU Cooper run SIGKILLed at
    seeded points: rollout, policy update, RM update, inside checkpoint writes, ...; each then

@@ -378,7 +378,7 @@ def colocated_assistant(cfg: CooperConfig, policy: ArchSpec) -> tuple[Optional[A
     ``rm.negatives: assistant``) at an address on this host; it is taken to have the policy's
     shape and the preset's ``parallel.tp`` (``examples/launch_multinode.sh``'s defaults).
     """
-    if cfg.reward.mode != "cooper" or cfg.rm.negatives != "assistant":
+    if not cfg.reward.mode.trains_rm or cfg.rm.negatives != "assistant":
         return None, []
     url = cfg.rm.assistant_url
     if urllib.parse.urlparse(url).hostname not in LOOPBACK_HOSTS:
@@ -416,10 +416,10 @@ class _Planner:
             raise ValueError("gpus_per_node and nodes must be >= 1 and gpu_memory_gib > 0")
         if opts.prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {opts.prompt_tokens}")
-        if cfg.reward.mode != "rule" and rm is None:
+        if cfg.reward.mode.uses_rm and rm is None:
             raise ValueError(f"reward.mode={cfg.reward.mode} needs the reward model's shape")
         self.cfg, self.policy, self.opts = cfg, policy, opts
-        self.rm = rm if cfg.reward.mode != "rule" else None
+        self.rm = rm if cfg.reward.mode.uses_rm else None
         self.lay = layout_of(cfg, opts.world_size)
         check_layout(policy, self.lay.tp, self.lay.pp, "policy")
         if self.rm is not None:
@@ -462,7 +462,7 @@ class _Planner:
         rm = dict.fromkeys(STATE, 0)
         if self.rm is not None:
             rm = training_state(stage_numel(self.rm, lay.tp, lay.pp, stage), self.b, lay.dp,
-                                o.distributed_optimizer, trainable=self.cfg.reward.mode == "cooper")
+                                o.distributed_optimizer, trainable=self.cfg.reward.mode.trains_rm)
         out.update({f"rm_{k}": v for k, v in rm.items()})
         return out
 
@@ -537,7 +537,7 @@ class _Planner:
             score_tokens = max(budget, rm_seq) if budget else self.mbs * rm_seq
             rm_score["activations"] = layer_activation_bytes(self.rm, score_tokens, b, lay.tp,
                                                              lay.sequence_parallel)
-            if cfg.reward.mode == "cooper":
+            if cfg.reward.mode.trains_rm:
                 pairs = min(self.mbs, self.prompts)
                 pair_tokens = max(budget, 2 * rm_seq) if budget else 2 * pairs * rm_seq
                 rm_update["activations"] = training_activation_bytes(

@@ -73,7 +73,7 @@ def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
         raise ValueError(f"no policy shape: model.policy_hf={cfg.model.policy_hf!r} has no config.json and "
                          f"model.policy_ckpt={cfg.model.policy_ckpt!r} is not a converted checkpoint; pass "
                          f"--policy-config (e.g. examples/model_configs/qwen2.5-1.5b-instruct.json)")
-    if cfg.reward.mode == "rule":
+    if not cfg.reward.mode.uses_rm:
         return policy, None, notes
     if rm_config:
         rm = ArchSpec.from_hf_config(_read_config(rm_config), "reward")
@@ -267,7 +267,7 @@ def launch_check(config: Optional[str], overrides: list[str], nodes: int, gpus_p
     """
     cfg = load_config(config, overrides)
     rm = cfg.rm
-    check = LaunchCheck(cfg.reward.mode == "cooper" and rm.negatives == "assistant", rm.assistant_url,
+    check = LaunchCheck(cfg.reward.mode.trains_rm and rm.negatives == "assistant", rm.assistant_url,
                         rm.assistant_model, rm.api_key_env or "")
     spec: Any = "auto"
     if assistant_model_path:

@@ -105,7 +105,8 @@ def _optim(o: OptimSection) -> OptimConfig:
 
 def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Optional[OptimSection],
                schedule_steps: int) -> ModelState:
-    """Load a model checkpoint at the run's layout; wrap it for training when ``optim`` is given.
+    """Load a model checkpoint at the run's layout; wrap it for training when ``optim`` is given. A
+    ``tokenizer`` (None: a model loaded without one) must fit the checkpoint's vocabulary.
 
     Raises:
         ValueError: the checkpoint's dtype is not ``model.dtype``, or ``tokenizer`` has ids past its vocabulary.
@@ -114,13 +115,14 @@ def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Option
     if dtype != DTYPES[cfg.model.dtype]:
         raise ValueError(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype}; convert the checkpoint "
                          "in the dtype you train in")
-    check_tokenizer_fits(tokenizer, ckpt_arch.vocab_size, ckpt)  # before the load: no IndexError in a forward
+    if tokenizer is not None:  # before the load: no IndexError in a forward
+        check_tokenizer_fits(tokenizer, ckpt_arch.vocab_size, ckpt)
     module, arch = load_checkpoint_model(ckpt, cfg.parallel)
     ddp = optimizer = scheduler = None
     if optim is not None:
         ddp, optimizer = wrap_for_training(module, _optim(optim), per_token_loss=True)
         scheduler = build_scheduler(optimizer, optim.lr, optim.warmup_steps, schedule_steps, optim.weight_decay)
-    # gradients are not copied out and back: every update zeroes them first (issue 12.9)
+    # gradients are not copied out and back: every update zeroes them first
     offloader = ModelOffloader(ddp if ddp is not None else module, optimizer, discard_grads=True)
     return ModelState(name=name, module=module, arch=arch, hf_config=hf_config, dtype=dtype, source_ckpt=ckpt,
                       tokenizer=tokenizer, offloader=offloader, ddp=ddp, optimizer=optimizer, scheduler=scheduler)

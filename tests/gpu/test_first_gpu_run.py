@@ -1,4 +1,4 @@
-"""GPU tier: the first GPU run, end to end (issue 12 items 1-3; skipped without CUDA).
+"""GPU tier: the first GPU run, end to end (skipped without CUDA).
 
 A tiny policy and VerifyRM in bf16 train for two Cooper steps with `cooper train` on one GPU: the
 optimizers are built with the process groups the CUDA path creates (NCCL, no gloo twins), the RM

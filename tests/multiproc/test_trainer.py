@@ -140,7 +140,7 @@ def test_tp_pp_runs_match_one_process(assets, tmp_path, layout):
     reduction order (~1e-7 relative here; tolerances 1e-5 absolute on O(0.1) values, 1e-4 relative
     on the norm). Later steps are not compared: Adam's first update moves every weight by about
     ``lr * sign(grad)``, so a near-zero gradient whose sign the reduction order flips moves a weight
-    by 2 lr in one layout and not the other, and sampled rollouts then diverge (issue 11).
+    by 2 lr in one layout and not the other, and sampled rollouts then diverge.
     """
     common = ("train.steps=1", "checkpoint.every=1", "eval.every=1", "eval.k=1", "data.eval_limit=4")
     one = _train(assets, tmp_path / "one", *common)

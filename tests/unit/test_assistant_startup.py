@@ -1,6 +1,6 @@
 """A Cooper run with assistant negatives checks its assistant endpoint once, before step 1: a dead
 endpoint stops the run with one line naming the URL, before any checkpoint or metrics file is
-written (issue 15 item 2: the first SLURM example used to train with every pair masked)."""
+written (the first SLURM example used to train with every pair masked)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_live_assistant_lets_the_run_start(tmp_path):
 
 
 def test_steps_without_a_valid_pair_warn_loudly(tmp_path, caplog):
-    """Issue 15 item 2: a Cooper run in which no pair is valid for N steps in a row says so (a random
+    """A Cooper run in which no pair is valid for N steps in a row says so (a random
     policy solves nothing, so no prompt has a positive)."""
     assets = build_tiny_assets(str(tmp_path / "assets"), n_train=32, n_eval=4, sft_steps=0)
     args = [a for a in _args(assets, tmp_path / "run", "unused") if not a.startswith(("rm.negatives", "rm.assistant"))]

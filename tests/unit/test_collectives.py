@@ -2,7 +2,7 @@
 
 On GPUs the process groups are NCCL's, which reject host tensors ("No backend type associated with
 device type cpu"); on CPU they are gloo's, which accept everything, so a host tensor slips through
-the CPU tests (the RM scores' pipeline broadcast did, issue 12). Two checks model the CUDA world:
+the CPU tests (the RM scores' pipeline broadcast did). Two checks model the CUDA world:
 
 * statically, no module but :mod:`cooper_mcore.collectives` calls ``torch.distributed``'s
   tensor collectives (the weight gather of :mod:`cooper_mcore.rollout.weight_sync`, whose tensors
@@ -76,7 +76,7 @@ def test_helpers_hand_collectives_device_tensors(meta_device):
 
 
 def test_the_process_group_timeout_is_the_configured_one(monkeypatch):
-    """Issue 12 item 6: the default group gets ``parallel.timeout_minutes`` (60 by default), not the
+    """The default group gets ``parallel.timeout_minutes`` (60 by default), not the
     10 minutes of NCCL's default, so ranks that wait while the leader generates are not killed."""
     seen = {}
 

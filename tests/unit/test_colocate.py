@@ -1,4 +1,4 @@
-"""The colocation of the training state and the rollout engine around each generation (issue 13.1).
+"""The colocation of the training state and the rollout engine around each generation.
 
 SGLang releases its weights without a copy: after a resume they hold whatever the memory held until
 a weight push refills them. The transformers engine models that (released weights are lost, NaN

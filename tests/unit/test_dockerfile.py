@@ -174,7 +174,7 @@ def env_of(dockerfile: str) -> dict[str, str]:
 
 
 def runtime_problems(dockerfile: str) -> list[str]:
-    """What the image needs at run time on a GPU cluster (issue 15 items 4, 5, 9, 11, 12)."""
+    """What the image needs at run time on a GPU cluster."""
     problems, ins = [], instructions(dockerfile)
     env = env_of(dockerfile)
     runs = " ".join(rest for word, rest in ins if word == "RUN")

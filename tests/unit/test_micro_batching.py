@@ -1,6 +1,6 @@
 """The four passes of a Cooper step with micro-batches by a token budget, padded or packed, against
 fixed-size micro-batches: the same log-probabilities, the same GRPO gradient, the same RM scores and
-the same pairwise RM gradient (issue 16). fp32 sums in another order: tolerances of 1e-5 of the
+the same pairwise RM gradient. fp32 sums in another order: tolerances of 1e-5 of the
 largest value (measured differences are about 1e-7); a dropped, duplicated or misplaced row moves
 them by orders of magnitude more.
 """

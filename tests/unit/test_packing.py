@@ -139,7 +139,7 @@ def test_sdpa_packed_rejects_other_layouts():
 
 def test_varlen_kwargs_follow_torch_signature(monkeypatch):
     """torch's varlen_attn changed its signature between releases; the CUDA path adapts (the call
-    itself needs a GPU: measured on an H100 with torch 2.11, see the report of issue 16)."""
+    itself needs a GPU: measured on an H100 with torch 2.11, see docs/measurements.md)."""
     import cooper_mcore.models.spec as spec
 
     def v29(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
