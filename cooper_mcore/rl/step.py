@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from cooper_mcore.algo import group_advantages, reward_from_logits
 from cooper_mcore.data.tokenizer import pad_id_of
+from cooper_mcore.hacking import reward_rule_gap
 from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
@@ -97,7 +98,7 @@ def rollout_metrics(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: 
     flat = rewards.flatten().tolist()
     rule = rule_verdicts(groups).flatten()
     m = {"reward/mean": float(rewards.mean()), "rule/acc": float(rule.mean()),
-         "reward_rule_gap": float(rewards.mean() - rule.mean()),
+         "reward_rule_gap": reward_rule_gap(float(rewards.mean()), float(rule.mean())),
          "response/length": sum(len(s.token_ids) for s in samples) / len(samples),
          "rule/unverifiable": sum(s.rule_correct is None for s in samples) / len(samples)}
     if run.rm is not None:
