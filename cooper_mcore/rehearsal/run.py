@@ -20,6 +20,7 @@ verdict line. What a rehearsal cannot show: NCCL, CUDA IPC, real GPU memory and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib
@@ -262,23 +263,13 @@ def _stop(proc: subprocess.Popen, dump: bool) -> None:
         return
     if dump:
         for p in ranks:
-            with _quiet():
+            with contextlib.suppress(psutil.Error):  # already gone
                 p.send_signal(signal.SIGUSR2)
         time.sleep(3.0)
     for p in [agent, *family]:
-        with _quiet():
+        with contextlib.suppress(psutil.Error):  # already gone
             p.kill()
     proc.wait()
-
-
-class _quiet:
-    """Ignore a process that is already gone."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, *rest: Any) -> bool:
-        return kind is not None and issubclass(kind, psutil.Error)
 
 
 def launch(name: str, cfg_path: str, out: str, nproc: int, limits: Limits, resume: str = "none",

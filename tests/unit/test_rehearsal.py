@@ -164,3 +164,35 @@ def test_report_reads_rank_exit_codes_and_where_a_rank_waits():
     assert {int(r): int(c) for r, c in _RANK_EXIT.findall(TORCHRUN_SUMMARY)} == {1: 75, 0: -9}
     assert _where(STACK_DUMP) == "weight_sync.py:59 _gather_tp in gather"
     assert _where("no dump here") == "no stack dump"
+
+
+def test_a_hung_launch_dumps_every_ranks_stack_and_dies(tmp_path):
+    """What the per-step limit does: ask each rank (the launcher's children) for its stack, then end
+    the launcher and everything it started."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from cooper_mcore.rehearsal.run import _stop
+
+    rank = ("import faulthandler, signal, sys, time; faulthandler.register(signal.SIGUSR2, file=sys.stderr, "
+            "all_threads=True)\ndef wait_in_collective():\n    time.sleep(120)\nwait_in_collective()")
+    log = tmp_path / "rank0.log"
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                                 f"subprocess.Popen([sys.executable, '-c', {rank!r}], stderr=open({str(log)!r}, 'w'))"
+                                 ".wait()"])
+    deadline = time.monotonic() + 30
+    while not psutil.Process(launcher.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (child,) = psutil.Process(launcher.pid).children()
+    time.sleep(1.0)  # the rank has registered its handler
+    _stop(launcher, dump=True)
+    assert launcher.poll() is not None
+    try:  # killed: gone, or a zombie whose parent (the launcher) died before it could reap it
+        assert child.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+    dump = log.read_text()
+    assert "most recent call first" in dump and "wait_in_collective" in dump
