@@ -73,7 +73,7 @@ def judge_user_prompt(question: str, reference: str, completion: str) -> str:
 
 class JudgeUnavailable(RuntimeError):
     """The LLM judge failed after its retries and the run was told to stop (``on_judge_failure="stop"``),
-    or no judge answer of the whole input could be read (the CLI reports it in one line, exit 2)."""
+    or not one judge answer of the whole input had text (the CLI reports it in one line, exit 2)."""
 
 
 class ChatClient(Protocol):
@@ -262,15 +262,19 @@ def annotate(
                                   "kept": kept})
             logger.info("annotate: %d/%d rows judged, %d kept", min(start + chunk_size, len(triples)),
                         len(triples), len(kept_rows))
-    if not any(table[r][j] for r in VERDICTS for j in ("true", "false")):
-        endpoint = getattr(judge_client, "url", "?")
-        model = getattr(judge_client, "model", None)
-        unreadable = len(triples) - judge_failed - judge_empty
+    endpoint = getattr(judge_client, "url", "?")
+    model = getattr(judge_client, "model", None)
+    judge_name = f"the LLM judge at {endpoint}{f' (model {model!r})' if model else ''}"
+    if judge_failed + judge_empty == len(triples):  # not one answer with text: the judge is not there
         raise JudgeUnavailable(
-            f"the LLM judge at {endpoint}{f' (model {model!r})' if model else ''} gave no readable answer for any of "
-            f"the {len(triples)} rows ({judge_failed} requests failed after their retries, {judge_empty} answers had "
-            f"no text, {unreadable} said neither yes nor no); nothing was written to {out_path}. Check that the "
-            "endpoint serves that model and answers chat completions (for a reasoning judge, raise max_tokens)")
+            f"{judge_name} gave no answer with text for any of the {len(triples)} rows ({judge_failed} requests "
+            f"failed after their retries, {judge_empty} answers had no text); nothing was written to {out_path}. "
+            "Check that the endpoint serves that model and answers chat completions (for a reasoning judge, raise "
+            "max_tokens)")
+    if not any(table[r][j] for r in VERDICTS for j in ("true", "false")):  # it answered, never yes or no
+        logger.warning("%s answered, but never yes or no (%d rows): every row is dropped as unparseable and %s is "
+                       "empty; check the judge's answers (--judgements) and its prompt", judge_name, len(triples),
+                       out_path)
     _write_rows(kept_rows, out_path)
     if judgements_path:
         _write_rows(audit, judgements_path)

@@ -202,8 +202,8 @@ def test_dead_judge_with_mask_is_an_error_naming_the_endpoint(tmp_path):
     inp = _triples(tmp_path / "in.jsonl", n=2)
     client = _client(_closed_port_url(), retries=1)
     out = tmp_path / "out.jsonl"
-    with pytest.raises(JudgeUnavailable, match=rf"judge at {client.url} \(model 'assistant'\) gave no readable "
-                                               r"answer for any of the 2 rows \(2 requests failed"):
+    with pytest.raises(JudgeUnavailable, match=rf"judge at {client.url} \(model 'assistant'\) gave no answer with "
+                                               r"text for any of the 2 rows \(2 requests failed"):
         annotate(inp, str(out), client, AllRight())
     assert not out.exists()
 

@@ -193,11 +193,16 @@ def test_annotate_without_rows_or_without_a_readable_judge_answer_is_an_error(tm
     inp.write_text("".join(json.dumps({"question": f"{i}+1?", "reference": str(i + 1), "completion": str(i + 1)})
                            + "\n" for i in range(3)))
     for answer, counts in (("", "0 requests failed after their retries, 3 answers had no text"),
-                           ("   ", "3 answers had no text"), ("maybe", "3 said neither yes nor no")):
+                           ("   ", "3 answers had no text")):
         with pytest.raises(JudgeUnavailable, match=r"judge at http://judge\.example:8000/v1/chat/completions "
-                                                   rf"\(model 'judge-7b'\) gave no readable answer .*{counts}"):
+                                                   rf"\(model 'judge-7b'\) gave no answer with text .*{counts}"):
             annotate(str(inp), str(out), _Judge(answer), _AllRight(), judgements_path=str(tmp_path / "j.jsonl"))
         assert not out.exists() and not (tmp_path / "j.jsonl").exists()
+    # a judge that answers but never yes or no: every row dropped as unparseable, counted, and said
+    stats = annotate(str(inp), str(out), _Judge("maybe"), _AllRight(), judgements_path=str(tmp_path / "j.jsonl"))
+    assert stats["kept"] == 0 and stats["dropped_judge_unparseable"] == 3 and out.read_text() == ""
+    assert len((tmp_path / "j.jsonl").read_text().splitlines()) == 3
+    out.unlink()
     stats = annotate(str(inp), str(out), _Judge("yes"), _AllRight())  # a judge that answers: as before
     assert stats["kept"] == 3 and out.exists()
 
