@@ -261,7 +261,7 @@ def plan_steps(py: str, tiny: bool, quick: bool, out: Path) -> list[Step]:
     bench = ROOT / "benchmarks"
     preset = ROOT / ("examples/tiny_cpu.yaml" if tiny else REHEARSED_PRESET)
     steps = [Step("rehearsal", [py, "-m", "cooper_mcore", "rehearse", "--config", str(preset), "--real-shape",
-                                "--out", str(out / "rehearsal")], 300),
+                                "--out", str(out / "rehearsal")], 360),
              Step("gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"], 240)]
     try:
         import sglang  # noqa: F401  (optional)
