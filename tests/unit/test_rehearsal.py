@@ -177,22 +177,30 @@ def test_a_hung_launch_dumps_every_ranks_stack_and_dies(tmp_path):
 
     from cooper_mcore.rehearsal.run import _stop
 
+    ready = tmp_path / "ready"
     rank = ("import faulthandler, signal, sys, time; faulthandler.register(signal.SIGUSR2, file=sys.stderr, "
-            "all_threads=True)\ndef wait_in_collective():\n    time.sleep(120)\nwait_in_collective()")
+            f"all_threads=True); open({str(ready)!r}, 'w').close()\n"
+            "def wait_in_collective():\n    time.sleep(120)\nwait_in_collective()")
     log = tmp_path / "rank0.log"
     launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
                                  f"subprocess.Popen([sys.executable, '-c', {rank!r}], stderr=open({str(log)!r}, 'w'))"
                                  ".wait()"])
-    deadline = time.monotonic() + 30
-    while not psutil.Process(launcher.pid).children() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:  # the rank has registered its handler
         time.sleep(0.1)
     (child,) = psutil.Process(launcher.pid).children()
-    time.sleep(1.0)  # the rank has registered its handler
     _stop(launcher, dump=True)
     assert launcher.poll() is not None
-    try:  # killed: gone, or a zombie whose parent (the launcher) died before it could reap it
-        assert child.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        pass
+
+    def dead() -> bool:  # gone, or a zombie whose parent (the launcher) died before it could reap it
+        try:
+            return child.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+    while not dead() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dead()
     dump = log.read_text()
     assert "most recent call first" in dump and "wait_in_collective" in dump
