@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import os
 
+from cooper_mcore.atomic import check_output_path
+
 
 def check_output_folder(path: str) -> None:
     """Fail before any work when the folder ``path`` (to be created or filled) cannot be written.
@@ -37,7 +39,9 @@ def check_output_file(path: str) -> None:
     Raises:
         IsADirectoryError: ``path`` is a folder.
         NotADirectoryError / PermissionError: as :func:`check_output_folder` for its folder.
+        ValueError: ``path`` exists and is not a regular file (:func:`cooper_mcore.atomic.check_output_path`).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     check_output_folder(os.path.dirname(os.path.abspath(path)))
+    check_output_path(path)  # a device or FIFO there would be replaced by the atomic writer
