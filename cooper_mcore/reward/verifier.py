@@ -7,7 +7,9 @@ first: ``verify`` is not symmetric). Both strings may be full texts or bare answ
   the boxed answer itself (several boxes form a set, as math-verify does). Otherwise, or if that yields
   nothing, :func:`extract_answer` finds the final answer (GSM8K ``#### 72``, ``The answer is 42.``, the
   last math environment, the last number, or the whole text when it is a bare answer like ``1/2``),
-  which is wrapped in ``$...$`` for math-verify. No answer at all is a wrong answer.
+  which is wrapped in ``$...$`` for math-verify. No answer at all is a wrong answer; so is an answer
+  math-verify keeps only as a string (``\\boxed{14.}`` parses to ``['14.']``, no value), and the
+  outcome's ``answered`` (False for both) tells such a "no readable answer" from a different answer.
 * ``gold`` is handled the same way, so a bare ``\\frac{1}{2}``, a GSM8K solution ending in ``#### 72``
   and a MATH solution with ``\\boxed{}`` all work. A gold without a parseable answer makes the item
   unverifiable.
@@ -65,12 +67,16 @@ class VerifyOutcome:
         seconds: Wall time from dispatch to a worker until the verdict (the timeout for timeouts).
         status: "ok" (a verdict), "timeout" (worker killed at the deadline) or "error".
         error: What went wrong when status is not "ok".
+        answered: whether the completion has a final answer the checker reads as a value (a wrong
+            verdict with ``answered`` False means "no readable answer", not "a different answer");
+            None when unknown.
     """
 
     correct: Optional[bool]
     seconds: float
     status: str
     error: Optional[str] = None
+    answered: Optional[bool] = None
 
 
 # --------------------------------------------------------------------------- worker side
@@ -88,7 +94,13 @@ def _parse_answer(text: str) -> list:
     return parse(f"${ans}$", parsing_timeout=None)
 
 
-def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str]]:
+def _reads_a_value(parsed: list) -> bool:
+    """Whether a math-verify parse holds a math value (a sympy object, a number, a set), not only the
+    raw strings it keeps for what it could not read (``['14.']`` for ``\\boxed{14.}``)."""
+    return any(not isinstance(x, str) for x in parsed)
+
+
+def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str], Optional[bool]]:
     """Verify one pair in this process, without any timeout (the worker's job; also handy in tests).
 
     Args:
@@ -96,16 +108,20 @@ def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str]
         pred: Completion or bare answer.
 
     Returns:
-        (correct, status, error): (None, "error", why) if the gold has no parseable answer, else
-        (verdict, "ok", None). A pred without a parseable answer is wrong.
+        (correct, status, error, answered): (None, "error", why, None) if the gold has no parseable
+        answer, else (verdict, "ok", None, answered). A pred without a parseable answer is wrong.
+        ``answered`` says whether math-verify read the pred's final answer as a math value (its parse
+        holds a non-string element, e.g. ``[5, '5']``); False when the parse is empty or strings only
+        (``['14.']`` for ``\\boxed{14.}``), so that a wrong verdict there means "no readable answer"
+        rather than "a different answer".
     """
     gold_parsed = _parse_answer(gold)
     if not gold_parsed:
-        return None, "error", "gold has no parseable answer"
+        return None, "error", "gold has no parseable answer", None
     pred_parsed = _parse_answer(pred)
     if not pred_parsed:
-        return False, "ok", None
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None)), "ok", None
+        return False, "ok", None, False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None)), "ok", None, _reads_a_value(pred_parsed)
 
 
 def _limit_memory(extra_mb: Optional[int]) -> None:
@@ -125,7 +141,8 @@ def _limit_memory(extra_mb: Optional[int]) -> None:
 
 
 def _worker_main(conn: Connection, memory_limit_mb: Optional[int]) -> None:
-    """Worker loop: announce readiness, then answer (idx, gold, pred) requests until None or EOF."""
+    """Worker loop: announce readiness, then answer (idx, gold, pred) requests with (idx, correct, status,
+    error, answered) until None or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings
     _limit_memory(memory_limit_mb)
@@ -140,10 +157,10 @@ def _worker_main(conn: Connection, memory_limit_mb: Optional[int]) -> None:
             return
         idx, gold, pred = msg
         try:
-            correct, status, error = check_pair(gold, pred)
+            correct, status, error, answered = check_pair(gold, pred)
         except Exception as e:  # noqa: BLE001 - any failure is an unverifiable item, never a dead worker
-            correct, status, error = None, "error", f"{type(e).__name__}: {str(e)[:_ERROR_CHARS]}"
-        conn.send((idx, correct, status, error))
+            correct, status, error, answered = None, "error", f"{type(e).__name__}: {str(e)[:_ERROR_CHARS]}", None
+        conn.send((idx, correct, status, error, answered))
 
 
 # --------------------------------------------------------------------------- parent side
@@ -386,9 +403,10 @@ class RuleVerifier:
                         self._start_failures = 0
                         w.state = "idle"
                         continue
-                    idx, correct, status, error = msg
+                    idx, correct, status, error, answered = msg
                     assert idx == w.item, f"worker answered item {idx}, expected {w.item}"
-                    results[idx] = self._record(VerifyOutcome(correct, now - w.dispatched, status, error))
+                    results[idx] = self._record(VerifyOutcome(correct, now - w.dispatched, status, error,
+                                                              answered))
                     w.state, w.item = "idle", -1
                 elif now >= w.deadline:
                     if w.state == "starting":

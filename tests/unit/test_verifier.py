@@ -156,6 +156,28 @@ def test_gold_without_answer_is_unverifiable(verifier, gold):
     assert after["error"] == before["error"] + 1 and after["total"] == before["total"] + 1
 
 
+ANSWERED_PAIRS = [  # (gold, pred, check_pair's 4-tuple)
+    ("14", "The sum is \\boxed{14.}", (False, "ok", None, False)),  # math-verify keeps only the string '14.'
+    ("14", "The sum is \\boxed{15}", (False, "ok", None, True)),  # a value, a different one
+    ("14", "The sum is \\boxed{14}", (True, "ok", None, True)),
+    ("14", "I don't know", (False, "ok", None, False)),  # no answer at all
+    ("I don't know", "\\boxed{15}", (None, "error", "gold has no parseable answer", None)),
+]
+
+
+@pytest.mark.parametrize("gold, pred, expected", ANSWERED_PAIRS)
+def test_check_pair_says_whether_the_answer_was_read(gold, pred, expected):
+    assert check_pair(gold, pred) == expected
+
+
+def test_verify_batch_reports_answered(verifier):
+    """``answered`` travels from the worker to the outcome: a wrong verdict on an answer math-verify
+    cannot read as a value (``\\boxed{14.}``) is told apart from a different answer."""
+    golds = [g for g, _, _ in ANSWERED_PAIRS]
+    outs = verifier.verify_batch(golds, [p for _, p, _ in ANSWERED_PAIRS])
+    assert [(o.correct, o.status, o.answered) for o in outs] == [(c, st, a) for _, _, (c, st, _, a) in ANSWERED_PAIRS]
+
+
 BARE_PAIRS = [
     ("\\frac{1}{2}", "0.5"), ("\\frac{1}{2}", "0.6"), ("\\{1,2\\}", "\\{2,1\\}"), ("(0,1]", "(0,1)"),
     ("x^2+2x+1", "(x+1)^2"), ("x^2+2x+1", "(x-1)^2"), ("\\sqrt{2}/2", "\\frac{1}{\\sqrt{2}}"), ("2x+z=1", "1"),
