@@ -42,6 +42,9 @@ class Sample:
         logprobs: per-token log-probabilities under the engine's weights, if asked for.
         finish_reason: "stop" (EOS or a stop string) or "length".
         rule_correct: the rule verifier's verdict; None if not verified or unverifiable.
+        rule_answered: whether the rule verifier read the completion's final answer as a value
+            (False: it found none it could read, so a False ``rule_correct`` means "unread", not
+            "a different answer"); None when unknown.
         reward: the reward used for the policy update.
         weight_version: the policy weight version that generated it.
     """
@@ -52,6 +55,7 @@ class Sample:
     logprobs: Optional[list[float]] = None
     finish_reason: str = "stop"
     rule_correct: Optional[bool] = None
+    rule_answered: Optional[bool] = None
     reward: Optional[float] = None
     weight_version: int = 0
 

@@ -9,7 +9,7 @@ rejected side is a verified-wrong solution from a :class:`NegativeGenerator`:
   asked up to 3 times; a rewrite is kept only if the rule verifier says it is *not* equivalent to
   the gold answer.
 * CPU alternatives for runs without an assistant LLM: :class:`PolicyWrongNegatives` (rollouts of
-  the same prompt the verifier marked wrong, the hardest or a random one),
+  the same prompt the verifier marked wrong after reading their answer, the hardest or a random one),
   :class:`~cooper_mcore.reward.rewrites.ChainRewrite` (an offline assistant-like rewrite of an
   arithmetic chain), :class:`~cooper_mcore.reward.rewrites.AnswerPerturbation` (the positive with
   its final answer changed to a nearby wrong number) and :class:`RandomOtherResponse` (the paper's
@@ -57,7 +57,7 @@ from cooper_mcore.reward.rewrites import (
     final_answer_span,
     number_variants,
 )
-from cooper_mcore.types import PreferencePair, Prompt, RolloutGroup
+from cooper_mcore.types import PreferencePair, Prompt, RolloutGroup, Sample
 
 __all__ = [
     "NEGATIVE_KINDS",
@@ -90,13 +90,28 @@ logger = logging.getLogger(__name__)
 # The step's rollouts
 
 
+def _verdict(s: Sample) -> Optional[bool]:
+    """A sample's verdict for pairing: its ``rule_correct``, or None (unverifiable) for a blank text or
+    a wrong verdict on an answer the rule could not read (``rule_answered is False``)."""
+    if not s.text.strip():
+        return None
+    if s.rule_correct is False and s.rule_answered is False:
+        return None
+    return s.rule_correct
+
+
 def group_verdicts(groups: Sequence[RolloutGroup]) -> torch.Tensor:
     """Verdict codes ``[P, G]`` (:func:`cooper_mcore.algo.pairs.verdict_codes`) of the groups' samples.
 
-    A sample with blank text counts as unverifiable (it is never a positive nor a negative); ragged
-    groups are padded with unverifiable columns.
+    A sample with blank text counts as unverifiable (it is never a positive nor a negative); so does
+    one the rule marked wrong without reading an answer in it (``rule_answered is False``, e.g.
+    ``\\boxed{14.}``, which math-verify keeps only as a string): such a rollout may well be correct,
+    and using it as a negative would teach the reward model the rule's blind spot. Negatives are
+    confidently wrong: an answer read and found different. ``rule_answered`` None (unknown: older
+    data, verifiers that do not say) keeps the plain verdict. Ragged groups are padded with
+    unverifiable columns.
     """
-    return verdict_codes([[s.rule_correct if s.text.strip() else None for s in g.samples] for g in groups])
+    return verdict_codes([[_verdict(s) for s in g.samples] for g in groups])
 
 
 def rollout_scores(groups: Sequence[RolloutGroup]) -> torch.Tensor:
@@ -111,14 +126,16 @@ def rollout_scores(groups: Sequence[RolloutGroup]) -> torch.Tensor:
 
 
 class PolicyWrongNegatives:
-    """Rollouts of the same prompt that the rule verifier marked wrong (``rule_correct is False``).
+    """Rollouts of the same prompt that the rule verifier marked wrong (``rule_correct is False``) after
+    reading their answer.
 
     Which wrong rollouts, by ``negative_pick`` (:func:`cooper_mcore.algo.pairs.select_negatives`):
     "random" (default), "hardest" (the one the reward model currently scores highest: the exploit
     the policy is moving towards) or "first". Several pairs of one prompt get distinct negatives.
     The groups (and the RM scores "hardest" needs) come from :meth:`set_groups`, which
     :func:`build_pairs` calls each step, or the constructor. Unverified samples (``rule_correct``
-    None) and blank texts are never used.
+    None), blank texts and rollouts marked wrong without a readable answer (``rule_answered`` False:
+    the rule's blind spot, possibly correct; see :func:`group_verdicts`) are never used.
 
     Args:
         groups: the step's rollout groups, if known now.

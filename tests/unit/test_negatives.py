@@ -20,6 +20,7 @@ from cooper_mcore.reward.negatives import (
     build_pairs,
     final_answer_span,
     first_correct,
+    group_verdicts,
     make_negative_generator,
     number_variants,
     pair_stats,
@@ -331,6 +332,36 @@ def test_policy_wrong_negatives_hardest_and_first():
     unscored = group("b", ("right", True), ("bad", False))
     with pytest.raises(ValueError, match="needs a finite score"):
         PolicyWrongNegatives([unscored], negative_pick="hardest").generate([(unscored.prompt, "right")])
+
+
+def answered_group(pid: str, *samples: tuple[str, Optional[bool], Optional[bool], float]) -> RolloutGroup:
+    """Samples (text, rule_correct, rule_answered, RM score)."""
+    return RolloutGroup(prompt(pid, "14"), [Sample(pid, [], text, rule_correct=c, rule_answered=a, reward=r)
+                                            for text, c, a, r in samples])
+
+
+def test_unanswered_wrong_rollout_is_never_a_negative():
+    """A rollout the rule marked wrong without reading an answer (``rule_answered`` False, e.g.
+    ``\\boxed{14.}``: possibly correct) is unverifiable for pairing; one whose answer it read and found
+    different is a negative; ``rule_answered`` None (unknown) keeps the plain verdict."""
+    g = answered_group("a", ("right \\boxed{14}", True, True, 0.1), ("unread \\boxed{14.}", False, False, 0.99),
+                       ("read \\boxed{15}", False, True, 0.5), ("unknown 13", False, None, 0.3))
+    assert group_verdicts([g]).tolist() == [[1, -1, 0, 0]]  # codes: 1 right, 0 wrong, -1 unverifiable
+    # every pick, many seeds: the unread rollout (the RM's favourite, 0.99) is never selected
+    items = [(g.prompt, "right \\boxed{14}")] * 3
+    for pick in ("random", "hardest", "first"):
+        for seed in range(10):
+            out = PolicyWrongNegatives([g], seed=seed, negative_pick=pick).generate(items)
+            assert "unread \\boxed{14.}" not in out and sorted(out[:2]) == ["read \\boxed{15}", "unknown 13"], out
+            assert out[2] is None
+    assert PolicyWrongNegatives([g], negative_pick="hardest").generate(items[:1]) == ["read \\boxed{15}"]
+    pairs = build_pairs([g], PolicyWrongNegatives(negative_pick="hardest"), pairs_per_prompt=3)
+    assert [(p.rejected, p.rejected_index) for p in pairs] == [("read \\boxed{15}", 2), ("unknown 13", 3),
+                                                                 (None, None)]
+    # a group whose only wrong rollout is unread has no negative; an unread rollout is no positive either
+    only_unread = answered_group("b", ("right", True, True, 0.0), ("unread", False, False, 0.0))
+    assert [p.valid for p in build_pairs([only_unread], PolicyWrongNegatives())] == [False]
+    assert first_correct(answered_group("c", ("unread", False, False, 0.0))) is None
 
 
 def test_random_other_response_from_items_and_groups():
