@@ -39,6 +39,8 @@ RewriteKind = Literal["step", "copy", "final"]
 FailureAction = Literal["mask", "stop"]
 EngineKind = Literal["hf", "sglang"]
 RMQuestion = Literal["prompt", "question"]
+#: the checkers of held-out accuracy (``eval.verifier``; :func:`cooper_mcore.rl.setup.build_eval_oracle`)
+EvalVerifier = Literal["rule", "arithmetic_oracle"]
 
 
 class RewardMode(str, Enum):
@@ -279,6 +281,12 @@ class EvalConfig:
     """Nucleus sampling mass of the evaluation."""
     max_new_tokens: int = 512
     """Longest evaluation completion in tokens."""
+    verifier: EvalVerifier = "rule"
+    """Checker of eval/acc: the rule verifier, or arithmetic_oracle (cooper_mcore.reward.oracle, the arithmetic
+    task's truth, reads every answer form the task writes; the rule's accuracy is then logged as eval/rule_acc)."""
+    save_samples: bool = False
+    """Write each evaluation's completions with both verdicts to <out>/eval_samples/step_<N>.jsonl (one file per
+    data-parallel replica: step_<N>.dp<r>.jsonl when dp > 1)."""
 
 
 @dataclass

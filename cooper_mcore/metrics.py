@@ -16,7 +16,8 @@ Metric key conventions used by the trainer (one flat ``dict[str, float]`` per st
 ``response/length`` mean response length in tokens
 ``rm/pair_acc``     reward model accuracy on its (positive, negative) training pairs
 ``pairs/valid``     number (or fraction) of valid preference pairs built this step
-``eval/acc``        held-out accuracy, on the steps that run an evaluation
+``eval/acc``        held-out accuracy, on the steps that run an evaluation (by ``eval.verifier``)
+``eval/rule_acc``   the rule verifier's held-out accuracy, beside ``eval/acc`` when an oracle checks it
 ``time/<phase>``    wall seconds of a phase this step (:class:`PhaseTimer`): ``rollout``,
                     ``rm_score``, ``logprobs``, ``policy_update``, ``rm_update``,
                     ``weight_sync``, ``offload``; ``time/step`` is their total

@@ -58,9 +58,10 @@ from cooper_mcore.metrics import (
     reduce_metrics,
 )
 from cooper_mcore.parallel import owned_world
-from cooper_mcore.rl.rollouts import evaluate
+from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR, eval_samples_path, evaluate
 from cooper_mcore.rl.setup import Run, build_run
 from cooper_mcore.rl.step import cooper_step
+from cooper_mcore.rollout.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopp
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CHECKPOINTS_DIR = "checkpoints"
 #: what a run writes into its folder (deleted by ``checkpoint.overwrite``; nothing else is touched)
-RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "config.yaml", CONFIG_FILE, "wandb")
+RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "config.yaml", CONFIG_FILE, "wandb", EVAL_SAMPLES_DIR)
 
 
 class TrainingStopped(RuntimeError):
@@ -252,16 +253,15 @@ def train(cfg: CooperConfig) -> dict[str, float]:
             metrics = cooper_step(run, run.data.next_batch(), timer)
             run.step += 1
             metrics["data/skipped_too_long"] = run.skipped_too_long
-            eval_acc = None
+            eval_metrics: dict[str, float] = {}
             if cfg.eval.every and run.step % cfg.eval.every == 0:
                 with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase("eval"):
-                    eval_acc = evaluate(engine, run.verifier, run.eval_prompts, cfg.eval.k, run.eval_sampling())
+                    eval_metrics = run_evaluation(run, engine)
             metrics.update(timer.pop())
             # the slowest rank sets the pace and the fullest GPU the limit: time/* and memory/* are maxima;
             # the rest are means over the ranks
             metrics = reduce_metrics(metrics, max_keys=[k for k in metrics if k.startswith(("time/", "memory/"))])
-            if eval_acc is not None:  # already over the world
-                metrics["eval/acc"] = eval_acc.accuracy
+            metrics.update(eval_metrics)  # already over the world
             metrics_log.log(run.step, metrics)
             bar.update(run.step, metrics)
             streak = streak + 1 if metrics["skipped/nonfinite"] > 0 else 0
@@ -309,8 +309,22 @@ def train(cfg: CooperConfig) -> dict[str, float]:
         stop_signal.restore()
         bar.close()
         metrics_log.close()
-        if run.verifier is not None:
-            run.verifier.close()
+        run.close()
+    return metrics
+
+
+def run_evaluation(run: Run, engine: Optional[RolloutEngine]) -> dict[str, float]:
+    """Evaluate the engine's current weights on the held-out prompts (collective over the world):
+    ``eval/acc`` by ``eval.verifier``'s checker, and ``eval/rule_acc`` (the rule verifier's) beside
+    it when that is the oracle; with ``eval.save_samples`` each replica's completions go to
+    :func:`~cooper_mcore.rl.rollouts.eval_samples_path`."""
+    cfg = run.cfg
+    path = eval_samples_path(cfg.out, run.step) if cfg.eval.save_samples else None
+    result = evaluate(engine, run.verifier, run.eval_prompts, cfg.eval.k, run.eval_sampling(), oracle=run.oracle,
+                      samples_path=path)
+    metrics = {"eval/acc": result.accuracy}
+    if cfg.eval.verifier != "rule":
+        metrics["eval/rule_acc"] = result.rule_accuracy
     return metrics
 
 

@@ -3,11 +3,15 @@
 Completions are generated and verified on the first rank of each model-parallel group (where its
 engine and rule verifier live) and broadcast to the group's other ranks, so every rank then runs
 the same collective Megatron passes on the same data. Evaluation splits the held-out prompts
-across the data-parallel replicas and sums the verdicts over the world.
+across the data-parallel replicas and sums the verdicts over the world: the rule verifier's, and
+an oracle's when one is given (``eval.verifier``); each replica's leader may write its completions
+with both verdicts to a JSONL file (``eval.save_samples``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -15,8 +19,9 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
+from cooper_mcore.atomic import atomic_open
 from cooper_mcore.collectives import all_reduce, broadcast_object_in_model_parallel_group, is_group_leader
-from cooper_mcore.reward.protocols import BatchVerifier
+from cooper_mcore.reward.protocols import BatchVerifier, VerdictLike
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
 
@@ -24,7 +29,8 @@ from cooper_mcore.types import Prompt, RolloutGroup, Sample
 def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVerifier], prompts: Sequence[Prompt],
                     group_size: int, params: SamplingParams, version: int) -> list[RolloutGroup]:
     """G completions per prompt, verified against the gold answers (gold first) on the group
-    leader, then shared with the model-parallel group (collective over that group)."""
+    leader (each sample's ``rule_correct`` and ``rule_answered`` from its outcome's ``correct`` and
+    ``answered``), then shared with the model-parallel group (collective over that group)."""
     groups = None
     if is_group_leader():
         assert engine is not None and verifier is not None, "the group leader owns the engine and verifier"
@@ -38,9 +44,13 @@ def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVer
                 o, v = outs[i * group_size + j], outcomes[i * group_size + j]
                 samples.append(Sample(prompt_id=p.id, token_ids=o.token_ids, text=o.text, logprobs=o.logprobs,
                                       finish_reason=o.finish_reason, rule_correct=v.correct,
-                                      weight_version=version))
+                                      rule_answered=getattr(v, "answered", None), weight_version=version))
             groups.append(RolloutGroup(p, samples))
     return broadcast_object_in_model_parallel_group(groups)
+
+
+#: the folder under the run's ``out`` that ``eval.save_samples`` writes to
+EVAL_SAMPLES_DIR = "eval_samples"
 
 
 @dataclass
@@ -48,17 +58,25 @@ class EvalResult:
     """Held-out avg@k accuracy over the world.
 
     Attributes:
-        correct: completions the rule verifier marked correct.
+        correct: completions the evaluation's checker marked correct (the oracle's count when
+            :func:`evaluate` was given one, else the rule verifier's).
         total: completions evaluated.
+        rule_correct: completions the rule verifier marked correct (``correct`` without an oracle).
     """
 
     correct: int
     total: int
+    rule_correct: int = 0
 
     @property
     def accuracy(self) -> float:
         """correct / total (NaN with nothing evaluated)."""
         return self.correct / self.total if self.total else float("nan")
+
+    @property
+    def rule_accuracy(self) -> float:
+        """rule_correct / total (NaN with nothing evaluated)."""
+        return self.rule_correct / self.total if self.total else float("nan")
 
 
 def eval_share(prompts: Sequence[Prompt]) -> list[Prompt]:
@@ -68,16 +86,56 @@ def eval_share(prompts: Sequence[Prompt]) -> list[Prompt]:
     return list(prompts[rank * per:(rank + 1) * per])
 
 
+def eval_samples_path(out: str, step: int) -> str:
+    """This replica's file of the evaluation after ``step``: ``<out>/eval_samples/step_<step>.jsonl``,
+    ``step_<step>.dp<r>.jsonl`` when there are several data-parallel replicas."""
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    name = f"step_{step}.jsonl" if dp == 1 else f"step_{step}.dp{rank}.jsonl"
+    return os.path.join(out, EVAL_SAMPLES_DIR, name)
+
+
+def _write_samples(path: str, prompts: Sequence[Prompt], k: int, texts: Sequence[str],
+                   rule: Sequence[VerdictLike], truth: Sequence[VerdictLike]) -> None:
+    """One JSON line per completion: prompt_id, question, reference, completion, rule_correct, correct
+    (the checker's verdict; the rule's without an oracle), written atomically."""
+    with atomic_open(path) as f:
+        for i, (text, r, t) in enumerate(zip(texts, rule, truth)):
+            p = prompts[i // k]
+            f.write(json.dumps({"prompt_id": p.id, "question": p.question, "reference": p.answer, "completion": text,
+                                "rule_correct": r.correct, "correct": t.correct}, ensure_ascii=False) + "\n")
+
+
 def evaluate(engine: Optional[RolloutEngine], verifier: Optional[BatchVerifier], prompts: Sequence[Prompt],
-             k: int, params: SamplingParams) -> EvalResult:
+             k: int, params: SamplingParams, oracle: Optional[BatchVerifier] = None,
+             samples_path: Optional[str] = None) -> EvalResult:
     """avg@k accuracy of the engine's current weights on this replica's share of ``prompts``,
-    summed over all replicas (collective over the world)."""
-    counts = torch.zeros(2, dtype=torch.float64)
+    summed over all replicas (collective over the world).
+
+    Args:
+        engine, verifier: the group leader's rollout engine and rule verifier (None elsewhere).
+        prompts: all held-out prompts (each replica evaluates its :func:`eval_share`).
+        k: completions per prompt.
+        params: sampling.
+        oracle: a checker whose verdicts count as ``correct`` (the rule's go to ``rule_correct``);
+            on the group leader, None elsewhere or to count the rule's verdicts.
+        samples_path: where the group leader writes this replica's completions with both verdicts
+            (:func:`_write_samples`; an empty file for a replica without a share); None: nowhere.
+    """
+    counts = torch.zeros(3, dtype=torch.float64)
     mine = eval_share(prompts)
-    if is_group_leader() and mine:
-        assert engine is not None and verifier is not None
-        outs = engine.generate([p.token_ids for p in mine for _ in range(k)], params)
-        verdicts = verifier.verify_batch([p.answer for p in mine for _ in range(k)], [o.text for o in outs])
-        counts = torch.tensor([sum(1.0 for v in verdicts if v.correct), float(len(verdicts))], dtype=torch.float64)
-    correct, total = all_reduce(counts).tolist()
-    return EvalResult(int(correct), int(total))
+    if is_group_leader():
+        texts: list[str] = []
+        rule: Sequence[VerdictLike] = []
+        truth: Sequence[VerdictLike] = []
+        if mine:
+            assert engine is not None and verifier is not None
+            outs = engine.generate([p.token_ids for p in mine for _ in range(k)], params)
+            golds, texts = [p.answer for p in mine for _ in range(k)], [o.text for o in outs]
+            rule = verifier.verify_batch(golds, texts)
+            truth = oracle.verify_batch(golds, texts) if oracle is not None else rule
+            counts = torch.tensor([sum(1.0 for v in truth if v.correct), sum(1.0 for v in rule if v.correct),
+                                   float(len(rule))], dtype=torch.float64)
+        if samples_path is not None:
+            _write_samples(samples_path, mine, k, texts, rule, truth)
+    correct, rule_correct, total = all_reduce(counts).tolist()
+    return EvalResult(int(correct), int(total), int(rule_correct))

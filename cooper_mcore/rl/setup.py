@@ -1,6 +1,7 @@
 """Build everything a Cooper run needs from its config: the distributed world, the policy and its
 frozen reference, the reward model, optimizers and schedules, the rollout engine and its
-colocation with the models, the rule verifier, the assistant client and the data.
+colocation with the models, the rule verifier (and the evaluation's oracle), the assistant client and
+the data.
 
 Validation happens before any heavy work.
 """
@@ -32,6 +33,7 @@ from cooper_mcore.mcore.reward_model import load_rm_tokenizer
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, wrap_for_training
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.reward.oracle import ArithmeticOracle
 from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
@@ -55,6 +57,8 @@ class Run:
             (None when ``algo.kl_coef`` is 0).
         colocation: the rollout engine and the order in which it shares the GPUs with the models.
         verifier: the rule verifier (on model-parallel group leaders; None elsewhere).
+        oracle: the checker of held-out accuracy when ``eval.verifier`` is ``arithmetic_oracle``
+            (on model-parallel group leaders; None elsewhere or with the rule verifier).
         assistant: the assistant LLM's client (leaders, cooper mode with assistant negatives).
         data: this data-parallel rank's prompt stream.
         eval_prompts: the held-out prompts (all of them; evaluation splits them across replicas).
@@ -74,6 +78,13 @@ class Run:
     eval_prompts: list[Prompt] = field(default_factory=list)
     step: int = 0
     skipped_too_long: int = 0
+    oracle: Optional[ArithmeticOracle] = None
+
+    def close(self) -> None:
+        """Stop the verifier's workers and release the oracle (whatever this rank holds)."""
+        for checker in (self.verifier, self.oracle):
+            if checker is not None:
+                checker.close()
 
     @property
     def trained_models(self) -> list[ModelState]:
@@ -230,6 +241,26 @@ def read_data(cfg: CooperConfig, tokenizer, context: int) -> tuple[PromptIterato
     return data, eval_prompts, n_read - len(prompts)
 
 
+def build_eval_oracle(cfg: CooperConfig, eval_prompts: list[Prompt]) -> Optional[ArithmeticOracle]:
+    """The checker of held-out accuracy other than the rule verifier (``eval.verifier``) on a
+    model-parallel group leader; None for the rule verifier, without evaluation, or on other ranks.
+
+    Raises:
+        ValueError: ``arithmetic_oracle`` with a held-out gold answer that is not an integer (the
+            oracle knows only the arithmetic task; checked on every rank, before any step).
+    """
+    if cfg.eval.verifier != "arithmetic_oracle" or not cfg.eval.every:
+        return None
+    for p in eval_prompts:
+        try:
+            int(p.answer.strip())
+        except ValueError:
+            raise ValueError(f"eval.verifier=arithmetic_oracle needs integer gold answers, but held-out prompt "
+                             f"{p.id!r} of {cfg.data.eval_path} has {p.answer!r}: use eval.verifier=rule for other "
+                             "data") from None
+    return ArithmeticOracle() if is_group_leader() else None
+
+
 def build_run(cfg: CooperConfig) -> Run:
     """Initialise the distributed world and build the run (collective)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -262,4 +293,5 @@ def build_run(cfg: CooperConfig) -> Run:
                             per_tp_rank=per_tp_rank)
     data, eval_prompts, too_long = read_data(cfg, tokenizer, policy.arch.max_position_embeddings)
     return Run(cfg=cfg, policy=policy, rm=rm, reference=reference, colocation=colocation, verifier=verifier,
-               assistant=assistant, data=data, eval_prompts=eval_prompts, skipped_too_long=too_long)
+               assistant=assistant, data=data, eval_prompts=eval_prompts, skipped_too_long=too_long,
+               oracle=build_eval_oracle(cfg, eval_prompts))
