@@ -6,8 +6,11 @@ non-negative integers from a configurable range; operators are ``+``, ``-`` and 
 ``*`` follows a ``+`` or ``-`` the part before it is parenthesised (``(3+4)*5=``), so the
 question read with ordinary precedence has the same value as the chain.
 
-Completions end in a final-answer format a rule verifier can read: ``\\boxed{-31}`` (default,
-``59-15=44,44-75=-31 \\boxed{-31}``) or GSM8K's ``#### -31``. The character set is small:
+Completions end in a final-answer format: ``\\boxed{-31}`` (default,
+``59-15=44,44-75=-31 \\boxed{-31}``), GSM8K's ``#### -31``, or ``\\boxed{-31.}`` (``boxed_period``:
+a trailing period, which a rule verifier such as math-verify does not read as a number; the CPU
+demo's second problem family writes it, so the rule misses correct answers as in the paper's
+premise). :func:`answer_value` is the task's oracle: it reads both boxed forms. The character set is small:
 digits, ``+ - * = ( ) ,``, space and ``\\boxed{}`` (and ``#`` for the GSM8K style).
 
 Train and held-out splits are disjoint by construction: a question belongs to the held-out
@@ -18,6 +21,7 @@ generated, so the two splits can be drawn independently and never share a questi
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from collections.abc import Sequence
@@ -28,7 +32,10 @@ from cooper_mcore.types import Prompt
 
 OPERATORS = ("+", "-", "*")
 SPLITS = ("train", "test")
-STYLES = ("boxed", "gsm8k")
+STYLES = ("boxed", "gsm8k", "boxed_period")
+#: the final answers :func:`answer_value` reads: ``\\boxed{-31}`` and ``\\boxed{-31.}`` (the
+#: ``boxed_period`` style, a form math-verify does not read as a number)
+_FINAL_BOXED = re.compile(r"\\boxed\{(-?\d+)(\.?)\}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,9 @@ class MathTaskConfig:
         min_operand: smallest operand (>= 0).
         max_operand: largest operand.
         operators: the operators to draw from, a non-empty subset of ``+ - *``.
+        step_operators: per step, the operators to draw from (each a non-empty subset of
+            ``+ - *``), instead of ``operators`` for every step; empty: ``operators`` everywhere.
+            ``(("*",), ("+", "-"))`` gives ``3*4-5=`` problems.
         held_out_fraction: share of all possible questions reserved for the held-out split.
         split_seed: seed of the train/held-out assignment.
     """
@@ -48,6 +58,7 @@ class MathTaskConfig:
     min_operand: int = 0
     max_operand: int = 99
     operators: tuple[str, ...] = ("+", "-")
+    step_operators: tuple[tuple[str, ...], ...] = ()
     held_out_fraction: float = 0.2
     split_seed: int = 0
 
@@ -65,13 +76,22 @@ class MathTaskConfig:
             raise ValueError(
                 f"MathTaskConfig.operators must be a non-empty subset of {OPERATORS}, got {self.operators}"
             )
+        if self.step_operators and (len(self.step_operators) != self.num_steps or any(
+                not ops or any(op not in OPERATORS for op in ops) for ops in self.step_operators)):
+            raise ValueError(f"MathTaskConfig.step_operators must be num_steps={self.num_steps} non-empty subsets of "
+                             f"{OPERATORS}, got {self.step_operators}")
         if not 0.0 < self.held_out_fraction < 1.0:
             raise ValueError(f"MathTaskConfig.held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
 
     def num_questions(self) -> int:
         """How many distinct questions exist (both splits together)."""
         span = self.max_operand - self.min_operand + 1
-        return span ** (self.num_steps + 1) * len(set(self.operators)) ** self.num_steps
+        return span ** (self.num_steps + 1) * math.prod(len(ops) for ops in self.operator_choices())
+
+    def operator_choices(self) -> list[list[str]]:
+        """The operators each step draws from (sorted, distinct)."""
+        per_step = self.step_operators or (self.operators,) * self.num_steps
+        return [sorted(set(ops)) for ops in per_step]
 
 
 @dataclass(frozen=True)
@@ -149,9 +169,11 @@ def parse_question(question: str) -> MathProblem:
 
 
 def format_answer(answer: Union[int, str], style: str = "boxed") -> str:
-    """The final-answer marker: ``\\boxed{-31}`` or ``#### -31``."""
+    """The final-answer marker: ``\\boxed{-31}``, ``#### -31`` or ``\\boxed{-31.}``."""
     if style == "boxed":
         return "\\boxed{" + str(answer) + "}"
+    if style == "boxed_period":
+        return "\\boxed{" + str(answer) + ".}"
     if style == "gsm8k":
         return f"#### {answer}"
     raise ValueError(f"unknown answer style {style!r}; choose from {STYLES}")
@@ -171,6 +193,22 @@ def worked_solution(problem: Union[MathProblem, str], style: str = "boxed") -> s
     if isinstance(problem, str):
         problem = parse_question(problem)
     return ",".join(problem.steps()) + " " + format_answer(problem.answer, style)
+
+
+def answer_value(completion: str) -> Optional[int]:
+    """The task's oracle reading of a completion's final answer: the integer in its last
+    ``\\boxed{N}`` or ``\\boxed{N.}`` (every form this task's conventions write), or None."""
+    found = _FINAL_BOXED.findall(completion)
+    return int(found[-1][0]) if found else None
+
+
+def answer_form(completion: str) -> str:
+    """How a completion writes its final answer: ``"boxed"`` (``\\boxed{N}``), ``"boxed_period"``
+    (``\\boxed{N.}``) or ``"none"`` (neither)."""
+    found = _FINAL_BOXED.findall(completion)
+    if not found:
+        return "none"
+    return "boxed_period" if found[-1][1] else "boxed"
 
 
 def split_of(question: str, config: MathTaskConfig) -> str:
@@ -206,7 +244,7 @@ def generate_problems(
             f"about {share:.0%} of them in this split (widen the operand range or add steps)"
         )
     rng = random.Random(seed)
-    ops = sorted(set(config.operators))
+    choices = config.operator_choices()
     out: list[MathProblem] = []
     seen: set[str] = set()
     max_draws = 100 * n + 10 * config.num_questions()
@@ -214,7 +252,7 @@ def generate_problems(
         if len(out) == n:
             break
         operands = tuple(rng.randint(config.min_operand, config.max_operand) for _ in range(config.num_steps + 1))
-        problem = MathProblem(operands, tuple(rng.choice(ops) for _ in range(config.num_steps)))
+        problem = MathProblem(operands, tuple(rng.choice(ops) for ops in choices))
         q = problem.question
         if q in seen or split_of(q, config) != split:
             continue
