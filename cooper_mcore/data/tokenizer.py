@@ -56,7 +56,8 @@ MODEL_TYPES = ("bpe", "unigram")
 SPM_FILE = "spm.model"
 
 
-def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits: bool, required: str) -> bytes:
+def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits: bool, required: str,
+               isolate: str = "") -> bytes:
 
     model = io.BytesIO()
     # sentencepiece < 0.2.3 aborts the process (a CHECK, not an exception) when a required
@@ -85,6 +86,7 @@ def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits:
             unk_piece=UNK,
             bos_id=-1,
             control_symbols=[IM_START, IM_END],
+            user_defined_symbols=list(isolate),  # always a piece of their own, never merged
             num_threads=1,  # deterministic
             minloglevel=2,
         )
@@ -128,6 +130,7 @@ def train_tiny_tokenizer(
     split_digits: bool = True,
     required_chars: str = "",
     model_max_length: Optional[int] = None,
+    isolate: str = "",
 ) -> Any:
     """Train a sentencepiece tokenizer on ``texts`` and save it for ``AutoTokenizer``.
 
@@ -142,6 +145,9 @@ def train_tiny_tokenizer(
         required_chars: characters to include even if ``texts`` lacks them (the chat template's
             characters and the space are always included).
         model_max_length: the tokenizer's ``model_max_length`` (None: transformers' default).
+        isolate: characters that are always a token of their own, never merged with a neighbour
+            (``"-+*=,{}."``: a number is then the same tokens wherever it is written, ``-13`` after
+            ``=``, inside ``\\boxed{}`` or as a reference answer).
 
     Returns:
         The saved tokenizer as loaded back by ``transformers.AutoTokenizer.from_pretrained(out_dir)``
@@ -166,7 +172,8 @@ def train_tiny_tokenizer(
     # pass only the missing ones (spaces are stored as U+2581), then check that all made it.
     wanted = {SPIECE_SPACE if c == " " else c for c in chars}
     seen = {SPIECE_SPACE if c == " " else c for c in set("".join(corpus))}
-    proto = _train_spm(corpus, vocab_size, model_type, split_digits, "".join(sorted(wanted - seen)))
+    proto = _train_spm(corpus, vocab_size, model_type, split_digits, "".join(sorted(wanted - seen - set(isolate))),
+                       isolate)
     backend = _to_tokenizers(proto, model_type)
     lost = sorted(c for c in wanted if backend.token_to_id(c) is None)
     if lost:

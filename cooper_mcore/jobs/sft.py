@@ -30,8 +30,8 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -106,8 +106,9 @@ def math_sft_examples(
     seed: int = 0,
     template: str = "{question}",
     mix_wrong: float = 0.0,
-    style: str = "boxed",
+    style: Union[str, Callable[[MathProblem, random.Random], str]] = "boxed",
     use_chat_template: bool = False,
+    problems: Optional[Sequence[MathProblem]] = None,
 ) -> list[Example]:
     """SFT pairs for ``n`` distinct train-split arithmetic problems.
 
@@ -119,8 +120,10 @@ def math_sft_examples(
         template: prompt format template with ``{question}`` (as the trainer's ``data.template``).
         mix_wrong: share in [0, 1] of the examples (rounded to a count) whose response is a plausible
             wrong worked solution (:func:`wrong_worked_solution`; see the module docstring).
-        style: final-answer style, ``"boxed"`` or ``"gsm8k"``.
+        style: final-answer style (:data:`~cooper_mcore.data.mathgen.STYLES`), or a function of the
+            problem and the random source choosing one per example (a task whose convention varies).
         use_chat_template: wrap the prompt with the tokenizer's chat template (as the trainer's option).
+        problems: the problems to use (``n`` of them, train split) instead of drawing them from ``config``.
 
     Returns:
         ``(prompt ids, response ids)`` pairs; the prompt ids are what the trainer and ``cooper eval``
@@ -135,13 +138,17 @@ def math_sft_examples(
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise ValueError("math_sft_examples: the tokenizer has no EOS token")
-    problems = generate_problems(n, config, "train", seed)
+    if problems is None:
+        problems = generate_problems(n, config, "train", seed)
+    elif len(problems) != n:
+        raise ValueError(f"math_sft_examples: {len(problems)} problems given for n={n}")
     prompts = template_prompts(to_prompts(problems), template, tokenizer, use_chat_template, tokenize=True)
     rng = random.Random(seed * 1_000_003 + 7)
     wrong = set(rng.sample(range(n), round(mix_wrong * n)))
     out = []
     for i, (problem, prompt) in enumerate(zip(problems, prompts)):
-        text = wrong_worked_solution(problem, rng, style) if i in wrong else worked_solution(problem, style)
+        form = style(problem, rng) if callable(style) else style
+        text = wrong_worked_solution(problem, rng, form) if i in wrong else worked_solution(problem, form)
         response = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos]
         out.append((list(prompt.token_ids), response))
     return out
