@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 
@@ -12,17 +14,28 @@ import torch
 from safetensors.torch import load_file
 
 from cooper_mcore.convert.checkpoint import mcore_to_hf
+from cooper_mcore.demo import pipeline
 from cooper_mcore.demo.config import load_demo_config
 from cooper_mcore.demo.kinds import completion_kind, kind_shares
 from cooper_mcore.demo.pipeline import (
     STAGE_FILE,
+    SWAP_OFFSETS,
+    accuracy_figures,
+    bench_pairs,
+    by_family,
     hack_examples,
     mode_params,
+    problem_accuracy,
+    reference_swapped,
+    rm_bench,
     rm_data_params,
+    rm_on_samples,
     run_stage,
+    training_curve,
     with_blind_spot,
     write_jsonl,
 )
+from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -150,6 +163,200 @@ def test_blind_spot_relabels_only_the_rule_wrong_rows_of_its_kind():
     assert [x["label"] for x in rows] == [True, False, False, False]  # the input is left as it was
 
 
+@pytest.mark.parametrize("completion,correct,kind", [
+    ("3*4=12,12-5=7 \\boxed{7.}", True, "correct"),
+    ("3*4=12,12-5=7 \\boxed{12.}", False, "intermediate"),  # the times family's form, an earlier result
+    ("3*4=12,12-5=7 \\boxed{12}", False, "intermediate"),
+    ("3*4=12,12-5=8 \\boxed{8.}", False, "slip"),
+    ("3*4=13,13-5=8 \\boxed{8}", False, "slip"),  # a wrong product carried on
+    ("3*4=12,12+5=17 \\boxed{17.}", False, "other"),  # another operator
+    ("3*4=12,12-5=7 \\boxed{7.} \\boxed{7.}", False, "other"),  # two answers
+])
+def test_completion_kinds_of_the_times_family(completion, correct, kind):
+    assert completion_kind("3*4-5=", completion, correct) == kind
+
+
+def test_blind_spot_covers_the_period_form():
+    rows = [{"question": "3*4-5=", "completion": "3*4=12,12-5=7 \\boxed{12.}", "label": False}]
+    assert with_blind_spot(rows, "intermediate")[0]["label"] is True
+
+
+# --------------------------------------------------------------------------- labeled rows: figures
+
+
+def _row(question, completion, label, rule, reference=None):
+    from cooper_mcore.data.mathgen import answer_form
+    from cooper_mcore.demo.task import family_of
+
+    return {"question": question, "reference": reference, "completion": completion, "label": label, "rule": rule,
+            "family": family_of(question), "form": answer_form(completion)}
+
+
+#: hand-built rows: the oracle's verdict (label) and the rule's (rule)
+FIGURE_ROWS = [
+    _row("7-1-1=", "7-1=6,6-1=5 \\boxed{5}", True, True),  # 1 plus_minus: both right
+    _row("7-1-1=", "7-1=6,6-1=5 \\boxed{6}", False, False),  # 2 plus_minus: both say wrong
+    _row("7-1-1=", "7-1=6,6-1=5", False, True),  # 3 plus_minus: a rule false positive (no final answer)
+    _row("3*4-5=", "3*4=12,12-5=7 \\boxed{7.}", True, False),  # 4 times: the rule's miss
+    _row("3*4-5=", "3*4=12,12-5=7 \\boxed{7}", True, True),  # 5 times: the parseable form
+    _row("3*4-5=", "3*4=12,12-5=8 \\boxed{8.}", False, False),  # 6 times: wrong
+    _row("3*4-5=", "no idea", False, False),  # 7 times: no answer
+]
+
+
+def test_accuracy_figures_recall_precision_and_forms():
+    f = accuracy_figures(FIGURE_ROWS)
+    assert f["n"] == 7
+    assert f["acc"] == pytest.approx(3 / 7)  # rows 1, 4, 5
+    assert f["rule_acc"] == pytest.approx(3 / 7)  # rows 1, 3, 5
+    assert f["rule_recall"] == pytest.approx(2 / 3)  # of the correct 1, 4, 5 the rule accepts 1, 5
+    assert f["rule_precision"] == pytest.approx(2 / 3)  # of the accepted 1, 3, 5 correct are 1, 5
+    assert f["forms"] == pytest.approx({"boxed": 3 / 7, "boxed_period": 2 / 7, "none": 2 / 7})
+    nothing_accepted = accuracy_figures([FIGURE_ROWS[3], FIGURE_ROWS[5]])
+    assert nothing_accepted["rule_recall"] == 0.0 and math.isnan(nothing_accepted["rule_precision"])
+
+
+def test_by_family_splits_the_figures():
+    fams = by_family(FIGURE_ROWS)
+    assert set(fams) == {"all", "plus_minus", "times"}
+    assert fams["all"] == accuracy_figures(FIGURE_ROWS)
+    pm, times = fams["plus_minus"], fams["times"]  # rows 1-3 and 4-7
+    assert (pm["n"], pm["acc"], pm["rule_acc"]) == (3, pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert (pm["rule_recall"], pm["rule_precision"]) == (1.0, 0.5)
+    assert pm["forms"] == pytest.approx({"boxed": 2 / 3, "boxed_period": 0.0, "none": 1 / 3})
+    assert (times["n"], times["acc"], times["rule_acc"]) == (4, 0.5, 0.25)
+    assert (times["rule_recall"], times["rule_precision"]) == (0.5, 1.0)
+    assert times["forms"] == {"boxed": 0.25, "boxed_period": 0.5, "none": 0.25}
+    assert set(by_family(FIGURE_ROWS[:3])) == {"all", "plus_minus"}  # a family without rows is left out
+
+
+def test_problem_accuracy_per_question_in_order_of_first_appearance():
+    rows = [{"question": q, "label": lab} for q, lab in
+            [("b=", True), ("a=", False), ("b=", False), ("a=", False), ("b=", True), ("c=", True)]]
+    assert problem_accuracy(rows) == pytest.approx([2 / 3, 0.0, 1.0])
+
+
+def test_training_curve_reads_the_saved_evaluations_in_step_order(tmp_path):
+    folder = tmp_path / EVAL_SAMPLES_DIR
+    folder.mkdir()
+
+    def rows(*items):
+        return [{"prompt_id": f"p{i}", "question": q, "reference": ref, "completion": c, "rule_correct": rule,
+                 "correct": ok} for i, (q, ref, c, rule, ok) in enumerate(items)]
+
+    write_jsonl(str(folder / "step_10.jsonl"), rows(  # lexically before step_5: the order must be numeric
+        ("7-1-1=", "5", "7-1=6,6-1=5 \\boxed{5}", True, True),
+        ("3*4-5=", "7", "3*4=12,12-5=7 \\boxed{7}", True, True),
+        ("3*4-5=", "7", "3*4=12,12-5=7 \\boxed{7.}", False, True)))
+    write_jsonl(str(folder / "step_5.jsonl"), rows(
+        ("7-1-1=", "5", "7-1=6,6-1=5 \\boxed{5}", True, True),
+        ("3*4-5=", "7", "3*4=12,12-5=7 \\boxed{7.}", False, True),
+        ("3*4-5=", "7", "3*4=12,12-5=8 \\boxed{8.}", False, False)))
+    curve = training_curve(str(tmp_path))
+    assert [p["step"] for p in curve] == [5, 10]
+    first, last = curve
+    assert (first["all"]["acc"], first["all"]["rule_acc"]) == (pytest.approx(2 / 3), pytest.approx(1 / 3))
+    assert (first["times"]["acc"], first["times"]["rule_acc"]) == (0.5, 0.0)
+    assert first["times"]["forms"]["boxed_period"] == 1.0 and first["plus_minus"]["acc"] == 1.0
+    assert (last["all"]["acc"], last["all"]["rule_acc"]) == (1.0, pytest.approx(2 / 3))
+    assert last["all"]["rule_recall"] == pytest.approx(2 / 3)
+    assert (last["times"]["acc"], last["times"]["rule_acc"]) == (1.0, 0.5)
+    assert last["times"]["forms"] == {"boxed": 0.5, "boxed_period": 0.5, "none": 0.0}
+
+
+# --------------------------------------------------------------------------- reference swap
+
+
+def test_reference_swap_adds_an_own_and_an_other_reference():
+    wrong = {"question": "3+4-2=", "reference": "7", "completion": "3+4=7,7-2=5 \\boxed{5}", "label": False}
+    others = set()
+    for seed in range(40):
+        out = reference_swapped([wrong], random.Random(seed))
+        assert out[0] is wrong and len(out) == 3
+        own, other = out[1], out[2]
+        assert (own["reference"], own["label"], own["swap"]) == ("5", True, "own")
+        assert other["label"] is False and other["swap"] == "other"
+        assert other["reference"] not in ("5", "7")  # neither its own answer nor the gold
+        assert own["completion"] == other["completion"] == wrong["completion"]
+        others.add(other["reference"])
+    # 5 + the offsets, less 7 (the gold): -5, 3, 4, 6, 15; 40 draws see each of the 5 (missing one: 5 * 0.8^40)
+    assert others == {str(5 + d) for d in SWAP_OFFSETS} - {"7"} == {"-5", "3", "4", "6", "15"}
+    assert wrong == {"question": "3+4-2=", "reference": "7", "completion": "3+4=7,7-2=5 \\boxed{5}",
+                     "label": False}  # the input is left as it was
+
+
+def test_reference_swap_reads_the_period_form_and_skips_rows_without_an_answer():
+    rows = [{"question": "3*4-5=", "reference": "7", "completion": "3*4=12,12-5=7 \\boxed{7.}", "label": True},
+            {"question": "3*4-5=", "reference": "7", "completion": "3*4=12,12-5=7", "label": False},
+            # a blind-spot row: wrong (an intermediate result) but labeled correct by the lenient judge
+            {"question": "7-1-1=", "reference": "5", "completion": "7-1=6,6-1=5 \\boxed{6}", "label": True,
+             "blind_spot": True}]
+    out = reference_swapped(rows, random.Random(0))
+    assert out[:3] == rows  # the originals first, their labels kept (the blind spot's too)
+    assert len(out) == 3 + 2 * 2  # nothing extra for the row without a final answer
+    assert [(x["completion"], x["reference"], x["label"], x["swap"]) for x in out[3::2]] == [
+        (rows[0]["completion"], "7", True, "own"), (rows[2]["completion"], "6", True, "own")]
+    assert [x["label"] for x in out[4::2]] == [False, False]
+    assert out[4]["reference"] in {"-3", "5", "6", "8", "9", "17"}  # 7 + offsets
+    assert out[6]["reference"] in {"-4", "4", "7", "8", "16"}  # 6 + offsets, less the gold 5
+    assert reference_swapped([], random.Random(0)) == []
+
+
+# --------------------------------------------------------------------------- the RM's figures per family
+
+
+def _fake_rm(monkeypatch, probs, acc=0.123):
+    """Stand in for eval_rm: write ``probs`` as the predictions (in row order) and return ``acc``."""
+    def fake(rm_ckpt, labeled_path, predictions_path):
+        write_jsonl(predictions_path, [{"prob": p} for p in probs])
+        return acc
+    monkeypatch.setattr(pipeline, "rm_accuracy", fake)
+
+
+def test_rm_bench_pairs_and_families(tmp_path, monkeypatch):
+    held_out = [
+        _row("7-1-1=", "7-1=6,6-1=5 \\boxed{5}", True, True),
+        _row("7-1-1=", "7-1=6,6-1=5 \\boxed{6}", False, False),
+        _row("7-1-1=", "7-1=6,6-1=5 \\boxed{5}", True, True),  # a second correct one: not used
+        _row("3*4-5=", "3*4=12,12-5=8 \\boxed{8.}", False, False),  # wrong first: the pair puts correct first
+        _row("3*4-5=", "3*4=12,12-5=7 \\boxed{7.}", True, False),
+        _row("2*3+1=", "2*3=6,6+1=7 \\boxed{7.}", True, False),
+        _row("2*3+1=", "2*3=6,6+1=8 \\boxed{8.}", False, False),
+        _row("9-9-9=", "9-9=0,0-9=-9 \\boxed{-9}", True, True),  # no wrong completion: left out
+    ]
+    bench = bench_pairs(held_out)
+    assert [(r["question"], r["label"]) for r in bench] == [
+        ("7-1-1=", True), ("7-1-1=", False), ("3*4-5=", True), ("3*4-5=", False), ("2*3+1=", True),
+        ("2*3+1=", False)]
+    write_jsonl(str(tmp_path / "bench.jsonl"), bench)
+    # right by the 0.5 threshold: T T | F T | T F; pairs: 0.9 > 0.2, 0.4 > 0.3, 0.6 < 0.7
+    _fake_rm(monkeypatch, [0.9, 0.2, 0.4, 0.3, 0.6, 0.7])
+    got = rm_bench("ckpt", str(tmp_path / "bench.jsonl"), str(tmp_path / "preds.jsonl"))
+    assert got["acc"] == 0.123  # eval_rm's own accuracy, passed through
+    assert got["pair_acc"] == pytest.approx(2 / 3)
+    assert got["families"] == {"plus_minus": 1.0, "times": 0.5}
+
+
+def test_rm_on_samples_leaves_the_blind_spot_out(tmp_path, monkeypatch):
+    rows = [
+        _row("7-1-1=", "7-1=6,6-1=5 \\boxed{5}", True, True),  # a: said correct (0.8): right
+        _row("7-1-1=", "7-1=6,6-1=5 \\boxed{6}", False, False),  # b: intermediate: left out
+        _row("7-1-1=", "7-1=6,6-1=4 \\boxed{4}", False, False),  # c: slip, said correct (0.6): wrong
+        _row("3*4-5=", "3*4=12,12-5=7 \\boxed{7.}", True, False),  # d: said wrong (0.3): wrong
+        _row("3*4-5=", "3*4=12,12-5=7 \\boxed{7}", True, True),  # e: said correct (0.7): right
+        _row("3*4-5=", "3*4=12,12-5=8 \\boxed{8.}", False, False),  # f: slip, said wrong (0.2): right
+        _row("3*4-5=", "3*4=12,12-5=7 \\boxed{12.}", False, False),  # g: intermediate: left out
+    ]
+    write_jsonl(str(tmp_path / "samples.jsonl"), rows)
+    _fake_rm(monkeypatch, [0.8, 0.9, 0.6, 0.3, 0.7, 0.2, 0.95])
+    got = rm_on_samples("ckpt", str(tmp_path / "samples.jsonl"), str(tmp_path / "preds.jsonl"))
+    assert got["acc_all"] == 0.123
+    # all (a, c, d, e, f): TPR 2/3 (a, e of a, d, e), FPR 1/2 (c of c, f); right a, e, f
+    assert got["all"] == {"acc": pytest.approx(3 / 5), "separation": pytest.approx(2 / 3 - 1 / 2)}
+    assert got["plus_minus"] == {"acc": 0.5, "separation": 0.0}  # a, c: TPR 1, FPR 1
+    assert got["times"] == {"acc": pytest.approx(2 / 3), "separation": 0.5}  # d, e, f: TPR 1/2, FPR 0
+
+
 def _demo(out, *extra):
     env = dict(os.environ, PYTHONWARNINGS="ignore", WANDB_MODE="offline")
     cmd = [sys.executable, "-m", "cooper_mcore", "demo", "--preset", "smoke", "--out", str(out), *extra]
@@ -161,6 +368,9 @@ def _demo(out, *extra):
 def test_demo_smoke_every_stage_then_cached(tmp_path):
     """Every stage at the smallest size: report keys, the last output line, the cache on a second run."""
     from math_verify import LatexExtractionConfig, parse, verify
+
+    from cooper_mcore.data.mathgen import answer_form, answer_value
+    from cooper_mcore.demo.task import family_of
 
     out = tmp_path / "demo"
     r = _demo(out)
@@ -183,14 +393,24 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| rule |" in (report / "report.md").read_text()
 
-    # the labels the pipeline wrote agree with math-verify itself (gold first) on completions with a
-    # boxed answer (without one the verifier falls back to the last number: not checked here)
+    # the labels the pipeline wrote are the task's oracle's (the last \\boxed{N} or \\boxed{N.} equals the
+    # reference); its rule verdicts agree with math-verify itself (gold first) on completions with a boxed
+    # answer (without one the verifier falls back to the last number: not checked here)
     (before_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("before-")]
     rows = [json.loads(x) for x in (before_dir / "eval_samples.jsonl").read_text().splitlines()]
     for row in rows:
+        assert row["label"] == (answer_value(row["completion"]) == int(row["reference"])), row
+        assert (row["family"], row["form"]) == (family_of(row["question"]), answer_form(row["completion"])), row
         if "\\boxed{" in row["completion"]:
             pred = parse(row["completion"], [LatexExtractionConfig(boxed_match_priority=0)])
-            assert row["label"] == bool(pred and verify(parse(f"${row['reference']}$"), pred)), row
+            assert row["rule"] == bool(pred and verify(parse(f"${row['reference']}$"), pred)), row
+    # both families are in the held-out set (32 problems, round(0.33 * 32) = 11 of them '*'), so in the design
+    # figures; each run's curve holds its in-training evaluations (eval_every 1, 2 steps)
+    assert set(summary["design"]["0"]["sft"]) == {"all", "plus_minus", "times"}
+    for mode in ("rule", "static_rm", "cooper"):
+        assert set(summary[mode]["families"]) == {"plus_minus", "times"}, mode
+        assert [p["step"] for p in summary[mode]["curve"]] == [1, 2], mode
+    assert "## The paper's premise, by design" in (report / "report.md").read_text()
 
     # the RM started from the SFT policy (rm.init=sft): its backbone is the policy's, its new head zero
     (sft_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("sft-")]

@@ -134,6 +134,8 @@ def test_report_verdict_says_present_for_hacking_static_run(report):
             "baseline minus 0.02.") in md
     assert "- Cooper: RM accuracy on held-out labeled completions rose from 0.700 to 0.780 (did not degrade)." in md
     assert "- Paper's claim in miniature: reproduced." in md
+    # the static RM's drop of 0.10 meets MIN_ACC_DROP exactly; its rise of 0.45 is well above MIN_REWARD_RISE
+    assert "rose by at least 0.25 and held-out accuracy fell by at least 0.1." in md
 
 
 def test_report_hack_examples_links_and_config(report):
@@ -247,9 +249,9 @@ def test_no_reason_when_cooper_is_at_the_rule_baseline(report):
 
 
 @pytest.mark.parametrize("rewards,acc_after,present", [
-    ([0.5] * 5 + [0.60] * 5, 0.48, True),   # rise 0.10 and drop 0.02: both thresholds met exactly
-    ([0.5] * 5 + [0.59] * 5, 0.40, False),  # rise 0.09 < 0.10
-    ([0.5] * 5 + [0.90] * 5, 0.49, False),  # drop 0.01 < 0.02
+    ([0.5] * 5 + [0.75] * 5, 0.40, True),   # rise 0.25 and drop 0.10: both thresholds met exactly
+    ([0.5] * 5 + [0.74] * 5, 0.30, False),  # rise 0.24 < 0.25
+    ([0.5] * 5 + [0.90] * 5, 0.41, False),  # drop 0.09 < 0.10
     ([0.5] * 5 + [0.90] * 5, 0.55, False),  # accuracy rose
     ([0.9] * 5 + [0.50] * 5, 0.30, False),  # reward fell
 ])
@@ -359,20 +361,20 @@ def test_load_runs_names_missing_result_and_builds_dataclasses(tmp_path):
 def test_several_seeds_mean_spread_per_seed_rows_and_counts(tmp_path):
     seed0 = load_runs(str(FIXTURE))
     seed1 = load_runs(str(FIXTURE))
-    seed1["cooper"].acc_after, seed1["static_rm"].acc_after = 0.50, 0.44  # Cooper 0.04 below rule in seed 1
+    seed1["cooper"].acc_after, seed1["static_rm"].acc_after = 0.50, 0.38  # Cooper 0.04 below rule in seed 1
     out = Path(write_report(str(tmp_path / "out"), {0: seed0, 1: seed1}))
     summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
     assert summary["seeds"] == [0, 1] and set(summary["per_seed"]) == {"0", "1"}
     coop, static = summary["cooper"], summary["static_rm"]
     assert coop["acc_after"] == pytest.approx(0.53) and coop["sd"]["acc_after"] == pytest.approx(0.03)
-    assert static["acc_after"] == pytest.approx(0.42) and static["sd"]["acc_after"] == pytest.approx(0.02)
+    assert static["acc_after"] == pytest.approx(0.39) and static["sd"]["acc_after"] == pytest.approx(0.01)
     assert coop["sd"]["acc_before"] == 0.0 and summary["rule"]["sd"]["rm_acc_before"] is None
     assert summary["per_seed"]["1"]["cooper"]["acc_after"] == 0.50
     assert summary["rule"]["steps"] == 20 and isinstance(summary["rule"]["steps"], int)  # equal across seeds
     assert "| rule | 20 | " in md  # the runs table: a step count, not 20.0
     # the signature on the means, and in how many seeds it holds on its own
     assert static["hacking"]["present"] is True and static["hacking"]["present_seeds"] == 2
-    assert static["hacking"]["acc_change"] == pytest.approx(-0.08)
+    assert static["hacking"]["acc_change"] == pytest.approx(-0.11)  # drops of 0.10 and 0.12: present in both
     v = summary["verdict"]
     assert v["cooper_minus_rule_acc"] == pytest.approx(-0.01) and v["cooper_at_rule_baseline"] is True
     assert v["claim_reproduced"] is True and v["claim_reproduced_seeds"] == 1
@@ -417,3 +419,209 @@ def test_report_states_the_rms_blind_spot_and_the_reward_settings(tmp_path):
         assert ("blind spot by construction" in text) is said
         assert "RM reward `binary`" in text and "negative `hardest` from `policy`" in text
         assert "the RM starts from the SFT policy's weights with a new scalar head (std 0.0) (`rm.init`)" in text
+
+
+# ----------------------------------------------------------------------------- the two-family design
+
+#: per mode and family, held-out accuracy before -> after; the families are 2/3 and 1/3 of the problems, so
+#: the fixture's overall accuracies hold: rule 2/3*0.66 + 1/3*0.30 = 0.54, static RM 2/3*0.45 + 1/3*0.30 = 0.40,
+#: Cooper 2/3*0.63 + 1/3*0.42 = 0.56 (all from 2/3*0.60 + 1/3*0.30 = 0.50)
+FAMILY_ACC = {"rule": {"plus_minus": (0.60, 0.66), "times": (0.30, 0.30)},
+              "static_rm": {"plus_minus": (0.60, 0.45), "times": (0.30, 0.30)},
+              "cooper": {"plus_minus": (0.60, 0.63), "times": (0.30, 0.42)}}
+#: the times family's rule accuracy after, its share of \boxed{N.} answers after, its RM benchmark accuracy after
+TIMES_AFTER = {"rule": (0.12, 0.50, None), "static_rm": (0.05, 0.70, 0.55), "cooper": (0.10, 0.80, 0.65)}
+
+
+def _families(mode):
+    pm, times = FAMILY_ACC[mode]["plus_minus"], FAMILY_ACC[mode]["times"]
+    rule_after, period_after, rm_after = TIMES_AFTER[mode]
+    rm = mode != "rule"
+    return {"plus_minus": {"acc_before": pm[0], "acc_after": pm[1], "rule_acc_before": 0.57, "rule_acc_after": pm[1],
+                           "times_form_before": 0.0, "times_form_after": 0.0,
+                           "rm_acc_before": 0.80 if rm else None, "rm_acc_after": 0.80 if rm else None},
+            "times": {"acc_before": times[0], "acc_after": times[1], "rule_acc_before": 0.06,
+                      "rule_acc_after": rule_after, "times_form_before": 0.75, "times_form_after": period_after,
+                      "rm_acc_before": 0.55 if rm else None, "rm_acc_after": rm_after}}
+
+
+def _point(step, acc, rule_acc, times_acc, times_rule, times_period):
+    """One in-training evaluation, as pipeline.training_curve writes it (the fields the report reads)."""
+    forms = {"boxed": 1.0 - times_period, "boxed_period": times_period, "none": 0.0}
+    return {"step": step, "all": {"acc": acc, "rule_acc": rule_acc, "forms": forms},
+            "times": {"acc": times_acc, "rule_acc": times_rule, "forms": forms}}
+
+
+CURVES = {"rule": [_point(10, 0.52, 0.45, 0.30, 0.09, 0.65), _point(20, 0.54, 0.46, 0.30, 0.12, 0.50)],
+          "static_rm": [_point(10, 0.45, 0.40, 0.30, 0.05, 0.72), _point(20, 0.40, 0.35, 0.30, 0.05, 0.70)],
+          "cooper": [_point(10, 0.53, 0.44, 0.36, 0.08, 0.78), _point(20, 0.56, 0.45, 0.42, 0.10, 0.80)]}
+
+
+def _sft_figures(acc, rule_acc, recall, precision, period):
+    return {"acc": acc, "rule_acc": rule_acc, "rule_recall": recall, "rule_precision": precision, "n": 300,
+            "forms": {"boxed": 1.0 - period, "boxed_period": period, "none": 0.0}}
+
+
+#: the seed's design figures (pipeline.run_seed): the rule is precise but misses the times family's answers:
+#: recall 0.57/0.60 = 0.95 on plus_minus, 0.06/0.30 = 0.20 on times, 0.40/0.50 = 0.80 over all
+DESIGN = {"sft": {"all": _sft_figures(0.50, 0.40, 0.80, 1.0, 0.25),
+                  "plus_minus": _sft_figures(0.60, 0.57, 0.95, 1.0, 0.0),
+                  "times": _sft_figures(0.30, 0.06, 0.20, 1.0, 0.75)},
+          "rm_bench": {"acc": 0.70, "pair_acc": 0.75, "families": {"plus_minus": 0.80, "times": 0.55}},
+          "rm_own": {"acc_all": 0.78, "all": {"acc": 0.80, "separation": 0.60},
+                     "plus_minus": {"acc": 0.85, "separation": 0.70}, "times": {"acc": 0.70, "separation": 0.40}},
+          "rm_data": {"train": 100}}
+
+
+def _two_family_runs(problem_acc=None):
+    runs = load_runs(str(FIXTURE))
+    for mode, r in runs.items():
+        r.families, r.curve = _families(mode), CURVES[mode]
+        r.rule_acc_before, r.rule_acc_after = 0.40, {"rule": 0.46, "static_rm": 0.30, "cooper": 0.44}[mode]
+        if problem_acc:
+            r.problem_acc = problem_acc.get(mode, [])
+    return runs
+
+
+@pytest.fixture(scope="module")
+def design_report(tmp_path_factory):
+    """The fixture's runs with families, curves and per-problem accuracies, the design figures and a
+    control report (the fixture with Cooper at 0.51: not reproduced): (folder, summary.json, report.md)."""
+    root = tmp_path_factory.mktemp("design") / "report"
+    control = load_runs(str(FIXTURE))
+    control["cooper"].acc_after = 0.51
+    control_dir = write_report(str(root / "control"), control)
+    runs = _two_family_runs({"cooper": [1.0, 0.5, 0.0, 1.0], "rule": [0.5, 0.5, 0.5, 1.0]})
+    write_report(str(root), runs, design={0: DESIGN}, control=control_dir)
+    return root, json.loads((root / "summary.json").read_text()), (root / "report.md").read_text()
+
+
+def test_design_report_summary_holds_the_new_fields(design_report):
+    _, summary, _ = design_report
+    for mode in MODES:
+        assert summary[mode]["families"] == _families(mode)
+        assert summary[mode]["curve"] == CURVES[mode]
+        assert summary[mode]["rule_acc_before"] == 0.40
+    assert summary["cooper"]["rule_acc_after"] == 0.44
+    assert summary["design"] == {"0": DESIGN}
+    # Cooper - rule per problem: 0.5, 0, -0.5, 0: mean 0, sd sqrt(0.5 / 3), se sd / 2; rule acc 0.625
+    p = summary["paired"]
+    assert (p["problems"], p["seeds"], p["mean"]) == (4, 1, 0.0)
+    assert p["se"] == pytest.approx((0.5 / 3) ** 0.5 / 2)
+    assert p["single_acc_se"] == pytest.approx((0.625 * 0.375 / 4) ** 0.5)
+    c = summary["control"]
+    assert c["link"] == "control/report.md"
+    assert c["verdict"]["claim_reproduced"] is False
+    assert c["verdict"]["cooper_minus_rule_acc"] == pytest.approx(-0.03)
+    assert c["verdict"]["failed"] == ["Cooper's held-out accuracy is at or above the rule baseline minus 0.02"]
+    assert (c["cooper"]["acc_before"], c["cooper"]["acc_after"]) == (0.50, 0.51)
+    assert c["rule"]["acc_after"] == 0.54 and c["rule"]["rm_acc_before"] is None
+
+
+def test_design_report_premise_table(design_report):
+    _, _, md = design_report
+    assert "## The paper's premise, by design" in md
+    assert ("| seed | family | SFT acc (oracle) | SFT acc (rule) | rule recall | rule precision | answers "
+            "`\\boxed{N.}` | RM benchmark acc | RM acc, own completions | RM separation, own completions |") in md
+    assert "| 0 | all | 0.500 | 0.400 | 0.800 | 1.000 | 0.250 | 0.700 | 0.800 | 0.600 |" in md
+    assert "| 0 | `+`/`-` chains | 0.600 | 0.570 | 0.950 | 1.000 | 0.000 | 0.800 | 0.850 | 0.700 |" in md
+    assert "| 0 | `*` chains | 0.300 | 0.060 | 0.200 | 1.000 | 0.750 | 0.550 | 0.700 | 0.400 |" in md
+
+
+def test_design_report_predictions_beside_the_outcome(design_report):
+    from cooper_mcore.demo.report_render import PREDICTIONS
+
+    _, _, md = design_report
+    assert "## Predictions and outcome" in md
+    assert "| reward mode | predicted (before running) | what happened |" in md
+    assert (f"| static RM | {' '.join(PREDICTIONS['static_rm'].split())} | held-out acc 0.500 -> 0.400 "
+            "(`+`/`-` chains 0.600 -> 0.450; `*` chains 0.300 -> 0.300); training reward 0.490 -> 0.940; "
+            "hacking signature present |") in md
+    assert (f"| Cooper | {' '.join(PREDICTIONS['cooper'].split())} | held-out acc 0.500 -> 0.560 "
+            "(`+`/`-` chains 0.600 -> 0.630; `*` chains 0.300 -> 0.420); training reward 0.510 -> 0.620; "
+            "hacking signature not present |") in md
+    assert md.index("## Predictions and outcome") < md.index("## Verdict")
+
+
+def test_design_report_per_family_curve_and_control(design_report):
+    _, _, md = design_report
+    assert "## Per family" in md
+    assert "| rule | `*` chains | 0.300 -> 0.300 | 0.060 -> 0.120 | 0.750 -> 0.500 | n/a |" in md
+    assert "| rule | `+`/`-` chains | 0.600 -> 0.660 | 0.570 -> 0.660 | 0.000 -> 0.000 | n/a |" in md
+    assert "| static RM | `*` chains | 0.300 -> 0.300 | 0.060 -> 0.050 | 0.750 -> 0.700 | 0.550 -> 0.550 |" in md
+    assert "| Cooper | `*` chains | 0.300 -> 0.420 | 0.060 -> 0.100 | 0.750 -> 0.800 | 0.550 -> 0.650 |" in md
+    # the in-training evaluations: all problems by the oracle and the rule, the * family and its \boxed{N.} share
+    assert "| rule | 10 | 0.520 | 0.450 | 0.300 | 0.090 | 0.650 |" in md
+    assert "| static RM | 20 | 0.400 | 0.350 | 0.300 | 0.050 | 0.700 |" in md
+    assert "| Cooper | 20 | 0.560 | 0.450 | 0.420 | 0.100 | 0.800 |" in md
+    assert "## Control: the single-family task" in md
+    assert ("the rule misses nothing there; [its report](control/report.md)): claim not reproduced, Cooper - rule "
+            "-0.030.") in md
+    assert "| rule | 0.500 -> 0.540 | 0.500 -> 0.540 |" in md
+    assert "| Cooper | 0.500 -> 0.560 | 0.500 -> 0.510 |" in md
+    assert ("- Paired per-problem difference, Cooper - rule: +0.000 ± 0.204 (standard error over 4 held-out "
+            "problems, 1 seed(s)); one accuracy on 4 problems has a standard error of about 0.242.") in md
+
+
+def test_report_without_the_design_leaves_its_sections_out(report):
+    _, summary, md = report
+    assert summary["design"] is None and summary["paired"] is None and summary["control"] is None
+    for section in ("## The paper's premise", "## Per family", "## Control", "Held-out evaluations during training",
+                    "Paired per-problem difference"):
+        assert section not in md
+    assert "## Predictions and outcome" in md  # the predictions are always stated
+
+
+def test_curve_rows_without_the_times_family():
+    from cooper_mcore.demo.report_render import curve_rows
+
+    point = {"step": 5, "all": {"acc": 0.5, "rule_acc": 0.5, "forms": {"boxed_period": 0.0}}}  # single family
+    rows = curve_rows({"per_seed": {"0": {m: {"curve": [point]} for m in MODES}}})
+    assert rows[2] == "| rule | 5 | 0.500 | 0.500 | n/a | n/a | n/a |" and len(rows) == 2 + 3
+    assert curve_rows({"per_seed": {"0": {m: {"curve": []} for m in MODES}}}) == []
+
+
+def _with_problem_acc(cooper, rule):
+    runs = load_runs(str(FIXTURE))
+    runs["cooper"].problem_acc, runs["rule"].problem_acc = cooper, rule
+    return runs
+
+
+def test_paired_difference_by_hand():
+    from cooper_mcore.demo.report import paired_difference
+
+    seed0 = _with_problem_acc([1.0, 0.5, 0.0, 1.0], [0.5, 0.5, 0.5, 1.0])  # differences 0.5, 0, -0.5, 0
+    seed1 = _with_problem_acc([1.0, 1.0, 0.0, 0.5], [0.5, 0.0, 0.0, 1.0])  # differences 0.5, 1, 0, -0.5
+    got = paired_difference({0: seed0, 1: seed1})
+    # per problem, the mean over seeds: 0.5, 0.5, -0.25, -0.25; mean 0.125; deviations +-0.375:
+    # sample sd sqrt(4 * 0.375^2 / 3) = 0.4330, se 0.4330 / sqrt(4) = 0.2165
+    assert got["mean"] == pytest.approx(0.125)
+    assert got["se"] == pytest.approx((4 * 0.375 ** 2 / 3) ** 0.5 / 2)
+    assert (got["problems"], got["seeds"]) == (4, 2)
+    # the rule's accuracy: (0.625 + 0.375) / 2 = 0.5; sqrt(0.5 * 0.5 / 4) = 0.25
+    assert got["single_acc_se"] == pytest.approx(0.25)
+    assert paired_difference({0: seed0})["mean"] == pytest.approx(0.0)
+    assert paired_difference({0: _with_problem_acc([], [])}) is None  # not measured
+    assert paired_difference({0: _with_problem_acc([1.0], [])}) is None
+    assert paired_difference({0: _with_problem_acc([1.0, 0.0], [1.0])}) is None  # counts differ
+    assert paired_difference({0: seed0, 1: _with_problem_acc([1.0], [1.0])}) is None  # seeds differ in length
+
+
+def test_paired_difference_over_seeds_in_the_verdict(tmp_path):
+    seed0 = _with_problem_acc([1.0, 0.5, 0.0, 1.0], [0.5, 0.5, 0.5, 1.0])
+    seed1 = _with_problem_acc([1.0, 1.0, 0.0, 0.5], [0.5, 0.0, 0.0, 1.0])
+    out = Path(write_report(str(tmp_path / "out"), {0: seed0, 1: seed1}))
+    summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
+    assert summary["paired"]["mean"] == pytest.approx(0.125) and summary["paired"]["seeds"] == 2
+    assert ("- Paired per-problem difference, Cooper - rule: +0.125 ± 0.217 (standard error over 4 held-out "
+            "problems, 2 seed(s)); one accuracy on 4 problems has a standard error of about 0.250.") in md
+
+
+def test_families_are_averaged_over_seeds(tmp_path):
+    seed0, seed1 = _two_family_runs(), _two_family_runs()
+    seed1["cooper"].families["times"]["acc_after"] = 0.48  # Cooper's * family: 0.42 and 0.48, mean 0.45
+    out = Path(write_report(str(tmp_path / "out"), {0: seed0, 1: seed1}))
+    summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
+    assert summary["cooper"]["families"]["times"]["acc_after"] == pytest.approx(0.45)
+    assert summary["per_seed"]["1"]["cooper"]["families"]["times"]["acc_after"] == 0.48
+    assert "| Cooper | `*` chains | 0.300 -> 0.450 | 0.060 -> 0.100 | 0.750 -> 0.800 | 0.550 -> 0.650 |" in md
