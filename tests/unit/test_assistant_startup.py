@@ -4,6 +4,7 @@ written (the first SLURM example used to train with every pair masked)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 
@@ -51,7 +52,13 @@ def test_live_assistant_lets_the_run_start(tmp_path):
 def test_steps_without_a_valid_pair_warn_loudly(tmp_path, caplog):
     """A Cooper run in which no pair is valid for N steps in a row says so (a random
     policy solves nothing, so no prompt has a positive)."""
+    from cooper_mcore.data.datasets import read_prompts, write_prompts
+
     assets = build_tiny_assets(str(tmp_path / "assets"), n_train=32, n_eval=4, sft_steps=0)
+    # a random policy can still hit a small answer by luck (the rule reads its last number), so every
+    # reference is made one it cannot write: 7 digits, one token each, in 4 new tokens
+    prompts, _ = read_prompts(assets["train"])
+    write_prompts([dataclasses.replace(p, answer="1000000") for p in prompts], assets["train"])
     args = [a for a in _args(assets, tmp_path / "run", "unused") if not a.startswith(("rm.negatives", "rm.assistant"))]
     with caplog.at_level(logging.WARNING):
         assert cli_main([*args, "rm.negatives=rewrite", "train.steps=2", "train.max_steps_without_pairs=2"]) == 0

@@ -89,7 +89,10 @@ def test_text_prompts_and_stop_strings(tmp_path):
 
     tok = train_tiny_tokenizer(tokenizer_corpus(300), str(tmp_path / "tok"), vocab_size=128)
     torch.manual_seed(1)
-    cfg = tiny_hf_config("qwen2", vocab_size=128, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    # the model's vocabulary is the tokenizer's (about 77 of the 128 allowed): every id the random model can
+    # emit is a token with text, whereas ids past the tokenizer's size decode to nothing, so whether the
+    # free-running text was empty depended on how many pieces the corpus happened to yield
+    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     engine = HFEngine(transformers.AutoModelForCausalLM.from_config(cfg).eval(), tok)
     free = engine.generate(["12+3="], SamplingParams(max_new_tokens=12, temperature=0))[0]
     assert free.text == tok.decode(free.token_ids, skip_special_tokens=True)
