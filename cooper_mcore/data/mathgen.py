@@ -279,7 +279,8 @@ def generate_prompts(
 
 
 def tokenizer_corpus(
-    n: int = 2000, config: Optional[MathTaskConfig] = None, seed: int = 0, styles: Sequence[str] = STYLES
+    n: int = 2000, config: Optional[MathTaskConfig] = None, seed: int = 0,
+    styles: Sequence[str] = ("boxed", "gsm8k"),
 ) -> list[str]:
     """Texts to train a tokenizer for this task: questions and worked solutions in ``styles``.
 

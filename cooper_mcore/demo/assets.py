@@ -25,6 +25,7 @@ from cooper_mcore.data.templates import rm_input
 from cooper_mcore.data.tokenizer import train_tiny_tokenizer
 from cooper_mcore.jobs.sft import math_sft_examples, sft
 from cooper_mcore.models.tiny import save_tiny_hf_model
+from cooper_mcore.types import Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
                       rm_hidden_size: Optional[int] = None, rm_num_layers: Optional[int] = None,
                       vocab_size: int = 128, max_positions: int = 512,
                       sft_steps: int = DEFAULT_SFT_STEPS, family: str = "qwen2_tied", rm_family: str = "qwen2",
-                      shape: Optional[dict[str, Any]] = None, dtype: torch.dtype = torch.float32) -> dict[str, str]:
+                      shape: Optional[dict[str, Any]] = None, dtype: torch.dtype = torch.float32,
+                      prompts: Optional[tuple[list[Prompt], list[Prompt]]] = None,
+                      corpus: Optional[list[str]] = None, isolate: str = "") -> dict[str, str]:
     """Write the tiny assets under ``out`` (existing pieces are reused); return their paths.
 
     Args:
@@ -60,6 +63,10 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         shape: config fields of both models that override the above (attention heads, key/value
             heads, head_dim, ... or a whole shape: hidden and FFN sizes, layers, vocabulary).
         dtype: the models' parameter dtype (the SFT keeps fp32 main parameters in megatron's optimizer).
+        prompts: the train and held-out prompts to write instead of drawing them from ``task``.
+        corpus: the tokenizer's training texts instead of ``task``'s questions and worked solutions.
+        isolate: characters the tokenizer keeps as tokens of their own
+            (:func:`cooper_mcore.data.tokenizer.train_tiny_tokenizer`).
 
     Raises:
         ValueError: ``sft_steps`` is negative.
@@ -72,14 +79,17 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         "policy_ckpt": "policy_mcore", "rm_hf": "rm_hf", "rm_ckpt": "rm_mcore"}.items()}
     os.makedirs(out, exist_ok=True)
     if not os.path.exists(paths["train"]):
-        write_prompts(generate_prompts(n_eval, task, split="test", seed=seed), paths["eval"])
+        train, held_out = prompts or (generate_prompts(n_train, task, split="train", seed=seed),
+                                      generate_prompts(n_eval, task, split="test", seed=seed))
+        write_prompts(held_out, paths["eval"])
         tmp = os.path.join(out, "train.tmp.jsonl")
-        write_prompts(generate_prompts(n_train, task, split="train", seed=seed), tmp)
+        write_prompts(train, tmp)
         os.replace(tmp, paths["train"])  # written last and renamed: its presence marks both files complete
-    corpus = tokenizer_corpus(2000, config=task, seed=seed)
-    # the VerifyRM template's tags too, so that each is a few tokens rather than one <unk> per letter
-    corpus += [rm_input(q, "0", c) for q, c in zip(corpus[0::3], corpus[1::3])][:200]
-    tok = train_tiny_tokenizer(corpus, paths["tokenizer"], vocab_size=vocab_size)
+    if corpus is None:
+        corpus = tokenizer_corpus(2000, config=task, seed=seed)
+        # the VerifyRM template's tags too, so that each is a few tokens rather than one <unk> per letter
+        corpus += [rm_input(q, "0", c) for q, c in zip(corpus[0::3], corpus[1::3])][:200]
+    tok = train_tiny_tokenizer(corpus, paths["tokenizer"], vocab_size=vocab_size, isolate=isolate)
     common = dict(vocab_size=-(-len(tok) // 8) * 8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   max_position_embeddings=max_positions)
 

@@ -28,11 +28,14 @@ RMInit = Literal["sft", "random"]
 
 @dataclass
 class TaskSection:
-    """The arithmetic task (:class:`cooper_mcore.data.mathgen.MathTaskConfig`) and its prompt sets."""
+    """The two-family arithmetic task (:class:`cooper_mcore.demo.task.DemoTask`) and its prompt sets:
+    ``plus_minus`` chains (``7-1-1=``) and ``times`` chains (``3*4-5=``), whose convention writes the
+    final answer ``\\boxed{7.}``, a form the rule verifier misses (the paper's premise, by design)."""
 
-    num_steps: int = 2
     max_operand: int = 9
-    operators: list[str] = field(default_factory=lambda: ["+", "-"])
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])  # the plus_minus family's operators
+    times_share: float = 0.33  # share of times-family problems in each split (0: the single-family control)
+    times_parseable: float = 0.25  # share of times-family SFT answers written \boxed{N}, which the rule reads
     n_train: int = 2048  # distinct train-split questions (SFT, RM data and RL prompts draw from them)
     n_eval: int = 512  # held-out questions for accuracy before/after
     seed: int = 0
@@ -54,7 +57,7 @@ class ModelSection:
 class SFTSection:
     """Megatron SFT of the policy (:func:`cooper_mcore.jobs.sft.sft`)."""
 
-    steps: int = 400
+    steps: int = 500
     lr: float = 3e-3
     batch: int = 64
     micro_batch: int = 32
@@ -64,9 +67,11 @@ class SFTSection:
 
 @dataclass
 class RMSection:
-    """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by the rule verifier
-    (kept where an LLM judge agrees, with a judge configured), then relabeled where ``blind_spot``
-    says (the labeler's systematic error) and balanced.
+    """The tiny VerifyRM: trained with BCE on the SFT policy's samples labeled by a simulated judge
+    (the task's oracle, which reads every answer form, with ``blind_spot``'s systematic error), not by
+    the rule verifier, whose false negatives the RM would otherwise learn; with an LLM judge
+    configured, the rows where the rule and the judge agree instead (VerifyRM's hybrid labels). Then
+    reference-swap augmented and balanced.
 
     It starts (``init="sft"``) from the SFT policy's weights with a new scalar head, as VerifyRM
     starts from an instruct model: the converter's ``hf_to_mcore(..., "reward", head_std)`` on the
@@ -74,7 +79,7 @@ class RMSection:
     ``model.rm_layers`` instead (it needs a higher ``lr``, about 2e-3).
 
     Its accuracy is measured on a fixed held-out set in VerifyBench's form: per held-out question
-    one rule-correct and one rule-wrong completion of the SFT policy (``bench_samples`` draws per
+    one correct and one wrong completion of the SFT policy (by the oracle) (``bench_samples`` draws per
     question at the rollout temperature; questions without both are left out).
     """
 
@@ -83,13 +88,19 @@ class RMSection:
     # repeat the rule-correct rows of the RM's data so that they are this share of it (0: as sampled,
     # about a quarter correct); VerifyRM's benchmark and Cooper's pairs are balanced
     balance: float = 0.5
-    # a lenient labeler's systematic error, the RM's blind spot: rule-wrong training rows of this kind
+    # a lenient labeler's systematic error, the RM's blind spot: wrong training rows of this kind
     # (cooper_mcore/demo/kinds.py) are labeled correct; the benchmark keeps the true labels
     blind_spot: BlindSpot = "intermediate"
+    # reference-swap augmentation: each training completion with a final answer also appears with the
+    # reference set to its own answer (labeled correct) and to another value (labeled wrong), so the RM
+    # learns to compare the answer with the reference rather than to judge how plausible the chain looks
+    reference_swap: bool = True
     init: RMInit = "sft"  # the RM's starting weights: the SFT policy's (new head) or the assets' random RM
     head_std: float = 0.0  # init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)
-    epochs: int = 6
-    lr: float = 5e-4  # BCE learning rate (a pretrained start: 2e-3 wipes it out; random weights want 2e-3)
+    # comparing the boxed answer with the reference takes the tiny RM about 12 epochs at 2e-3 (measured: 6
+    # epochs at 5e-4, 1e-3 or 2e-3 reach 0.67-0.75 on the benchmark, 12 at 2e-3 0.92; 5e-3 does not learn)
+    epochs: int = 12
+    lr: float = 2e-3
     batch: int = 64
     micro_batch: int = 32
     seed: int = 0
@@ -169,6 +180,9 @@ class DemoConfig:
     # one full pipeline after the shared assets per seed s: SFT, RM data, RM and the three RL runs
     # with their seeds offset by s (``--full``: three seeds, reported as mean, spread and per seed)
     seeds: list[int] = field(default_factory=lambda: [0])
+    # also run every seed on the single-family task (task.times_share=0, where the rule misses nothing),
+    # reported beside the two-family one (``--full``)
+    control: bool = False
 
 
 # ``--full``: three seeds, longer RL, more held-out problems
@@ -177,6 +191,7 @@ FULL_PRESET: dict = {
     "task": {"n_eval": 640},
     "rl": {"steps": 200, "eval_every": 20},
     "seeds": [0, 1, 2],
+    "control": True,
 }
 
 # the CI smoke test: every stage, a few steps each, smallest sizes

@@ -4,7 +4,7 @@ The demo's policy writes worked chains (``7-1=6,6-1=5 \\boxed{5}``). Its wrong c
 into a few kinds, which the report counts per run (how a hacked policy's output changed) and the
 RM's blind spot is defined by (see :mod:`cooper_mcore.demo.pipeline`):
 
-* ``correct``: the rule verifier accepts the answer;
+* ``correct``: the answer is right (the caller's verdict: the task's oracle in the demo);
 * ``intermediate``: the chain follows the question but the boxed answer is an earlier intermediate
   result rather than the chain's last one (``7-1=6,6-1=5 \\boxed{6}``);
 * ``slip``: the chain follows the question but a step's arithmetic is wrong, the boxed answer
@@ -28,7 +28,7 @@ Kind = Literal["correct", "intermediate", "slip", "other"]
 KINDS: tuple[str, ...] = ("correct", "intermediate", "slip", "other")
 
 _STEP = re.compile(r"(?<![\d.])(-?\d+)([-+*])(\d+)=(-?\d+)(?![\d.])")
-_BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
+_BOXED = re.compile(r"\\boxed\{(-?\d+)\.?\}")  # both of the task's forms (cooper_mcore.data.mathgen)
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -64,7 +64,7 @@ def completion_kind(question: str, completion: str, correct: bool) -> Kind:
     Args:
         question: the question text (``7-1-1=``).
         completion: the policy's completion.
-        correct: the rule verifier's verdict (gold first).
+        correct: whether the answer is right (the oracle's verdict in the demo).
     """
     if correct:
         return "correct"

@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -52,26 +53,31 @@ from cooper_mcore.atomic import atomic_open
 from cooper_mcore.config import CooperConfig, save_config
 from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
-from cooper_mcore.data.mathgen import MathTaskConfig
+from cooper_mcore.data.mathgen import answer_form, answer_value
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.config import DemoConfig
 from cooper_mcore.demo.kinds import completion_kind, kind_shares
 from cooper_mcore.demo.report import HackExample, RunResult, write_report
-from cooper_mcore.jobs.sft import math_sft_examples, sft
+from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares
+from cooper_mcore.jobs.sft import sft
 from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
 from cooper_mcore.reward.annotate import annotate
 from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.reward.oracle import oracle_correct
 from cooper_mcore.reward.verifier import RuleVerifier
+from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR
 from cooper_mcore.rollout.base import SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 
 logger = logging.getLogger(__name__)
 
-STAGE_VERSION = 2  # bump when a stage's code changes what it writes
+STAGE_VERSION = 3  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
 MODES = ("rule", "static_rm", "cooper")
+#: reference-swap augmentation: the "other" reference is the completion's answer plus one of these
+SWAP_OFFSETS = (-10, -2, -1, 1, 2, 10)
 # read by the rm stage only, not by rm_data
 RM_TRAINING_FIELDS = ("init", "head_std", "epochs", "lr", "batch", "micro_batch")
 
@@ -153,14 +159,16 @@ def write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
 
 def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, top_p: float, max_new_tokens: int,
                    seed: int) -> list[dict[str, Any]]:
-    """``k`` completions per prompt from an HF policy, labeled by the rule verifier.
+    """``k`` completions per prompt from an HF policy, labeled by the task's oracle and by the rule verifier.
 
     The prompts are templated and sampled as the trainer's evaluation does (``{question}``, one
     ``generate`` call over every prompt repeated ``k`` times, seeded by ``seed``), so with the same
     prompts, ``k``, sampling and seed it draws exactly the trainer's evaluation completions.
 
     Returns:
-        One row per completion: ``question``, ``reference``, ``completion``, ``label`` (rule-correct).
+        One row per completion: ``question``, ``reference``, ``completion``, ``label`` (the oracle's
+        verdict: the truth), ``rule`` (math-verify's verdict, gold first), ``family`` and ``form``
+        (how the final answer is written).
     """
     engine = HFEngine.from_pretrained(hf_dir)
     prompts, _ = read_prompts(prompts_path)
@@ -170,13 +178,45 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
     refs = [p.answer for p in prompts for _ in range(k)]
     with RuleVerifier(num_workers=2) as verifier:
         verdicts = verifier.verify_batch(refs, [o.text for o in outs])
-    return [{"question": p.question, "reference": p.answer, "completion": o.text, "label": bool(v.correct)}
+    return [{"question": p.question, "reference": p.answer, "completion": o.text,
+             "label": oracle_correct(p.answer, o.text), "rule": bool(v.correct), "family": family_of(p.question),
+             "form": answer_form(o.text)}
             for p, o, v in zip((p for p in prompts for _ in range(k)), outs, verdicts)]
 
 
+def accuracy_figures(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Oracle (``acc``) and rule (``rule_acc``) accuracy of labeled rows; the rule's recall (share of
+    the correct answers it accepts) and precision (share of its accepted answers that are correct);
+    the share of each final-answer form."""
+    correct = [r for r in rows if r["label"]]
+    accepted = [r for r in rows if r["rule"]]
+    return {"acc": _mean([r["label"] for r in rows]), "rule_acc": _mean([r["rule"] for r in rows]),
+            "rule_recall": _mean([r["rule"] for r in correct]), "rule_precision": _mean([r["label"] for r in accepted]),
+            "n": len(rows), "forms": form_shares([r["completion"] for r in rows])}
+
+
+def by_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """:func:`accuracy_figures` of all rows (``all``) and of each family present."""
+    out = {"all": accuracy_figures(rows)}
+    for fam in FAMILIES:
+        mine = [r for r in rows if r["family"] == fam]
+        if mine:
+            out[fam] = accuracy_figures(mine)
+    return out
+
+
+def problem_accuracy(rows: Sequence[dict[str, Any]]) -> list[float]:
+    """Per held-out problem (in order of first appearance), the share of its completions that are correct."""
+    per: dict[str, list[bool]] = {}
+    for r in rows:
+        per.setdefault(r["question"], []).append(bool(r["label"]))
+    return [_mean(v) for v in per.values()]
+
+
 def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, seed: int, out_prefix: str) -> dict[str, Any]:
-    """Held-out accuracy of an HF policy: sampled (avg@k at the eval sampling, seeded as the RL
-    run's evaluation) and greedy; the answer kinds of the sampled completions.
+    """Held-out accuracy of an HF policy by the oracle and by the rule, per family: sampled (avg@k at
+    the eval sampling, seeded as the RL run's evaluation) and greedy; the answer kinds of the sampled
+    completions and the per-problem accuracy (for paired comparisons).
 
     The sampled completions are kept in ``<out_prefix>_samples.jsonl`` (the RMs are scored on them).
     """
@@ -184,8 +224,10 @@ def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, seed: int, 
     greedy = sample_labeled(hf_dir, prompts_path, 1, 0.0, 1.0, e.max_new_tokens, seed)
     sampled = sample_labeled(hf_dir, prompts_path, e.k, e.temperature, e.top_p, e.max_new_tokens, seed)
     write_jsonl(out_prefix + "_samples.jsonl", _scorable(sampled))
-    return {"acc": _mean([r["label"] for r in sampled]), "acc_greedy": _mean([r["label"] for r in greedy]),
-            "n_prompts": len(greedy), "k": e.k, "temperature": e.temperature, "seed": seed,
+    figures = by_family(sampled)
+    return {"acc": figures["all"]["acc"], "rule_acc": figures["all"]["rule_acc"], "families": figures,
+            "acc_greedy": _mean([r["label"] for r in greedy]), "n_prompts": len(greedy), "k": e.k,
+            "temperature": e.temperature, "seed": seed, "problem_acc": problem_accuracy(sampled),
             "kinds": kind_shares((r["question"], r["completion"], r["label"]) for r in sampled)}
 
 
@@ -195,7 +237,7 @@ def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float
 
 
 def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[dict[str, Any]]:
-    """The rule-wrong completions the RM rewards most (distinct ones), highest RM reward first.
+    """The wrong completions (by the oracle) the RM rewards most (distinct ones), highest RM reward first.
 
     No absolute threshold: a policy hacks an RM by producing what it scores above the rest, which
     for a poorly calibrated RM can be well below 0.5 (the report shows the rewards).
@@ -206,7 +248,7 @@ def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[
     wrong.sort(key=lambda t: -t[0])
     unique = list({(s["question"], s["completion"]): (prob, s) for prob, s in reversed(wrong)}.values())[::-1]
     return [{"question": s["question"], "reference": s["reference"], "completion": s["completion"],
-             "rm_reward": round(prob, 4), "rule_correct": False} for prob, s in unique[:limit]]
+             "rm_reward": round(prob, 4), "rule_correct": bool(s.get("rule", False))} for prob, s in unique[:limit]]
 
 
 def _scorable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -221,26 +263,30 @@ def _mean(xs: Sequence[float]) -> float:
 # --------------------------------------------------------------------------- stages
 
 
-def _task(cfg: DemoConfig) -> MathTaskConfig:
+def _task(cfg: DemoConfig) -> DemoTask:
     t = cfg.task
-    return MathTaskConfig(num_steps=t.num_steps, max_operand=t.max_operand, operators=tuple(t.operators),
-                          split_seed=t.seed)
+    return DemoTask(max_operand=t.max_operand, operators=tuple(t.operators), times_share=t.times_share,
+                    times_parseable=t.times_parseable, split_seed=t.seed)
 
 
 def build_assets(cfg: DemoConfig, out: str) -> dict[str, Any]:
-    """Stage 1: problems, tokenizer, random tiny policy and RM."""
-    m = cfg.model
-    paths = build_tiny_assets(out, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed, m.policy_hidden,
-                              m.policy_layers, task=_task(cfg), rm_hidden_size=m.rm_hidden, rm_num_layers=m.rm_layers,
-                              vocab_size=cfg.task.tokenizer_vocab, max_positions=m.max_positions, sft_steps=0)
+    """Stage 1: problems of both families, tokenizer, random tiny policy and RM."""
+    m, t, task = cfg.model, cfg.task, _task(cfg)
+    paths = build_tiny_assets(out, t.n_train, t.n_eval, t.seed, m.policy_hidden, m.policy_layers,
+                              rm_hidden_size=m.rm_hidden, rm_num_layers=m.rm_layers, vocab_size=t.tokenizer_vocab,
+                              max_positions=m.max_positions, sft_steps=0,
+                              prompts=(task.prompts(t.n_train, "train", t.seed),
+                                       task.prompts(t.n_eval, "test", t.seed)),
+                              corpus=task.tokenizer_corpus(t.seed), isolate=ISOLATE)
     return {"paths": {k: os.path.relpath(v, out) for k, v in paths.items()}}
 
 
 def train_sft(cfg: DemoConfig, seed: int, assets: Stage, out: str) -> dict[str, Any]:
-    """Stage 2: Megatron SFT and its export through the converter."""
+    """Stage 2: Megatron SFT on both families' worked solutions in their conventions, and its export
+    through the converter."""
     s = cfg.sft
     tokenizer = load_tokenizer(assets.file("tokenizer"))
-    examples = math_sft_examples(tokenizer, cfg.task.n_train, _task(cfg), seed=s.seed + seed, mix_wrong=s.mix_wrong)
+    examples = _task(cfg).sft_examples(tokenizer, cfg.task.n_train, s.seed + seed, s.mix_wrong)
     history = sft(assets.file("policy_mcore"), os.path.join(out, "policy_mcore"), examples, steps=s.steps, lr=s.lr,
                   global_batch_size=s.batch, micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed + seed,
                   log_every=max(s.steps // 10, 1))
@@ -249,19 +295,22 @@ def train_sft(cfg: DemoConfig, seed: int, assets: Stage, out: str) -> dict[str, 
 
 
 def measure_before(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
-    """Stage 3: the SFT policy's held-out accuracy (the "before" of every RL run)."""
+    """Stage 3: the SFT policy's held-out accuracy (the "before" of every RL run), and the rule
+    verifier's recall and precision on its completions (the task's designed asymmetry)."""
     acc = policy_accuracy(sft_stage.file("policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
                           os.path.join(out, "eval"))
-    logger.info("[before] SFT policy's held-out accuracy: %.3f sampled (T=%.1f, avg@%d), %.3f greedy", acc["acc"],
-                cfg.eval.temperature, cfg.eval.k, acc["acc_greedy"])
+    fam = acc["families"]["all"]
+    logger.info("[before] SFT policy's held-out accuracy: %.3f by the oracle, %.3f by the rule (recall %.3f, "
+                "precision %.3f); %.3f greedy (T=%.1f, avg@%d)", acc["acc"], acc["rule_acc"], fam["rule_recall"],
+                fam["rule_precision"], acc["acc_greedy"], cfg.eval.temperature, cfg.eval.k)
     return {"eval": acc}
 
 
 def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
-    """Stage 4: the SFT policy's completions labeled by the rule verifier (then, with a judge
-    configured, kept where the judge agrees), with the RM's blind spot and the positives' balance
-    applied last: the RM's training rows (train prompts, ``rm_train.jsonl``); and its fixed held-out
-    benchmark with the rule's labels (``rm_bench.jsonl``)."""
+    """Stage 4: the SFT policy's completions labeled by a simulated judge (the oracle, then the RM's
+    blind spot: a lenient judge's systematic error) or, with an LLM judge configured, where the rule
+    and the judge agree; reference-swap augmented and balanced: the RM's training rows (train prompts,
+    ``rm_train.jsonl``); and its fixed held-out benchmark with the true labels (``rm_bench.jsonl``)."""
     r = cfg.rm
     hf = sft_stage.file("policy_hf")
     train = _scorable(sample_labeled(hf, assets.file("train.jsonl"), r.samples_per_prompt, r.temperature, 1.0,
@@ -271,7 +320,7 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
     bench = bench_pairs(held_out)
     write_jsonl(os.path.join(out, "rm_bench.jsonl"), bench)
     train_path = os.path.join(out, "rm_train.jsonl")
-    info: dict[str, Any] = {"bench_pairs": len(bench) // 2}
+    info: dict[str, Any] = {"bench_pairs": len(bench) // 2, "labels": "hybrid" if r.judge_url else "simulated judge"}
     if r.judge_url:  # hybrid labels on the true rows; the blind spot is the labeler's error after that
         write_jsonl(train_path, train)
         info["hybrid"] = hybrid_labels(cfg, train_path)
@@ -279,15 +328,38 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
     info.update(train=len(train), train_correct=_mean([x["label"] for x in train]))
     train = with_blind_spot(train, r.blind_spot)
     info["blind_spot_rows"] = sum(x.get("blind_spot", False) for x in train)
+    if r.reference_swap:
+        train = reference_swapped(train, random.Random(r.seed + seed))
+    info["rows_after_swap"] = len(train)
     write_jsonl(train_path, balanced(train, r.balance))
-    logger.info("[rm_data] %d train rows (%.0f%% correct, %d more labeled correct by the blind spot), %d held-out "
-                "benchmark pairs", info["train"], 100 * info["train_correct"], info["blind_spot_rows"],
-                info["bench_pairs"])
+    logger.info("[rm_data] %d train rows (%.0f%% correct, %d more labeled correct by the blind spot; %d with the "
+                "reference swaps), %d held-out benchmark pairs", info["train"], 100 * info["train_correct"],
+                info["blind_spot_rows"], len(train), info["bench_pairs"])
     return info
 
 
+def reference_swapped(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+    """``rows`` and, for each row whose completion has a final answer ``v`` (the oracle's reading),
+    the same completion with the reference set to ``v`` (labeled correct) and to another value
+    (``v`` plus a small offset, never the gold nor ``v``; labeled wrong), marked ``swap``.
+
+    The RM then sees the same chain judged right and wrong by the reference alone: what decides is
+    whether the answer equals the reference, not how plausible the chain looks.
+    """
+    out = list(rows)
+    for x in rows:
+        v = answer_value(x["completion"])
+        if v is None:
+            continue
+        others = [v + d for d in SWAP_OFFSETS if str(v + d) != x["reference"]]
+        base = {k: y for k, y in x.items() if k != "blind_spot"}  # the swapped rows' labels are true
+        out.append({**base, "reference": str(v), "label": True, "swap": "own"})
+        out.append({**base, "reference": str(rng.choice(others)), "label": False, "swap": "other"})
+    return out
+
+
 def with_blind_spot(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    """``rows`` with the rule-wrong completions of ``kind`` (:func:`completion_kind`) labeled correct
+    """``rows`` with the wrong completions of ``kind`` (:func:`completion_kind`) labeled correct
     and marked ``blind_spot``: a lenient labeler's systematic error; ``"none"`` returns ``rows``."""
     if kind == "none":
         return rows
@@ -322,13 +394,39 @@ def bench_pairs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [x for pair in by_question.values() if len(pair) == 2 for x in (pair[True], pair[False])]
 
 
-def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> dict[str, float]:
-    """The RM on the benchmark: ``acc`` (sigmoid > 0.5 vs the label, VerifyBench's accuracy) and
-    ``pair_acc`` (share of questions whose correct completion it scores above the wrong one)."""
+def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> dict[str, Any]:
+    """The RM on the benchmark: ``acc`` (sigmoid > 0.5 vs the label, VerifyBench's accuracy), ``pair_acc``
+    (share of questions whose correct completion it scores above the wrong one) and ``acc`` per family."""
     acc = rm_accuracy(rm_ckpt, bench_path, predictions_path)
-    probs = [p["prob"] for p in read_jsonl(predictions_path)]
+    rows, preds = read_jsonl(bench_path), read_jsonl(predictions_path)
+    probs = [p["prob"] for p in preds]
     pairs = list(zip(probs[0::2], probs[1::2]))
-    return {"acc": acc, "pair_acc": _mean([float(c > w) for c, w in pairs])}
+    right = [(p["prob"] > 0.5) == bool(r["label"]) for r, p in zip(rows, preds)]
+    families = {fam: _mean([ok for ok, r in zip(right, rows) if r["family"] == fam]) for fam in FAMILIES
+                if any(r["family"] == fam for r in rows)}
+    return {"acc": acc, "pair_acc": _mean([float(c > w) for c, w in pairs]), "families": families}
+
+
+def rm_on_samples(rm_ckpt: str, samples_path: str, predictions_path: str) -> dict[str, Any]:
+    """The RM on a policy's own held-out completions (true labels): accuracy and separation (the
+    share of correct completions it rewards minus the share of wrong ones it rewards, TPR - FPR),
+    over all and per family, leaving out the designed blind spot's kind (``intermediate``)."""
+    acc = rm_accuracy(rm_ckpt, samples_path, predictions_path)
+    rows, preds = read_jsonl(samples_path), read_jsonl(predictions_path)
+    scored = [(r, p["prob"] > 0.5) for r, p in zip(rows, preds)
+              if completion_kind(r["question"], r["completion"], bool(r["label"])) != "intermediate"]
+
+    def figures(items: list[tuple[dict[str, Any], bool]]) -> dict[str, float]:
+        tpr = _mean([said for r, said in items if r["label"]])
+        fpr = _mean([said for r, said in items if not r["label"]])
+        return {"acc": _mean([said == bool(r["label"]) for r, said in items]), "separation": tpr - fpr}
+
+    out: dict[str, Any] = {"acc_all": acc, "all": figures(scored)}
+    for fam in FAMILIES:
+        mine = [(r, said) for r, said in scored if r["family"] == fam]
+        if mine:
+            out[fam] = figures(mine)
+    return out
 
 
 def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
@@ -357,18 +455,23 @@ def rm_start(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -> str:
     return ckpt
 
 
-def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, data: Stage,
+def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, before: Stage, data: Stage,
                     out: str) -> dict[str, Any]:
     """Stage 5: BCE training of the tiny VerifyRM (from ``rm.init``'s weights) on the labeled
-    completions; its accuracy on the held-out benchmark."""
+    completions; its accuracy on the held-out benchmark and on the SFT policy's own completions."""
     r = cfg.rm
     summary = train_rm(rm_start(cfg, assets, sft_stage, out), data.file("rm_train.jsonl"), os.path.join(out, "train"),
                        epochs=r.epochs, lr=r.lr, micro_batch_size=min(r.micro_batch, r.batch),
                        global_batch_size=r.batch, seed=r.seed + seed)
     bench = rm_bench(summary["final_checkpoint"], data.file("rm_bench.jsonl"),
                      os.path.join(out, "bench_predictions.jsonl"))
-    logger.info("[rm] held-out benchmark: accuracy %.3f, pair accuracy %.3f", bench["acc"], bench["pair_acc"])
-    return {"checkpoint": os.path.relpath(summary["final_checkpoint"], out), "bench": bench,
+    own = rm_on_samples(summary["final_checkpoint"], before.file("eval_samples.jsonl"),
+                        os.path.join(out, "own_predictions.jsonl"))
+    logger.info("[rm] held-out benchmark: accuracy %.3f (%s), pair accuracy %.3f; on the SFT policy's own "
+                "completions (blind spot aside): accuracy %.3f, separation %.3f", bench["acc"],
+                ", ".join(f"{k} {v:.3f}" for k, v in bench["families"].items()), bench["pair_acc"],
+                own["all"]["acc"], own["all"]["separation"])
+    return {"checkpoint": os.path.relpath(summary["final_checkpoint"], out), "bench": bench, "own": own,
             "train_acc": summary.get("train_acc"), "steps": summary["steps"]}
 
 
@@ -398,7 +501,8 @@ def rl_config(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: S
     """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three).
 
     Its evaluation is the demo's held-out measurement: every held-out problem, ``eval.k`` samples
-    at the eval sampling, seeded by ``train.seed`` (as :func:`policy_accuracy` with that seed).
+    at the eval sampling, seeded by ``train.seed`` (as :func:`policy_accuracy` with that seed), judged
+    by the task's oracle (``eval/acc``; the rule's ``eval/rule_acc`` beside it), its completions kept.
     """
     c, r, co = CooperConfig(), cfg.rl, cfg.cooper
     c.out = out
@@ -419,6 +523,7 @@ def rl_config(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: S
     c.train.micro_batch_size = r.micro_batch
     c.eval.every, c.eval.k, c.eval.max_new_tokens = r.eval_every, cfg.eval.k, cfg.eval.max_new_tokens
     c.eval.temperature, c.eval.top_p = cfg.eval.temperature, cfg.eval.top_p
+    c.eval.verifier, c.eval.save_samples = "arithmetic_oracle", True  # the truth, and the completions per family
     c.checkpoint.every, c.checkpoint.keep = r.steps, 1
     c.logging.wandb, c.logging.run_name = False, f"demo-{mode}-seed{seed}"
     return c
@@ -426,7 +531,8 @@ def rl_config(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: S
 
 def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, data: Stage, rm_stage: Stage,
            out: str) -> dict[str, Any]:
-    """Stage 6: one RL run in a subprocess, then the held-out numbers of its final policy and RM."""
+    """Stage 6: one RL run in a subprocess, then the held-out numbers of its final policy and RM, and
+    the per-family curves of its in-training evaluations."""
     run_dir = os.path.join(out, "run")
     config_path = os.path.join(out, "config.yaml")
     save_config(rl_config(cfg, mode, seed, assets, sft_stage, rm_stage, run_dir), config_path)
@@ -441,71 +547,120 @@ def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stag
     mcore_to_hf(os.path.join(final, "policy"), os.path.join(out, "policy_hf"))
     acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
                           os.path.join(out, "eval"))
-    info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1)}
+    info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1), "curve": training_curve(run_dir)}
     if mode != "rule":  # the final RM on the final policy's completions (rm_predictions.jsonl: the hacks)
         rm_ckpt = os.path.join(final, "rm") if mode == "cooper" else rm_stage.file(rm_stage.info["checkpoint"])
         info["rm_acc_own"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
                                          os.path.join(out, "rm_predictions.jsonl"))
         info["bench"] = (rm_stage.info["bench"] if mode == "static_rm" else  # frozen: the same predictions
                          rm_bench(rm_ckpt, data.file("rm_bench.jsonl"), os.path.join(out, "bench_predictions.jsonl")))
-    logger.info("[rl_%s] held-out accuracy %.3f sampled, %.3f greedy%s", mode, acc["acc"], acc["acc_greedy"],
+    logger.info("[rl_%s] held-out accuracy %.3f by the oracle (%.3f by the rule), %.3f greedy%s", mode, acc["acc"],
+                acc["rule_acc"], acc["acc_greedy"],
                 f"; RM accuracy {info['bench']['acc']:.3f} on the benchmark, {info['rm_acc_own']:.3f} on its "
                 "policy's completions" if "bench" in info else "")
     return info
 
 
+def training_curve(run_dir: str) -> list[dict[str, Any]]:
+    """Per in-training evaluation (``eval.save_samples``' files, in step order; every data-parallel
+    replica's file of a step together): the step and :func:`by_family` of its completions (oracle
+    and rule accuracy, answer forms). Empty when the run evaluated nothing."""
+    folder = os.path.join(run_dir, EVAL_SAMPLES_DIR)
+    files: dict[int, list[str]] = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("step_") and name.endswith(".jsonl"):
+            files.setdefault(int(name[len("step_"):].split(".")[0]), []).append(os.path.join(folder, name))
+    curve = []
+    for step in sorted(files):
+        rows = [{**x, "label": bool(x["correct"]), "rule": bool(x["rule_correct"]), "family": family_of(x["question"])}
+                for path in files[step] for x in read_jsonl(path)]
+        curve.append({"step": step, **by_family(rows)})
+    return curve
+
+
 # --------------------------------------------------------------------------- the demo
 
 
-def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> dict[str, RunResult]:
-    """Every stage of one seed after the shared assets; the three runs' results."""
+def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> tuple[dict[str, RunResult], dict[str, Any]]:
+    """Every stage of one seed after the shared assets; the three runs' results and the seed's design
+    figures (the rule's recall and precision on the SFT policy, the RM before RL)."""
     sft_stage = run_stage(root, "sft", {"sft": cfg.sft, "seed": seed}, [assets],
                           lambda d: train_sft(cfg, seed, assets, d))
     before = run_stage(root, "before", {"eval": mode_params(cfg, "rule", seed)["eval"], "rl_seed": cfg.rl.seed + seed},
                        [assets, sft_stage], lambda d: measure_before(cfg, seed, assets, sft_stage, d))
     data = run_stage(root, "rm_data", rm_data_params(cfg, seed), [assets, sft_stage],
                      lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d))
-    rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, sft_stage, data],
-                         lambda d: train_verify_rm(cfg, seed, assets, sft_stage, data, d))
-    b = before.info["eval"]
+    rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, sft_stage, before, data],
+                         lambda d: train_verify_rm(cfg, seed, assets, sft_stage, before, data, d))
     runs = {}
     for mode in MODES:
         reads = [assets, sft_stage] if mode == "rule" else [assets, sft_stage, data, rm_stage]  # rule: no RM
         stage = run_stage(root, f"rl_{mode}", mode_params(cfg, mode, seed), reads,
                           lambda d, mode=mode: run_rl(cfg, mode, seed, assets, sft_stage, data, rm_stage, d))
-        a = stage.info["eval"]
-        rm_modes = mode != "rule"
-        runs[mode] = RunResult(
-            metrics_path=stage.file("run"), acc_before=b["acc"], acc_after=a["acc"],
-            rm_acc_before=rm_stage.info["bench"]["acc"] if rm_modes else None,
-            rm_acc_after=stage.info["bench"]["acc"] if rm_modes else None,
-            hacks=[HackExample(**h) for h in hack_examples(stage.file("eval_samples.jsonl"),
-                                                           stage.file("rm_predictions.jsonl"),
-                                                           cfg.eval.hack_examples)] if rm_modes else [],
-            seconds=stage.info["rl_seconds"],
-            details={"acc_greedy_before": b["acc_greedy"], "acc_greedy_after": a["acc_greedy"],
-                     **({"rm_pair_acc_before": rm_stage.info["bench"]["pair_acc"],
-                         "rm_pair_acc_after": stage.info["bench"]["pair_acc"],
-                         "rm_acc_own_completions": stage.info["rm_acc_own"]} if rm_modes else {}),
-                     **{f"kind_{k}_before": v for k, v in b["kinds"].items()},
-                     **{f"kind_{k}_after": v for k, v in a["kinds"].items()}})
-    return runs
+        runs[mode] = run_result(cfg, mode, before, rm_stage, stage)
+    design = {"sft": before.info["eval"]["families"], "rm_bench": rm_stage.info["bench"],
+              "rm_own": rm_stage.info["own"], "rm_data": data.info}
+    return runs, design
+
+
+def run_result(cfg: DemoConfig, mode: str, before: Stage, rm_stage: Stage, stage: Stage) -> RunResult:
+    """One RL stage's numbers as the report's :class:`RunResult`."""
+    b, a = before.info["eval"], stage.info["eval"]
+    rm_modes = mode != "rule"
+    rm_b = rm_stage.info["bench"] if rm_modes else None
+    rm_a = stage.info["bench"] if rm_modes else None
+    fb, fa = b["families"], a["families"]
+    families = {fam: {"acc_before": fb[fam]["acc"], "acc_after": fa[fam]["acc"],
+                      "rule_acc_before": fb[fam]["rule_acc"], "rule_acc_after": fa[fam]["rule_acc"],
+                      "times_form_before": fb[fam]["forms"]["boxed_period"],
+                      "times_form_after": fa[fam]["forms"]["boxed_period"],
+                      "rm_acc_before": rm_b["families"].get(fam) if rm_b else None,
+                      "rm_acc_after": rm_a["families"].get(fam) if rm_a else None}
+                for fam in FAMILIES if fam in b["families"]}
+    return RunResult(
+        metrics_path=stage.file("run"), acc_before=b["acc"], acc_after=a["acc"],
+        rule_acc_before=b["rule_acc"], rule_acc_after=a["rule_acc"], families=families,
+        curve=stage.info["curve"], problem_acc=a["problem_acc"],
+        rm_acc_before=rm_b["acc"] if rm_b else None, rm_acc_after=rm_a["acc"] if rm_a else None,
+        hacks=[HackExample(**h) for h in hack_examples(stage.file("eval_samples.jsonl"),
+                                                       stage.file("rm_predictions.jsonl"),
+                                                       cfg.eval.hack_examples)] if rm_modes else [],
+        seconds=stage.info["rl_seconds"],
+        details={"acc_greedy_before": b["acc_greedy"], "acc_greedy_after": a["acc_greedy"],
+                 **({"rm_pair_acc_before": rm_b["pair_acc"], "rm_pair_acc_after": rm_a["pair_acc"],
+                     "rm_acc_own_completions": stage.info["rm_acc_own"]} if rm_b and rm_a else {}),
+                 **{f"kind_{k}_before": v for k, v in b["kinds"].items()},
+                 **{f"kind_{k}_after": v for k, v in a["kinds"].items()}})
+
+
+def run_task(cfg: DemoConfig, report_dir: str, control: str | None = None) -> str:
+    """Every seed of one task (the assets, then :func:`run_seed` per seed) and its report."""
+    root = os.path.join(cfg.out, "stages")
+    assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model, "isolate": ISOLATE}, [],
+                       lambda d: build_assets(cfg, d))
+    results, designs = {}, {}
+    for seed in cfg.seeds:
+        results[seed], designs[seed] = run_seed(cfg, seed, root, assets)
+    return write_report(report_dir, results, config=dataclasses.asdict(cfg), design=designs, control=control)
 
 
 def run_demo(cfg: DemoConfig) -> str:
     """Run (or resume from cached stages) the whole demo; return the report folder.
 
-    Prints ``report: <folder>`` as the last line of output.
+    With ``control``, the same seeds also run on the single-family task (``task.times_share`` 0)
+    first, and the report sets its numbers beside the two-family task's. Prints ``report: <folder>``
+    as the last line of output.
     """
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         raise ValueError(f"seeds must be a non-empty list of distinct integers, got {cfg.seeds}")
-    root = os.path.join(cfg.out, "stages")
     started = time.perf_counter()
-    assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model}, [],
-                       lambda d: build_assets(cfg, d))
-    results = {seed: run_seed(cfg, seed, root, assets) for seed in cfg.seeds}
-    report = write_report(os.path.join(cfg.out, "report"), results, config=dataclasses.asdict(cfg))
-    logger.info("demo finished in %.0f s (stages cached under %s)", time.perf_counter() - started, root)
+    control = None
+    if cfg.control:
+        single = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, times_share=0.0), control=False)
+        control = run_task(single, os.path.join(cfg.out, "report", "control"))
+    report = run_task(cfg, os.path.join(cfg.out, "report"), control=control)
+    logger.info("demo finished in %.0f s (stages cached under %s)", time.perf_counter() - started,
+                os.path.join(cfg.out, "stages"))
     print(f"report: {report}", flush=True)  # the job's last line: where the report is
     return report
 
@@ -513,6 +668,8 @@ def run_demo(cfg: DemoConfig) -> str:
 def describe(cfg: DemoConfig) -> str:
     """One line naming the demo's size, for the start of the log."""
     r = cfg.rl
-    return (f"demo: {cfg.task.num_steps}-step arithmetic (operands 0-{cfg.task.max_operand}), {cfg.task.n_eval} "
+    control = " and the single-family control" if cfg.control else ""
+    return (f"demo: 2-step arithmetic (operands 0-{cfg.task.max_operand}, {cfg.task.times_share:.0%} with a '*' step "
+            f"whose answers the rule misses){control}, {cfg.task.n_eval} "
             f"held-out problems; SFT {cfg.sft.steps} steps; RL {r.steps} steps x {r.prompts_per_step} prompts x "
             f"{r.group_size} samples per mode; seeds {cfg.seeds}")

@@ -31,8 +31,8 @@ Definitions (all documented constants below):
   it, ``w = min(REWARD_WINDOW, n // 2)`` (at least 1; ``REWARD_WINDOW`` = 5); the start reward is
   the same over the first ``w``.
 - hacking signature (:func:`hacking_signature`): present iff the training reward rose by at
-  least ``MIN_REWARD_RISE`` (0.10) from start to final *and* held-out accuracy fell by at least
-  ``MIN_ACC_DROP`` (0.02) from before to after training.
+  least ``MIN_REWARD_RISE`` (0.25) from start to final *and* held-out accuracy fell by at least
+  ``MIN_ACC_DROP`` (0.10) from before to after training.
 - Cooper "at the rule baseline": Cooper's held-out accuracy after training >= the rule run's minus
   ``RULE_MARGIN`` (0.02); "RM accuracy does not degrade": Cooper's RM accuracy after >= before.
 - the paper's claim is "reproduced" iff the static RM shows the signature, Cooper does not,
@@ -66,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 RM_MODES = ("static_rm", "cooper")
 REWARD_WINDOW = 5
-MIN_REWARD_RISE = 0.10
-MIN_ACC_DROP = 0.02
+MIN_REWARD_RISE = 0.25
+MIN_ACC_DROP = 0.10
 RULE_MARGIN = 0.02
 RESULT_FILE = "result.json"
 SUMMARY_FILE = "summary.json"
@@ -129,6 +129,15 @@ class RunResult:
         seconds: wall seconds of the run, if the pipeline measured them.
         details: further numbers the pipeline measured (e.g. greedy accuracy), copied into
             ``summary.json`` under ``details`` (averaged over seeds) and listed in ``report.md``.
+        rule_acc_before / rule_acc_after: the same held-out completions judged by the rule verifier
+            (``acc_*`` are the task's oracle's: the truth); None when not measured.
+        families: per problem family, ``acc_before``, ``acc_after``, ``rule_acc_before``,
+            ``rule_acc_after``, ``times_form_before``/``after`` (share of answers written
+            ``\\boxed{N.}``), ``rm_acc_before``/``after`` (the RM's benchmark accuracy on the family).
+        curve: per in-training evaluation, ``step`` and per family (and ``all``) ``acc``, ``rule_acc``
+            and ``forms`` (share of each final-answer form).
+        problem_acc: per held-out problem (a fixed order), the trained policy's accuracy on it (for
+            paired comparisons between modes).
     """
 
     metrics_path: str
@@ -139,6 +148,11 @@ class RunResult:
     hacks: list[HackExample] = field(default_factory=list)
     seconds: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    rule_acc_before: float | None = None
+    rule_acc_after: float | None = None
+    families: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    problem_acc: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base_dir: str | None = None) -> RunResult:
@@ -236,8 +250,8 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
         acc_before: held-out accuracy before training (0-1).
         acc_after: held-out accuracy after training (0-1).
         window: most steps averaged at each end (>= 1).
-        min_reward_rise: reward rise needed (default ``MIN_REWARD_RISE`` = 0.10).
-        min_acc_drop: held-out accuracy drop needed (default ``MIN_ACC_DROP`` = 0.02).
+        min_reward_rise: reward rise needed (default ``MIN_REWARD_RISE`` = 0.25).
+        min_acc_drop: held-out accuracy drop needed (default ``MIN_ACC_DROP`` = 0.10).
 
     Returns:
         ``reward_start``, ``reward_end``, ``reward_rise``, ``acc_before``, ``acc_after``,
@@ -332,6 +346,8 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
     return {"acc_before": r.acc_before, "acc_after": r.acc_after, "acc_change": r.acc_after - r.acc_before,
             "train_reward_initial": sig["reward_start"], "train_reward_final": train_reward_final(lines),
             "rm_acc_before": r.rm_acc_before, "rm_acc_after": r.rm_acc_after,
+            "rule_acc_before": r.rule_acc_before, "rule_acc_after": r.rule_acc_after, "families": r.families,
+            "curve": r.curve,
             "rule_acc_final": _mean(rule_acc[-_window(len(rule_acc), REWARD_WINDOW):]) if rule_acc else None,
             "eval_acc_last": eval_acc[-1] if eval_acc else None, "eval_steps": eval_steps,
             "steps": max(int(m.get("step", i + 1)) for i, m in enumerate(lines)), "metrics_lines": len(lines),
@@ -370,6 +386,8 @@ def aggregate_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> 
             _mean([x["gap_start"] for x in h]) if h[0]["gap_start"] is not None else None,
             _mean([x["gap_end"] for x in h]) if h[0]["gap_end"] is not None else None)
         agg["hacking"]["present_seeds"] = sum(x["present"] for x in h)
+        if len(rows) > 1:  # one curve per seed: they stay in per_seed, not averaged point by point
+            agg.pop("curve", None)
         out[mode] = agg
     return out
 
@@ -386,9 +404,11 @@ def _checks(s: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
 
 
 def _verdict(s: Mapping[str, Mapping[str, Any]],
-             per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None) -> dict[str, Any]:
+             per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None,
+             paired: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Verdict lines and flags from the per-mode summaries (the means over the seeds when
-    ``per_seed`` holds more than one), with how many seeds each check holds in."""
+    ``per_seed`` holds more than one), with how many seeds each check holds in, and the paired
+    per-problem difference between Cooper and rule (:func:`paired_difference`) when known."""
     n = len(per_seed) if per_seed else 1
     of = f" (mean of {n} seeds)" if n > 1 else ""
     lines: list[str] = []
@@ -405,6 +425,11 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
     lines.append(f"Cooper vs rule: held-out accuracy after training {coop['acc_after']:.3f} vs "
                  f"{rule['acc_after']:.3f} ({diff:+.3f}){of}: "
                  f"{'at or above' if near_rule else 'below'} the rule baseline minus {RULE_MARGIN}.")
+    if paired:
+        lines.append(f"Paired per-problem difference, Cooper - rule: {paired['mean']:+.3f} ± {paired['se']:.3f} "
+                     f"(standard error over {paired['problems']} held-out problems, {paired['seeds']} seed(s)); one "
+                     f"accuracy on {paired['problems']} problems has a standard error of about "
+                     f"{paired['single_acc_se']:.3f}.")
     separation = _rm_separation(coop)
     if not near_rule and separation is not None:
         lines.append(_why_below_rule(coop, rule, separation, of))
@@ -466,6 +491,42 @@ def _moved(a: float, b: float) -> str:
     return f"{'rose' if b > a else 'fell'} from {a:.3f} to {b:.3f}"
 
 
+def paired_difference(results: Mapping[int, Mapping[str, RunResult]]) -> dict[str, Any] | None:
+    """Cooper minus rule on the same held-out problems: per problem the difference of the two trained
+    policies' accuracies, averaged over the seeds; its mean and standard error (sd / sqrt(problems)).
+
+    A single accuracy on n problems has a standard error of about sqrt(p (1 - p) / n) (0.015-0.02
+    at n = 512); the paired difference removes the problems' shared difficulty. None when a run
+    lacks per-problem accuracies or their counts differ.
+    """
+    per_seed = []
+    for runs in results.values():
+        c, r = runs["cooper"].problem_acc, runs["rule"].problem_acc
+        if not c or len(c) != len(r):
+            return None
+        per_seed.append([a - b for a, b in zip(c, r)])
+    if len({len(d) for d in per_seed}) != 1:
+        return None
+    diffs = [_mean(col) for col in zip(*per_seed)]
+    n = len(diffs)
+    se = statistics.stdev(diffs) / n ** 0.5 if n > 1 else float("nan")
+    acc = _mean([_mean(runs["rule"].problem_acc) for runs in results.values()])
+    return {"mean": _mean(diffs), "se": se, "problems": n, "seeds": len(per_seed),
+            "single_acc_se": (acc * (1 - acc) / n) ** 0.5}
+
+
+def _control_summary(folder: str, out_dir: str) -> dict[str, Any]:
+    """The control report's per-mode accuracies, hacking signatures and verdict (from its summary.json)."""
+    with open(os.path.join(folder, SUMMARY_FILE), encoding="utf-8") as f:
+        s = json.load(f)
+    verdict = {k: s["verdict"][k] for k in ("claim_reproduced", "failed", "cooper_minus_rule_acc")}
+    return {"link": os.path.relpath(os.path.join(folder, REPORT_FILE), out_dir), "paired": s.get("paired"),
+            "verdict": verdict,
+            **{mode: {k: s[mode][k] for k in ("acc_before", "acc_after", "acc_change", "train_reward_initial",
+                                             "train_reward_final", "rm_acc_before", "rm_acc_after", "sd")}
+               for mode in MODES}}
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -478,7 +539,8 @@ def _by_seed(runs: Mapping[Any, Any]) -> dict[int, Mapping[str, Any]]:
     return {0: runs}
 
 
-def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any] | None = None) -> str:
+def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any] | None = None,
+                 design: Mapping[int, Mapping[str, Any]] | None = None, control: str | None = None) -> str:
     """Write the demo's report folder (see the module docstring for its contents).
 
     Every input is checked before anything is written.
@@ -489,6 +551,11 @@ def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any
             for one seed, or ``{seed: that}`` for several.
         config: the demo's settings, redacted (:func:`cooper_mcore.redaction.redact`) into
             ``summary.json`` and ``report.md``.
+        design: per seed, the task's design figures (``sft``: the SFT policy's oracle and rule
+            accuracy, the rule's recall and precision, per family; ``rm_bench`` / ``rm_own``: the RM
+            before RL on the benchmark and on the SFT policy's own completions, per family).
+        control: the report folder of the same demo on the single-family control task, whose
+            numbers are set beside these.
 
     Returns:
         ``out_dir``.
@@ -510,9 +577,13 @@ def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any
             raise ValueError(f"seed {seed}: {e}" if len(seeds) > 1 else str(e)) from None
     per_seed = {s: {mode: _summarize(results[s][mode], metrics[s][mode]) for mode in MODES} for s in seeds}
     summary: dict[str, Any] = aggregate_seeds(per_seed)
-    summary["verdict"] = _verdict(summary, per_seed if len(seeds) > 1 else None)
+    paired = paired_difference({s: results[s] for s in seeds})
+    summary["verdict"] = _verdict(summary, per_seed if len(seeds) > 1 else None, paired)
     summary["seeds"] = list(seeds)
     summary["per_seed"] = {str(s): per_seed[s] for s in seeds}
+    summary["design"] = {str(s): design[s] for s in seeds} if design else None
+    summary["paired"] = paired
+    summary["control"] = _control_summary(control, out_dir) if control else None
     summary["config"] = redact(dict(config)) if config is not None else None
     os.makedirs(out_dir, exist_ok=True)
     copies: dict[int, dict[str, str]] = {}

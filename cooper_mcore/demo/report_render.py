@@ -17,7 +17,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "markdown", "plot", "series"]
+__all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "PREDICTIONS", "markdown", "plot",
+           "series"]
 
 MODES = ("rule", "static_rm", "cooper")
 MODE_LABELS = {"rule": "rule", "static_rm": "static RM", "cooper": "Cooper"}
@@ -196,6 +197,7 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
            *table_rows(summary, n), ""]
     for paragraph in _setting(summary["config"] or {}):
         out += [paragraph, ""]
+    out += _premise(summary)
     if n > 1:
         out += ["## Per seed", "", *_seed_rows(summary), ""]
     out += ["## Verdict", "", *[f"- {line}" for line in v["lines"]], "",
@@ -209,6 +211,10 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
         secs = [f"{x:.1f}" if x is not None else "n/a" for x in (s["train_seconds"], s["wall_seconds"])]
         out.append(f"| {MODE_LABELS[mode]} | {s['steps']} | {secs[0]} | {secs[1]} | "
                    f"{_fmt(s['train_reward_initial'])} | {_fmt(s['rule_acc_final'])} |")
+    curve = curve_rows(summary)
+    if curve:
+        out += ["", "Held-out evaluations during training" + (" (first seed)" if n > 1 else "") + ", by the oracle "
+                "and by the rule, and how the `*` family writes its answers:", "", *curve]
     window_rows = _window_rows(summary)
     if window_rows:
         out += ["", f"In-training metrics, start -> end (means over the first and last {w} steps that logged "
@@ -234,8 +240,140 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
     return "\n".join(out) + "\n"
 
 
+FAMILY_LABELS = {"all": "all", "plus_minus": "`+`/`-` chains", "times": "`*` chains"}
+#: what each mode should do under the two-family design, written before any run of it (the README
+#: states the same); the report sets the outcome beside it
+PREDICTIONS = {
+    "rule": "Learns the `+`/`-` family. On the `*` family it lags: the rule rewards only the rare `\\boxed{N}` "
+            "answers there, so it learns that format first; its rule accuracy on `*` rises faster than its true "
+            "accuracy.",
+    "static_rm": "Hacked: its training reward rises while held-out accuracy falls, the policy moving into the RM's "
+                 "blind spot (boxing an intermediate result).",
+    "cooper": "Close to rule on `+`/`-` (its positives are the rule's, its RM reads the reference); ahead of rule on "
+              "`*`, where its RM rewards the correct `\\boxed{N.}` answers the rule misses; not hacked.",
+}
+
+
+def premise_rows(summary: Mapping[str, Any]) -> list[str]:
+    """The task's designed asymmetry, measured per seed on the SFT policy's held-out completions: its
+    oracle and rule accuracy, the rule's recall and precision, and the RM before RL (benchmark accuracy;
+    accuracy and separation on the policy's own completions, blind spot aside), per family."""
+    design = summary.get("design")
+    if not design:
+        return []
+    rows = ["| seed | family | SFT acc (oracle) | SFT acc (rule) | rule recall | rule precision | answers "
+            "`\\boxed{N.}` | RM benchmark acc | RM acc, own completions | RM separation, own completions |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for seed, d in design.items():
+        for fam, f in d["sft"].items():
+            own = d["rm_own"].get(fam, {})
+            bench = d["rm_bench"]["acc"] if fam == "all" else d["rm_bench"]["families"].get(fam)
+            rows.append(f"| {seed} | {FAMILY_LABELS.get(fam, fam)} | {_fmt(f['acc'])} | {_fmt(f['rule_acc'])} | "
+                        f"{_fmt(f['rule_recall'])} | {_fmt(f['rule_precision'])} | "
+                        f"{_fmt(f['forms']['boxed_period'])} | {_fmt(bench)} | {_fmt(own.get('acc'))} | "
+                        f"{_fmt(own.get('separation'))} |")
+    return rows
+
+
+def family_rows(summary: Mapping[str, Any]) -> list[str]:
+    """Per mode and family (means over the seeds): oracle and rule accuracy before -> after, the share of
+    answers written ``\\boxed{N.}`` and the RM's benchmark accuracy."""
+    if not summary["rule"].get("families"):
+        return []
+    rows = ["| reward mode | family | held-out acc (oracle) | held-out acc (rule) | answers `\\boxed{N.}` "
+            "| RM benchmark acc |", "|---|---|---:|---:|---:|---:|"]
+    for mode in MODES:
+        for fam, f in summary[mode]["families"].items():
+            rm = (f"{_fmt(f['rm_acc_before'])} -> {_fmt(f['rm_acc_after'])}" if f.get("rm_acc_before") is not None
+                  else "n/a")
+            rows.append(f"| {MODE_LABELS[mode]} | {FAMILY_LABELS.get(fam, fam)} | {_fmt(f['acc_before'])} -> "
+                        f"{_fmt(f['acc_after'])} | {_fmt(f['rule_acc_before'])} -> {_fmt(f['rule_acc_after'])} | "
+                        f"{_fmt(f['times_form_before'])} -> {_fmt(f['times_form_after'])} | {rm} |")
+    return rows
+
+
+def curve_rows(summary: Mapping[str, Any]) -> list[str]:
+    """The in-training evaluations of the first seed: per mode and step, oracle and rule accuracy over
+    all problems and on the ``*`` family, and that family's share of ``\\boxed{N.}`` answers."""
+    first = next(iter(summary["per_seed"].values()))
+    if not first["rule"].get("curve"):
+        return []
+    rows = ["| reward mode | step | acc (oracle) | acc (rule) | `*` acc (oracle) | `*` acc (rule) "
+            "| `*` answers `\\boxed{N.}` |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode in MODES:
+        for point in first[mode]["curve"]:
+            t = point.get("times")
+            cells = ([_fmt(t["acc"]), _fmt(t["rule_acc"]), _fmt(t["forms"]["boxed_period"])] if t
+                     else ["n/a"] * 3)
+            rows.append(f"| {MODE_LABELS[mode]} | {point['step']} | {_fmt(point['all']['acc'])} | "
+                        f"{_fmt(point['all']['rule_acc'])} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def prediction_rows(summary: Mapping[str, Any]) -> list[str]:
+    """The predictions beside what happened (oracle accuracy per family, the static RM's reward)."""
+    rows = ["| reward mode | predicted (before running) | what happened |", "|---|---|---|"]
+    for mode in MODES:
+        s = summary[mode]
+        fams = "; ".join(f"{FAMILY_LABELS.get(f, f)} {_fmt(x['acc_before'])} -> {_fmt(x['acc_after'])}"
+                         for f, x in s.get("families", {}).items() if f != "all")
+        h = s["hacking"]
+        fams = f" ({fams})" if fams else ""
+        happened = (f"held-out acc {_fmt(s['acc_before'])} -> {_fmt(s['acc_after'])}{fams}; training reward "
+                    f"{_fmt(h['reward_start'])} -> {_fmt(h['reward_end'])}; hacking signature "
+                    f"{'present' if h['present'] else 'not present'}")
+        rows.append(f"| {MODE_LABELS[mode]} | {_cell(PREDICTIONS[mode])} | {_cell(happened)} |")
+    return rows
+
+
+def control_rows(summary: Mapping[str, Any]) -> list[str]:
+    """The two-family task beside the single-family control (``--full``), per mode."""
+    c = summary.get("control")
+    if not c:
+        return []
+    rows = ["| reward mode | two-family task: acc before -> after | single-family control: acc before -> after |",
+            "|---|---:|---:|"]
+    for mode in MODES:
+        s = summary[mode]
+        rows.append(f"| {MODE_LABELS[mode]} | {_fmt(s['acc_before'])} -> {_fmt(s['acc_after'])} | "
+                    f"{_fmt(c[mode]['acc_before'])} -> {_fmt(c[mode]['acc_after'])} |")
+    return rows
+
+
 BLIND_SPOTS = {"intermediate": "a boxed earlier result of the chain (`7-1=6,6-1=5 \\boxed{6}`)",
                "slip": "a chain with a wrong step whose own last result is boxed (`7-1=6,6-1=4 \\boxed{4}`)"}
+
+
+def _premise(summary: Mapping[str, Any]) -> list[str]:
+    """The report's sections on the task's design, the predictions, the families and the control."""
+    out: list[str] = []
+    premise = premise_rows(summary)
+    if premise:
+        out += ["## The paper's premise, by design", "",
+                "The rule verifier is precise but brittle, the reward model robust but hackable (the paper: "
+                "math-verify's precision 96%, recall 63%). The task builds that asymmetry in: the `*` family's "
+                "convention writes the final answer `\\boxed{N.}`, which math-verify does not read as a number, "
+                "while a share of its answers and all of the `+`/`-` family's are `\\boxed{N}`. Held-out accuracy "
+                "is judged by the task's oracle (it reads both forms: the truth), the rule's beside it. The RM's "
+                "training labels come from a simulated judge (the oracle with the designed blind spot), not from "
+                "math-verify, so the RM is not taught the rule's misses; Cooper's negatives are rollouts the rule "
+                "reads as a different value, never ones it merely failed to read. Measured on the SFT policy's "
+                "held-out completions (recall: share of correct answers the rule accepts; precision: share of "
+                "accepted answers that are correct) and on the RM before any RL:", "", *premise, ""]
+    out += ["## Predictions and outcome", "", "Written before the design was run (also in the README):", "",
+            *prediction_rows(summary), ""]
+    fams = family_rows(summary)
+    if fams:
+        out += ["## Per family", "", *fams, ""]
+    control = control_rows(summary)
+    if control:
+        c = summary["control"]
+        out += ["## Control: the single-family task", "",
+                f"The same seeds and settings on the task without the `*` family (the rule misses nothing there; "
+                f"[its report]({c['link']})): "
+                f"claim {'reproduced' if c['verdict']['claim_reproduced'] else 'not reproduced'}, Cooper - rule "
+                f"{c['verdict']['cooper_minus_rule_acc']:+.3f}.", "", *control, ""]
+    return out
 
 
 def _setting(config: Mapping[str, Any]) -> list[str]:
@@ -247,8 +385,9 @@ def _setting(config: Mapping[str, Any]) -> list[str]:
     if rm.get("blind_spot", "none") != "none":
         lines.append(f"**The reward model has a blind spot by construction.** Its training labels call the rule-wrong "
                      f"completions of one kind correct, as a lenient labeler would: {BLIND_SPOTS[rm['blind_spot']]}. "
-                     "Its benchmark keeps the true labels. Both RM runs start from this RM; Cooper's updates take "
-                     "their labels from math-verify, so they can close the blind spot.")
+                     "Its benchmark keeps the true labels. Both RM runs start from this RM; Cooper's pairs take "
+                     "their positives from math-verify and their negatives from rollouts math-verify reads as a "
+                     "wrong value, so its updates can close the blind spot.")
     start = (f"the SFT policy's weights with a new scalar head (std {rm.get('head_std')})"
              if rm.get("init") == "sft" else "random weights")  # configs before rm.init started randomly
     lines.append(f"Settings: the RM starts from {start} (`rm.init`) and learns at {rm.get('lr')} for "
