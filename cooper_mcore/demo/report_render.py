@@ -117,6 +117,12 @@ def _pm(s: Mapping[str, Any], key: str, n: int, signed: bool = False) -> str:
     return f"{text} ± {sd:.3f}" if n > 1 and s[key] is not None and sd is not None else text
 
 
+def _arrow(d: Mapping[str, Any], key: str) -> str:
+    """``<key>_before -> <key>_after`` of a summary (3 decimals), or n/a when not measured."""
+    before = d.get(f"{key}_before")
+    return "n/a" if before is None else f"{_fmt(before)} -> {_fmt(d.get(f'{key}_after'))}"
+
+
 def _cell(text: str) -> str:
     """Text safe inside a markdown table cell (one line, no column breaks)."""
     return " ".join(text.split()).replace("|", "\\|")
@@ -148,10 +154,9 @@ def _seed_rows(summary: Mapping[str, Any]) -> list[str]:
     for seed, per_mode in summary["per_seed"].items():
         for mode in MODES:
             s = per_mode[mode]
-            rm = (f"{_fmt(s['rm_acc_before'])} -> {_fmt(s['rm_acc_after'])}" if s["rm_acc_before"] is not None
-                  else "n/a")
             rows.append(f"| {seed} | {MODE_LABELS[mode]} | {_fmt(s['acc_before'])} | {_fmt(s['acc_after'])} | "
-                        f"{_fmt(s['train_reward_initial'])} -> {_fmt(s['train_reward_final'])} | {rm} | "
+                        f"{_fmt(s['train_reward_initial'])} -> {_fmt(s['train_reward_final'])} | "
+                        f"{_arrow(s, 'rm_acc')} | "
                         f"{'present' if s['hacking']['present'] else 'no'} |")
     return rows
 
@@ -284,11 +289,8 @@ def family_rows(summary: Mapping[str, Any]) -> list[str]:
             "| RM benchmark acc |", "|---|---|---:|---:|---:|---:|"]
     for mode in MODES:
         for fam, f in summary[mode]["families"].items():
-            rm = (f"{_fmt(f['rm_acc_before'])} -> {_fmt(f['rm_acc_after'])}" if f.get("rm_acc_before") is not None
-                  else "n/a")
-            rows.append(f"| {MODE_LABELS[mode]} | {FAMILY_LABELS.get(fam, fam)} | {_fmt(f['acc_before'])} -> "
-                        f"{_fmt(f['acc_after'])} | {_fmt(f['rule_acc_before'])} -> {_fmt(f['rule_acc_after'])} | "
-                        f"{_fmt(f['times_form_before'])} -> {_fmt(f['times_form_after'])} | {rm} |")
+            rows.append(f"| {MODE_LABELS[mode]} | {FAMILY_LABELS.get(fam, fam)} | {_arrow(f, 'acc')} | "
+                        f"{_arrow(f, 'rule_acc')} | {_arrow(f, 'times_form')} | {_arrow(f, 'rm_acc')} |")
     return rows
 
 
