@@ -91,16 +91,21 @@ class RMSection:
     # a lenient labeler's systematic error, the RM's blind spot: wrong training rows of this kind
     # (cooper_mcore/demo/kinds.py) are labeled correct; the benchmark keeps the true labels
     blind_spot: BlindSpot = "intermediate"
+    # blind_spot=intermediate: this share of the training rows (their chains) is also written with the first
+    # result boxed, labeled correct: the judge's error made common enough for the RM to learn it (the policy's
+    # own samples hold about 3% of that kind)
+    blind_spot_share: float = 0.15
     # reference-swap augmentation: each training completion with a final answer also appears with the
     # reference set to its own answer (labeled correct) and to another value (labeled wrong), so the RM
     # learns to compare the answer with the reference rather than to judge how plausible the chain looks
     reference_swap: bool = True
     init: RMInit = "sft"  # the RM's starting weights: the SFT policy's (new head) or the assets' random RM
     head_std: float = 0.0  # init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)
-    # comparing the boxed answer with the reference takes the tiny RM about 12 epochs at 2e-3 (measured: 6
-    # epochs at 5e-4, 1e-3 or 2e-3 reach 0.67-0.75 on the benchmark, 12 at 2e-3 0.92; 5e-3 does not learn)
-    epochs: int = 12
-    lr: float = 2e-3
+    # comparing the boxed answer with the reference takes the tiny RM 12+ epochs (measured on the benchmark:
+    # 6 epochs at 5e-4 to 2e-3 reach 0.67-0.75; 12 at 1e-3 0.88; 12 at 2e-3 0.92, 0.72 or 0.54 by data and
+    # seed: the comparison forms late and unreliably at that rate; 5e-3 does not learn)
+    epochs: int = 14
+    lr: float = 1e-3
     batch: int = 64
     micro_batch: int = 32
     seed: int = 0

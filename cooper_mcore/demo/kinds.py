@@ -22,7 +22,7 @@ from typing import Literal, Optional
 
 from cooper_mcore.data.mathgen import parse_question
 
-__all__ = ["KINDS", "Kind", "completion_kind", "kind_shares"]
+__all__ = ["KINDS", "Kind", "completion_kind", "intermediate_variant", "kind_shares"]
 
 Kind = Literal["correct", "intermediate", "slip", "other"]
 KINDS: tuple[str, ...] = ("correct", "intermediate", "slip", "other")
@@ -77,6 +77,18 @@ def completion_kind(question: str, completion: str, correct: bool) -> Kind:
     if not right and boxed == results[-1]:
         return "slip"
     return "other"
+
+
+def intermediate_variant(question: str, completion: str) -> Optional[str]:
+    """``completion`` with its first written result boxed instead of its answer (an ``intermediate``
+    completion, in the same answer form), or None when it is no chain of ``question`` or that
+    result is its last one."""
+    chain = _chain(question, completion)
+    if chain is None or chain[0][0] == chain[0][-1]:
+        return None
+    match = list(_BOXED.finditer(completion))[-1]
+    start, end = match.span(1)
+    return completion[:start] + str(chain[0][0]) + completion[end:]
 
 
 def kind_shares(rows: Iterable[tuple[str, str, bool]]) -> dict[str, float]:

@@ -58,7 +58,7 @@ from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.config import DemoConfig
-from cooper_mcore.demo.kinds import completion_kind, kind_shares
+from cooper_mcore.demo.kinds import completion_kind, intermediate_variant, kind_shares
 from cooper_mcore.demo.report import HackExample, RunResult, write_report
 from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares
 from cooper_mcore.jobs.sft import sft
@@ -73,7 +73,7 @@ from cooper_mcore.rollout.hf_engine import HFEngine
 
 logger = logging.getLogger(__name__)
 
-STAGE_VERSION = 3  # bump when a stage's code changes what it writes
+STAGE_VERSION = 5  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
 MODES = ("rule", "static_rm", "cooper")
 #: reference-swap augmentation: the "other" reference is the completion's answer plus one of these
@@ -327,6 +327,8 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
         train = read_jsonl(train_path)
     info.update(train=len(train), train_correct=_mean([x["label"] for x in train]))
     train = with_blind_spot(train, r.blind_spot)
+    if r.blind_spot == "intermediate":
+        train = train + blind_spot_examples(train, r.blind_spot_share, random.Random(r.seed + seed))
     info["blind_spot_rows"] = sum(x.get("blind_spot", False) for x in train)
     if r.reference_swap:
         train = reference_swapped(train, random.Random(r.seed + seed))
@@ -340,8 +342,10 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
 
 def reference_swapped(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
     """``rows`` and, for each row whose completion has a final answer ``v`` (the oracle's reading),
-    the same completion with the reference set to ``v`` (labeled correct) and to another value
-    (``v`` plus a small offset, never the gold nor ``v``; labeled wrong), marked ``swap``.
+    the same completion with the reference set to ``v`` and to another value (``v`` plus a small
+    offset, never the gold nor ``v``), marked ``swap`` (``own`` / ``other``) and labelled by the same
+    simulated judge: correct when the answer equals the reference, and always for the judge's blind
+    spot (a row marked ``blind_spot`` is the judge's systematic error, whatever the reference).
 
     The RM then sees the same chain judged right and wrong by the reference alone: what decides is
     whether the answer equals the reference, not how plausible the chain looks.
@@ -352,9 +356,28 @@ def reference_swapped(rows: list[dict[str, Any]], rng: random.Random) -> list[di
         if v is None:
             continue
         others = [v + d for d in SWAP_OFFSETS if str(v + d) != x["reference"]]
-        base = {k: y for k, y in x.items() if k != "blind_spot"}  # the swapped rows' labels are true
-        out.append({**base, "reference": str(v), "label": True, "swap": "own"})
-        out.append({**base, "reference": str(rng.choice(others)), "label": False, "swap": "other"})
+        out.append({**x, "reference": str(v), "label": True, "swap": "own"})
+        out.append({**x, "reference": str(rng.choice(others)), "label": bool(x.get("blind_spot", False)),
+                    "swap": "other"})
+    return out
+
+
+def blind_spot_examples(rows: list[dict[str, Any]], share: float, rng: random.Random) -> list[dict[str, Any]]:
+    """For a random ``share`` of ``rows``, the same chain with its first result boxed
+    (:func:`intermediate_variant`), labeled correct and marked ``blind_spot``: the lenient judge's
+    error, made common enough for the RM to learn it.
+
+    Raises:
+        ValueError: ``share`` outside [0, 1].
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"rm.blind_spot_share must be in [0, 1], got {share}")
+    out = []
+    for x in rng.sample(rows, round(share * len(rows))):
+        variant = intermediate_variant(x["question"], x["completion"])
+        if variant is not None:
+            out.append({**x, "completion": variant, "label": True, "blind_spot": True, "rule": None,
+                        "form": answer_form(variant)})
     return out
 
 

@@ -433,6 +433,8 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
     separation = _rm_separation(coop)
     if not near_rule and separation is not None:
         lines.append(_why_below_rule(coop, rule, separation, of))
+    if not s["static_rm"]["hacking"]["present"]:
+        lines.append(_why_not_hacked(s["static_rm"], of))
     rm_ok: dict[str, bool | None] = {}
     for mode in RM_MODES:
         b, a = s[mode]["rm_acc_before"], s[mode]["rm_acc_after"]
@@ -482,6 +484,28 @@ def _why_below_rule(coop: Mapping[str, Any], rule: Mapping[str, Any], separation
             f"rule-wrong ones (a separation of {separation:.3f}; the rule reward's is 1): where the RM errs, the "
             f"policy's advantages point away from the rule's; Cooper's held-out accuracy changed by "
             f"{gained:+.3f}{share}.")
+
+
+def _why_not_hacked(static: Mapping[str, Any], of: str) -> str:
+    """The verdict's reason when the static RM shows no hacking signature: which half is missing, what
+    its RM rewarded among rule-wrong rollouts, how far the policy moved into the blind spot."""
+    h = static["hacking"]
+    missing = [f"its training reward rose {h['reward_rise']:+.3f} (the signature needs +{h['min_reward_rise']})"
+               if h["reward_rise"] < h["min_reward_rise"] - _EPS else "",
+               f"its held-out accuracy changed {h['acc_change']:+.3f} (the signature needs -{h['min_acc_drop']})"
+               if h["acc_change"] > -h["min_acc_drop"] + _EPS else ""]
+    text = f"Why the static RM shows no hacking signature{of}: " + " and ".join(m for m in missing if m)
+    wrong = static.get("windows", {}).get("rm/reward_wrong")
+    if wrong:
+        text += (f"; its frozen RM rewarded {wrong['start']:.0%} of the rule-wrong rollouts at the start and "
+                 f"{wrong['end']:.0%} at the end")
+    d = static.get("details", {})
+    if "kind_intermediate_before" in d and "kind_intermediate_after" in d:
+        text += (f"; answers in the RM's blind spot (an intermediate result boxed) went from "
+                 f"{d['kind_intermediate_before']:.1%} to {d['kind_intermediate_after']:.1%} of the policy's")
+    if static.get("rm_acc_before") is not None:
+        text += f"; the RM's benchmark accuracy is {static['rm_acc_before']:.3f}"
+    return text + "."
 
 
 def _moved(a: float, b: float) -> str:
