@@ -107,7 +107,7 @@ class RMSection:
     epochs: int = 14
     lr: float = 1e-3
     batch: int = 64
-    micro_batch: int = 32
+    micro_batch: int = 64  # one micro-batch per step: a quarter faster than 2 x 32 on 2 cores
     seed: int = 0
     bench_samples: int = 4
     # hybrid labels (as VerifyRM's data): with an OpenAI-compatible LLM judge configured, keep only
