@@ -196,7 +196,8 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
              "RM and RL seeds move together); the table holds the means over the seeds ± their spread (population "
              "standard deviation), the rows of each seed follow.")
     out = ["# Cooper CPU demo: rule vs static RM vs Cooper", "",
-           f"{intro} Held-out accuracy is the demo's evaluation before and after training; the final training "
+           f"{intro} Held-out accuracy is the demo's evaluation before and after training (the demo judges it by "
+           "the task's oracle, the rule's accuracy beside it per family); the final training "
            f"reward is the mean `reward/mean` over the last {w} steps; RM accuracy is the reward model's accuracy "
            "on a fixed held-out set of labeled completions (the starting policy's).", "",
            *table_rows(summary, n), ""]
