@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -256,6 +257,11 @@ def _scorable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["completion"].strip()]
 
 
+def _measured(x: float) -> float | None:
+    """``x``, or None for NaN (not measured: the report's convention)."""
+    return None if math.isnan(x) else x
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -420,8 +426,13 @@ def bench_pairs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> dict[str, Any]:
     """The RM on the benchmark: ``acc`` (sigmoid > 0.5 vs the label, VerifyBench's accuracy), ``pair_acc``
     (share of questions whose correct completion it scores above the wrong one) and ``acc`` per family."""
+    rows = read_jsonl(bench_path)
+    if not rows:  # a policy without both a correct and a wrong completion of any held-out question
+        logger.warning("[rm] the benchmark is empty: no held-out question had both a correct and a wrong "
+                       "completion; RM accuracy not measured")
+        return {"acc": float("nan"), "pair_acc": float("nan"), "families": {}}
     acc = rm_accuracy(rm_ckpt, bench_path, predictions_path)
-    rows, preds = read_jsonl(bench_path), read_jsonl(predictions_path)
+    preds = read_jsonl(predictions_path)
     probs = [p["prob"] for p in preds]
     pairs = list(zip(probs[0::2], probs[1::2]))
     right = [(p["prob"] > 0.5) == bool(r["label"]) for r, p in zip(rows, preds)]
@@ -644,7 +655,7 @@ def run_result(cfg: DemoConfig, mode: str, before: Stage, rm_stage: Stage, stage
         metrics_path=stage.file("run"), acc_before=b["acc"], acc_after=a["acc"],
         rule_acc_before=b["rule_acc"], rule_acc_after=a["rule_acc"], families=families,
         curve=stage.info["curve"], problem_acc=a["problem_acc"],
-        rm_acc_before=rm_b["acc"] if rm_b else None, rm_acc_after=rm_a["acc"] if rm_a else None,
+        rm_acc_before=_measured(rm_b["acc"]) if rm_b else None, rm_acc_after=_measured(rm_a["acc"]) if rm_a else None,
         hacks=[HackExample(**h) for h in hack_examples(stage.file("eval_samples.jsonl"),
                                                        stage.file("rm_predictions.jsonl"),
                                                        cfg.eval.hack_examples)] if rm_modes else [],

@@ -388,7 +388,11 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
         assert 0.0 <= s["acc_before"] <= 1.0 and 0.0 <= s["acc_after"] <= 1.0
         assert (report / f"metrics_{mode}.jsonl").stat().st_size > 0
     assert summary["rule"]["rm_acc_before"] is None and summary["rule"]["rm_acc_after"] is None
-    assert summary["static_rm"]["rm_acc_before"] is not None and summary["cooper"]["rm_acc_after"] is not None
+    # the RM's benchmark needs a held-out question with a correct and a wrong completion: a 4-step SFT policy
+    # may have none (then the RM accuracies are not measured, None, and the run goes on)
+    measured = summary["design"]["0"]["rm_data"]["bench_pairs"] > 0
+    assert (summary["static_rm"]["rm_acc_before"] is not None) == measured
+    assert (summary["cooper"]["rm_acc_after"] is not None) == measured
     assert summary["rule"]["acc_before"] == summary["cooper"]["acc_before"]  # the same start
     for mode in ("rule", "static_rm", "cooper"):  # the curve's last point is the "after" measurement itself
         assert summary[mode]["eval_acc_last"] == summary[mode]["acc_after"], mode
@@ -431,6 +435,19 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
     assert sorted(cached) == sorted(["assets", "sft", "before", "rm_data", "rm", "rl_rule", "rl_static_rm",
                                      "rl_cooper"]), again.stderr[-3000:]
     assert json.loads((report / "summary.json").read_text())["cooper"] == summary["cooper"]
+
+    # --full's control: the same seed on the single-family task (times_share 0) first, then the two-family
+    # report (its stages reused: control reads no stage's settings) with the control beside it
+    third = _demo(out, "control=true")
+    assert third.stdout.strip().splitlines()[-1] == f"report: {report}"
+    control = json.loads((report / "control" / "summary.json").read_text())
+    assert set(control["rule"]["families"]) == {"plus_minus"}  # no '*' problem in the control
+    assert control["config"]["task"]["times_share"] == 0.0
+    with_control = json.loads((report / "summary.json").read_text())
+    assert with_control["control"]["link"] == "control/report.md"
+    assert with_control["control"]["rule"]["acc_after"] == control["rule"]["acc_after"]
+    assert with_control["cooper"] == summary["cooper"]
+    assert "## Control: the single-family task" in (report / "report.md").read_text()
 
 
 def test_hybrid_labels_keep_rows_where_rule_and_judge_agree(tmp_path):
