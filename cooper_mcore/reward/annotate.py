@@ -40,6 +40,7 @@ import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import pyarrow as pa
@@ -215,22 +216,9 @@ def annotate(
             message names the endpoint and how many requests of the chunk failed); or, whatever
             ``on_judge_failure``, no judge answer of the input could be read (nothing is written).
     """
-    if on_judge_failure not in ("mask", "stop"):
-        raise ValueError(f"on_judge_failure must be 'mask' or 'stop', got {on_judge_failure!r}")
-    if os.path.abspath(in_path) == os.path.abspath(out_path):
-        raise ValueError(f"out_path must differ from in_path ({in_path!r})")
-    file_format(out_path)  # an unknown suffix fails before any work
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    for path in (out_path, judgements_path):
-        if path:
-            file_format(path)
-            check_output_path(path)
+    _check_arguments(in_path, out_path, judgements_path, chunk_size, on_judge_failure)
     rows, triples, skipped = _read_rows(in_path, (question_key, reference_key, completion_key), skip_malformed)
-    table = {r: dict.fromkeys(VERDICTS, 0) for r in VERDICTS}
-    kept_rows: list[dict] = []
-    audit: list[dict] = []
-    judge_failed = judge_empty = 0
+    tally = _Tally(table={r: dict.fromkeys(VERDICTS, 0) for r in VERDICTS})
     with ThreadPoolExecutor(1, thread_name_prefix="annotate-judge") as pool:
         for start in range(0, len(triples), chunk_size):
             chunk = triples[start:start + chunk_size]
@@ -238,65 +226,116 @@ def annotate(
             answers_f = pool.submit(judge_client.chat_batch, chats, temperature, max_tokens)
             outcomes = verifier.verify_batch([ref for _, ref, _ in chunk], [c for _, _, c in chunk])
             answers = answers_f.result()
-            if len(answers) != len(chunk) or len(outcomes) != len(chunk):
-                raise RuntimeError(f"judge/verifier returned {len(answers)}/{len(outcomes)} results for "
-                                   f"{len(chunk)} rows")
-            failed = sum(a is None for a in answers)
-            if failed and on_judge_failure == "stop":
-                raise JudgeUnavailable(
-                    f"LLM judge at {getattr(judge_client, 'url', '?')} failed for {failed} of {len(chunk)} rows "
-                    f"(rows {start}-{start + len(chunk) - 1}) after its retries; nothing was written. Use "
-                    "on_judge_failure='mask' (--on-judge-failure mask) to drop and count such rows instead")
-            for j, (text, outcome) in enumerate(zip(answers, outcomes)):
-                rule, judge = outcome.correct, parse_judgement(text)
-                judge_failed += text is None
-                judge_empty += text is not None and not text.strip()
-                table[_key(rule)][_key(judge)] += 1
-                kept = rule is not None and rule == judge
-                if kept:
-                    row = dict(rows[start + j])
-                    row[label_key] = bool(rule)
-                    kept_rows.append(row)
-                if judgements_path:
-                    audit.append({"index": start + j, "rule": rule, "judge": judge, "judge_text": text,
-                                  "kept": kept})
+            _check_chunk(answers, outcomes, len(chunk), start, judge_client, on_judge_failure)
+            tally.add(rows, start, answers, outcomes, label_key, audit=bool(judgements_path))
             logger.info("annotate: %d/%d rows judged, %d kept", min(start + chunk_size, len(triples)),
-                        len(triples), len(kept_rows))
-    endpoint = getattr(judge_client, "url", "?")
-    model = getattr(judge_client, "model", None)
-    judge_name = f"the LLM judge at {endpoint}{f' (model {model!r})' if model else ''}"
-    if judge_failed + judge_empty == len(triples):  # not one answer with text: the judge is not there
-        raise JudgeUnavailable(
-            f"{judge_name} gave no answer with text for any of the {len(triples)} rows ({judge_failed} requests "
-            f"failed after their retries, {judge_empty} answers had no text); nothing was written to {out_path}. "
-            "Check that the endpoint serves that model and answers chat completions (for a reasoning judge, raise "
-            "max_tokens)")
-    if not any(table[r][j] for r in VERDICTS for j in ("true", "false")):  # it answered, never yes or no
-        logger.warning("%s answered, but never yes or no (%d rows): every row is dropped as unparseable and %s is "
-                       "empty; check the judge's answers (--judgements) and its prompt", judge_name, len(triples),
-                       out_path)
-    _write_rows(kept_rows, out_path)
+                        len(triples), len(tally.kept_rows))
+    _check_judge_answered(tally, len(triples), judge_client, out_path)
+    _write_rows(tally.kept_rows, out_path)
     if judgements_path:
-        _write_rows(audit, judgements_path)
-    decided = sum(table[r][j] for r in ("true", "false") for j in ("true", "false"))
-    agreed = table["true"]["true"] + table["false"]["false"]
-    stats = {
-        "rows": len(triples),
-        "skipped_malformed": skipped,
-        "table": table,
-        "both_decided": decided,
-        "agreed": agreed,
-        "agreement_rate": agreed / decided if decided else None,
-        "kept": len(kept_rows),
-        "kept_correct": table["true"]["true"],
-        "kept_incorrect": table["false"]["false"],
-        "dropped_disagree": decided - agreed,
-        "dropped_rule_unverifiable": sum(table["none"].values()),
-        "dropped_judge_unparseable": table["true"]["none"] + table["false"]["none"],
-        "judge_failed": judge_failed,
-        "out_path": out_path,
-    }
+        _write_rows(tally.audit, judgements_path)
+    stats = tally.stats(len(triples), skipped, out_path)
     logger.info("annotate %s -> %s: %d rows, kept %d (%d correct), agreement %s", in_path, out_path, len(triples),
                 stats["kept"], stats["kept_correct"],
                 "n/a" if stats["agreement_rate"] is None else f"{stats['agreement_rate']:.3f}")
     return stats
+
+
+def _check_arguments(in_path: str, out_path: str, judgements_path: Optional[str], chunk_size: int,
+                     on_judge_failure: str) -> None:
+    """Every argument error before any work (an unknown suffix, an output that is the input)."""
+    if on_judge_failure not in ("mask", "stop"):
+        raise ValueError(f"on_judge_failure must be 'mask' or 'stop', got {on_judge_failure!r}")
+    if os.path.abspath(in_path) == os.path.abspath(out_path):
+        raise ValueError(f"out_path must differ from in_path ({in_path!r})")
+    file_format(out_path)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    for path in (out_path, judgements_path):
+        if path:
+            file_format(path)
+            check_output_path(path)
+
+
+def _judge_name(judge_client: ChatClient) -> str:
+    endpoint = getattr(judge_client, "url", "?")
+    model = getattr(judge_client, "model", None)
+    return f"the LLM judge at {endpoint}{f' (model {model!r})' if model else ''}"
+
+
+def _check_chunk(answers: Sequence[Optional[str]], outcomes: Sequence, n: int, start: int,
+                 judge_client: ChatClient, on_judge_failure: str) -> None:
+    """One result per row from both, and (with ``on_judge_failure="stop"``) no failed judge request."""
+    if len(answers) != n or len(outcomes) != n:
+        raise RuntimeError(f"judge/verifier returned {len(answers)}/{len(outcomes)} results for {n} rows")
+    failed = sum(a is None for a in answers)
+    if failed and on_judge_failure == "stop":
+        raise JudgeUnavailable(
+            f"LLM judge at {getattr(judge_client, 'url', '?')} failed for {failed} of {n} rows "
+            f"(rows {start}-{start + n - 1}) after its retries; nothing was written. Use "
+            "on_judge_failure='mask' (--on-judge-failure mask) to drop and count such rows instead")
+
+
+def _check_judge_answered(tally: _Tally, n_rows: int, judge_client: ChatClient, out_path: str) -> None:
+    """Raise when no judge answer had text; warn when it answered but never yes or no."""
+    judge_name = _judge_name(judge_client)
+    if tally.judge_failed + tally.judge_empty == n_rows:  # not one answer with text: the judge is not there
+        raise JudgeUnavailable(
+            f"{judge_name} gave no answer with text for any of the {n_rows} rows ({tally.judge_failed} requests "
+            f"failed after their retries, {tally.judge_empty} answers had no text); nothing was written to "
+            f"{out_path}. Check that the endpoint serves that model and answers chat completions (for a reasoning "
+            "judge, raise max_tokens)")
+    if not any(tally.table[r][j] for r in VERDICTS for j in ("true", "false")):
+        logger.warning("%s answered, but never yes or no (%d rows): every row is dropped as unparseable and %s is "
+                       "empty; check the judge's answers (--judgements) and its prompt", judge_name, n_rows,
+                       out_path)
+
+
+@dataclass
+class _Tally:
+    """The rule x judge table, the kept rows and the audit trail over the chunks judged so far."""
+
+    table: dict[str, dict[str, int]]
+    kept_rows: list[dict] = field(default_factory=list)
+    audit: list[dict] = field(default_factory=list)
+    judge_failed: int = 0
+    judge_empty: int = 0
+
+    def add(self, rows: Sequence[dict], start: int, answers: Sequence[Optional[str]], outcomes: Sequence,
+            label_key: str, audit: bool) -> None:
+        """Count one chunk's verdicts; keep (and label) the rows where the rule and the judge agree."""
+        for j, (text, outcome) in enumerate(zip(answers, outcomes)):
+            rule, judge = outcome.correct, parse_judgement(text)
+            self.judge_failed += text is None
+            self.judge_empty += text is not None and not text.strip()
+            self.table[_key(rule)][_key(judge)] += 1
+            kept = rule is not None and rule == judge
+            if kept:
+                row = dict(rows[start + j])
+                row[label_key] = bool(rule)
+                self.kept_rows.append(row)
+            if audit:
+                self.audit.append({"index": start + j, "rule": rule, "judge": judge, "judge_text": text,
+                                   "kept": kept})
+
+    def stats(self, n_rows: int, skipped: int, out_path: str) -> dict[str, Any]:
+        """The statistics :func:`annotate` returns."""
+        table = self.table
+        decided = sum(table[r][j] for r in ("true", "false") for j in ("true", "false"))
+        agreed = table["true"]["true"] + table["false"]["false"]
+        return {
+            "rows": n_rows,
+            "skipped_malformed": skipped,
+            "table": table,
+            "both_decided": decided,
+            "agreed": agreed,
+            "agreement_rate": agreed / decided if decided else None,
+            "kept": len(self.kept_rows),
+            "kept_correct": table["true"]["true"],
+            "kept_incorrect": table["false"]["false"],
+            "dropped_disagree": decided - agreed,
+            "dropped_rule_unverifiable": sum(table["none"].values()),
+            "dropped_judge_unparseable": table["true"]["none"] + table["false"]["none"],
+            "judge_failed": self.judge_failed,
+            "out_path": out_path,
+        }
