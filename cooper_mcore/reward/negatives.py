@@ -27,6 +27,7 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -367,7 +368,6 @@ def build_pairs(
         raise ValueError(f"pairs_per_prompt must be >= 1, got {pairs_per_prompt}")
     if positive_pick not in POSITIVE_PICKS:
         raise ValueError(f"unknown positive_pick {positive_pick!r}; expected one of {POSITIVE_PICKS}")
-    k = pairs_per_prompt
     verdicts = group_verdicts(groups)
     if scores is None:
         scores = rollout_scores(groups)
@@ -377,49 +377,69 @@ def build_pairs(
         negatives.set_groups(groups, scores)
     if not groups:
         return []
-    pos_index, has_positive = select_positives(verdicts, scores, k, positive_pick,
+    pos_index, has_positive = select_positives(verdicts, scores, pairs_per_prompt, positive_pick,
                                                torch.Generator().manual_seed(seed))
-    slots = [(i, j) for i in range(len(groups)) for j in range(k)]
-
-    def chosen(i: int, j: int) -> tuple[str, int]:
-        col = int(pos_index[i, j])
-        return groups[i].samples[col].text, col
-
-    pairs: list[PreferencePair] = []
-    source = getattr(negatives, "source", "")
+    slots = _Slots(groups, pos_index, has_positive, getattr(negatives, "source", ""))
     if isinstance(negatives, RolloutNegatives):
-        neg_index, neg_valid = negatives.select(verdicts, scores, k)
-        for i, j in slots:
-            if not has_positive[i]:
-                pairs.append(PreferencePair(groups[i].prompt, None, None))
+        return slots.rollout_pairs(*negatives.select(verdicts, scores, pairs_per_prompt))
+    return slots.generated_pairs(negatives)
+
+
+@dataclass
+class _Slots:
+    """The ``[P, k]`` pair slots of :func:`build_pairs`: each group's chosen positives, filled in
+    slot-minor order with a negative from the group's rollouts or from a generator."""
+
+    groups: Sequence[RolloutGroup]
+    pos_index: torch.Tensor
+    has_positive: torch.Tensor
+    source: str
+
+    def _slots(self) -> list[tuple[int, int]]:
+        return [(i, j) for i in range(len(self.groups)) for j in range(self.pos_index.shape[1])]
+
+    def _chosen(self, i: int, j: int) -> tuple[str, int]:
+        col = int(self.pos_index[i, j])
+        return self.groups[i].samples[col].text, col
+
+    def rollout_pairs(self, neg_index: torch.Tensor, neg_valid: torch.Tensor) -> list[PreferencePair]:
+        """Negatives are the group's own rollouts picked by ``select`` (``neg_valid`` False: none left)."""
+        pairs: list[PreferencePair] = []
+        for i, j in self._slots():
+            prompt = self.groups[i].prompt
+            if not self.has_positive[i]:
+                pairs.append(PreferencePair(prompt, None, None))
                 continue
-            text, col = chosen(i, j)
+            text, col = self._chosen(i, j)
             if neg_valid[i, j]:
                 neg_col = int(neg_index[i, j])
-                pairs.append(PreferencePair(groups[i].prompt, text, groups[i].samples[neg_col].text, source,
+                pairs.append(PreferencePair(prompt, text, self.groups[i].samples[neg_col].text, self.source,
                                             chosen_index=col, rejected_index=neg_col))
             else:
-                pairs.append(PreferencePair(groups[i].prompt, text, None, chosen_index=col))
+                pairs.append(PreferencePair(prompt, text, None, chosen_index=col))
         return pairs
 
-    wanted = [(i, j) for i, j in slots if has_positive[i]]
-    items = [(groups[i].prompt, chosen(i, j)[0]) for i, j in wanted]
-    rejected = negatives.generate(items) if items else []
-    if len(rejected) != len(items):
-        raise ValueError(f"{type(negatives).__name__}.generate returned {len(rejected)} negatives for "
-                         f"{len(items)} items")
-    failed = list(getattr(negatives, "last_failed", None) or [False] * len(items))
-    assert len(failed) == len(items), "last_failed does not match the items"
-    it = iter(zip(rejected, failed))
-    for i, j in slots:
-        if not has_positive[i]:
-            pairs.append(PreferencePair(groups[i].prompt, None, None))
-            continue
-        neg, fail = next(it)
-        text, col = chosen(i, j)
-        pairs.append(PreferencePair(groups[i].prompt, text, neg, source if neg is not None else "", failed=fail,
-                                    chosen_index=col))
-    return pairs
+    def generated_pairs(self, negatives: NegativeGenerator) -> list[PreferencePair]:
+        """One ``generate`` call writes a negative for every slot that has a positive."""
+        wanted = [(i, j) for i, j in self._slots() if self.has_positive[i]]
+        items = [(self.groups[i].prompt, self._chosen(i, j)[0]) for i, j in wanted]
+        rejected = negatives.generate(items) if items else []
+        if len(rejected) != len(items):
+            raise ValueError(f"{type(negatives).__name__}.generate returned {len(rejected)} negatives for "
+                             f"{len(items)} items")
+        failed = list(getattr(negatives, "last_failed", None) or [False] * len(items))
+        assert len(failed) == len(items), "last_failed does not match the items"
+        it = iter(zip(rejected, failed))
+        pairs: list[PreferencePair] = []
+        for i, j in self._slots():
+            if not self.has_positive[i]:
+                pairs.append(PreferencePair(self.groups[i].prompt, None, None))
+                continue
+            neg, fail = next(it)
+            text, col = self._chosen(i, j)
+            pairs.append(PreferencePair(self.groups[i].prompt, text, neg, self.source if neg is not None else "",
+                                        failed=fail, chosen_index=col))
+        return pairs
 
 
 def pair_stats(pairs: Sequence[PreferencePair]) -> dict[str, int]:
