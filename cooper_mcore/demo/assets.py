@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -79,52 +80,76 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         "policy_ckpt": "policy_mcore", "rm_hf": "rm_hf", "rm_ckpt": "rm_mcore"}.items()}
     os.makedirs(out, exist_ok=True)
     if not os.path.exists(paths["train"]):
-        train, held_out = prompts or (generate_prompts(n_train, task, split="train", seed=seed),
-                                      generate_prompts(n_eval, task, split="test", seed=seed))
-        write_prompts(held_out, paths["eval"])
-        tmp = os.path.join(out, "train.tmp.jsonl")
-        write_prompts(train, tmp)
-        os.replace(tmp, paths["train"])  # written last and renamed: its presence marks both files complete
+        _write_prompts_once(out, paths, prompts or (generate_prompts(n_train, task, split="train", seed=seed),
+                                                    generate_prompts(n_eval, task, split="test", seed=seed)))
     if corpus is None:
         corpus = tokenizer_corpus(2000, config=task, seed=seed)
         # the VerifyRM template's tags too, so that each is a few tokens rather than one <unk> per letter
         corpus += [rm_input(q, "0", c) for q, c in zip(corpus[0::3], corpus[1::3])][:200]
     tok = train_tiny_tokenizer(corpus, paths["tokenizer"], vocab_size=vocab_size, isolate=isolate)
-    common = dict(vocab_size=-(-len(tok) // 8) * 8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                  max_position_embeddings=max_positions)
-
-    def random_model(kind: str, hf_dir: str, ckpt: str, hidden: int, layers: int) -> None:
-        fields = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, **common)
-        fields.update(shape or {})
-        save_tiny_hf_model(hf_dir, family if kind == "causal_lm" else rm_family, kind,
-                           seed=seed + (kind == "reward"), dtype=dtype, **fields)
-        # copy the files as trained: save_pretrained would rewrite tokenizer_class, and transformers 5
-        # would then load a Qwen2Tokenizer next to the qwen2 config (different tokenization)
-        shutil.copytree(paths["tokenizer"], hf_dir, dirs_exist_ok=True)
-        hf_to_mcore(hf_dir, ckpt)
-
+    maker = _RandomModels(paths["tokenizer"], {"causal_lm": family, "reward": rm_family}, seed, dtype,
+                          dict(vocab_size=-(-len(tok) // 8) * 8, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, max_position_embeddings=max_positions),
+                          shape or {})
     if not os.path.exists(paths["rm_ckpt"]):
-        random_model("reward", paths["rm_hf"], paths["rm_ckpt"], rm_hidden_size or hidden_size,
-                     rm_num_layers or num_layers)
+        maker.save("reward", paths["rm_hf"], paths["rm_ckpt"], rm_hidden_size or hidden_size,
+                   rm_num_layers or num_layers)
     if not os.path.exists(paths["policy_ckpt"]):
         if not sft_steps:
-            random_model("causal_lm", paths["policy_hf"], paths["policy_ckpt"], hidden_size, num_layers)
+            maker.save("causal_lm", paths["policy_hf"], paths["policy_ckpt"], hidden_size, num_layers)
         else:
-            init_hf, init_ckpt = os.path.join(out, "policy_init_hf"), os.path.join(out, "policy_init_mcore")
-            shutil.rmtree(init_hf, ignore_errors=True)
-            shutil.rmtree(init_ckpt, ignore_errors=True)
-            shutil.rmtree(paths["policy_hf"], ignore_errors=True)  # a random one from an interrupted run
-            random_model("causal_lm", init_hf, init_ckpt, hidden_size, num_layers)
-            examples = math_sft_examples(tok, n_train, task, seed=seed)
-            batch = min(SFT_BATCH, n_train)
-            history = sft(init_ckpt, paths["policy_ckpt"], examples, steps=sft_steps, lr=SFT_LR,
-                          global_batch_size=batch, micro_batch_size=batch, seed=seed,
-                          log_every=max(sft_steps // 5, 1))
-            logger.info("tiny policy: SFT %d steps on %d worked solutions, loss %.3f -> %.3f", sft_steps, n_train,
-                        history["loss"][0], history["loss"][-1])
-            shutil.rmtree(init_hf)
-            shutil.rmtree(init_ckpt)
+            _sft_policy(out, paths, maker, hidden_size, num_layers,
+                        math_sft_examples(tok, n_train, task, seed=seed), sft_steps, n_train, seed)
     if not os.path.exists(paths["policy_hf"]):  # the SFT policy's HF folder (the rollout engine's start)
         mcore_to_hf(paths["policy_ckpt"], paths["policy_hf"])
     logger.info("tiny assets in %s", out)
     return paths
+
+
+def _write_prompts_once(out: str, paths: dict[str, str], prompts: tuple[list[Prompt], list[Prompt]]) -> None:
+    """The held-out file, then the train file written and renamed last: its presence marks both complete."""
+    train, held_out = prompts
+    write_prompts(held_out, paths["eval"])
+    tmp = os.path.join(out, "train.tmp.jsonl")
+    write_prompts(train, tmp)
+    os.replace(tmp, paths["train"])
+
+
+@dataclass
+class _RandomModels:
+    """Writes randomly initialised tiny HF models (with the trained tokenizer) and their Megatron checkpoints."""
+
+    tokenizer_dir: str
+    families: dict[str, str]  # family per model kind ("causal_lm", "reward")
+    seed: int
+    dtype: torch.dtype
+    common: dict[str, Any]  # config fields both models share (vocabulary, special ids, positions)
+    shape: dict[str, Any]  # config fields that override the sizes
+
+    def save(self, kind: str, hf_dir: str, ckpt: str, hidden: int, layers: int) -> None:
+        """One model of ``kind`` at ``hidden`` x ``layers`` into ``hf_dir`` and ``ckpt``."""
+        fields = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, **self.common)
+        fields.update(self.shape)
+        save_tiny_hf_model(hf_dir, self.families[kind], kind, seed=self.seed + (kind == "reward"), dtype=self.dtype,
+                           **fields)
+        # copy the files as trained: save_pretrained would rewrite tokenizer_class, and transformers 5
+        # would then load a Qwen2Tokenizer next to the qwen2 config (different tokenization)
+        shutil.copytree(self.tokenizer_dir, hf_dir, dirs_exist_ok=True)
+        hf_to_mcore(hf_dir, ckpt)
+
+
+def _sft_policy(out: str, paths: dict[str, str], maker: _RandomModels, hidden: int, layers: int,
+                examples: list, sft_steps: int, n_train: int, seed: int) -> None:
+    """A random policy fine-tuned on the worked solutions into ``paths["policy_ckpt"]``."""
+    init_hf, init_ckpt = os.path.join(out, "policy_init_hf"), os.path.join(out, "policy_init_mcore")
+    shutil.rmtree(init_hf, ignore_errors=True)
+    shutil.rmtree(init_ckpt, ignore_errors=True)
+    shutil.rmtree(paths["policy_hf"], ignore_errors=True)  # a random one from an interrupted run
+    maker.save("causal_lm", init_hf, init_ckpt, hidden, layers)
+    batch = min(SFT_BATCH, n_train)
+    history = sft(init_ckpt, paths["policy_ckpt"], examples, steps=sft_steps, lr=SFT_LR, global_batch_size=batch,
+                  micro_batch_size=batch, seed=seed, log_every=max(sft_steps // 5, 1))
+    logger.info("tiny policy: SFT %d steps on %d worked solutions, loss %.3f -> %.3f", sft_steps, n_train,
+                history["loss"][0], history["loss"][-1])
+    shutil.rmtree(init_hf)
+    shutil.rmtree(init_ckpt)
