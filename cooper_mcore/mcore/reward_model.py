@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -410,6 +410,29 @@ def bce_train_step(
             "num_samples": int(n), "grad_norm": result.grad_norm, "nonfinite": not result.updated}
 
 
+def _pair_forward_step(anchor_weight: float) -> Callable:
+    """megatron's ``forward_step`` for one micro-batch of pairs: chosen rows first, then rejected,
+    scored together; the loss is Cooper's pairwise loss summed over the valid pairs."""
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = mb["micro"].forward(model, **mb["micro"].score_kwargs())
+
+        def loss_fn(scores):
+            scores, k = scores.float(), mb["pairs"]
+            per_pair, sums = rm_pair_losses(scores[:k], scores[k:], mb["weight"] > 0, anchor_weight)
+            loss_sum = per_pair.sum()
+            metrics = {"loss": loss_sum.detach(), "correct": sums["correct_sum"], "count": sums["num_valid"],
+                       "chosen": sums["chosen_sum"], "rejected": sums["rejected_sum"],
+                       "pairwise": sums["pairwise_sum"], "anchor": sums["anchor_sum"],
+                       "threshold_correct": sums["threshold_correct_sum"]}
+            return loss_sum, sums["num_valid"].to(torch.int), metrics
+
+        return out, loss_fn
+
+    return forward_step
+
+
 def _pair_micro_batches(chosen: RMBatch, rejected: RMBatch, valid: torch.Tensor, micro_batch_size: int,
                         batching: MicroBatching, mult: int, dp_group: Any) -> list[dict[str, Any]]:
     """Micro-batches of pairs, each ``{"micro": rows [chosen..., rejected...], "pairs": k, "weight": [k]}``.
@@ -495,25 +518,9 @@ def pairwise_train_step(
     micro = _pair_micro_batches(chosen, rejected, valid, micro_batch_size, batching or MicroBatching(micro_batch_size),
                                 _seq_multiple(ddp), _groups(ddp)[2])
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        out = mb["micro"].forward(model, **mb["micro"].score_kwargs())
-
-        def loss_fn(scores):
-            scores, k = scores.float(), mb["pairs"]
-            per_pair, sums = rm_pair_losses(scores[:k], scores[k:], mb["weight"] > 0, anchor_weight)
-            loss_sum = per_pair.sum()
-            metrics = {"loss": loss_sum.detach(), "correct": sums["correct_sum"], "count": sums["num_valid"],
-                       "chosen": sums["chosen_sum"], "rejected": sums["rejected_sum"],
-                       "pairwise": sums["pairwise_sum"], "anchor": sums["anchor_sum"],
-                       "threshold_correct": sums["threshold_correct_sum"]}
-            return loss_sum, sums["num_valid"].to(torch.int), metrics
-
-        return out, loss_fn
-
     shapes = [mb["micro"].shape for mb in micro]
-    result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), max(c for _, c in shapes),
-                        max(r for r, _ in shapes), variable_shapes=len(set(shapes)) > 1)
+    result = train_step(ddp, optimizer, _pair_forward_step(anchor_weight), iter(micro), len(micro),
+                        max(c for _, c in shapes), max(r for r, _ in shapes), variable_shapes=len(set(shapes)) > 1)
     sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "chosen", "rejected", "pairwise", "anchor",
                                               "threshold_correct"))
     n = sums["count"]
