@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any, Literal, Optional
 
 from cooper_mcore.config import CooperConfig, RewardMode
-from cooper_mcore.convert.file_errors import read_json_object
+from cooper_mcore.files import read_json_object
 
 #: fields the policy checkpoint's ``cooper_model.json`` "arch" and ``model.policy_hf``'s
 #: ``config.json`` must agree on: (arch field, config.json key)

@@ -9,7 +9,7 @@ folder, so that an export is a complete HF model folder).
 at a time and saves it without extra copies; ``mcore-to-hf`` builds no model and reads the
 checkpoint one layer at a time. Neither needs the model in memory twice. Folders are written under a temporary
 name and renamed when complete; a write that fails (a full disk is reported as such, naming the
-output: :mod:`cooper_mcore.convert.file_errors`) removes the temporary folder.
+output: :mod:`cooper_mcore.files`) removes the temporary folder.
 
 A checkpoint is checked before megatron-core reads it (:func:`check_checkpoint_files`): a damaged
 ``cooper_model.json``, ``metadata.json`` naming another backend than ``torch_dist``, an
@@ -34,7 +34,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint import FileSystemReader
 
-from cooper_mcore.convert.file_errors import explain_write_errors, read_json_object
 from cooper_mcore.convert.mapping import (
     _LAYER_RE,
     _LOCAL_TO_TE,
@@ -46,6 +45,7 @@ from cooper_mcore.convert.mapping import (
     to_mcore,
 )
 from cooper_mcore.convert.safetensors_io import HFCheckpointReader, write_tensors
+from cooper_mcore.files import explain_write_errors, read_json_object
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.parallel import ParallelConfig, single_process_world

@@ -132,7 +132,7 @@ def _leftovers(parent, name):
 def test_full_disk_in_hf_to_mcore_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
     import torch
 
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError
+    from cooper_mcore.files import NoSpaceLeftError
 
     hf_dir = save_tiny_hf_model(str(tmp_path / "hf"), "qwen2")
     out = tmp_path / "mc"
@@ -162,7 +162,7 @@ def test_full_disk_in_mcore_to_hf_names_the_output_and_leaves_nothing(tiny_model
     import errno
 
     from cooper_mcore.convert import safetensors_io
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError
+    from cooper_mcore.files import NoSpaceLeftError
 
     _, ckpt = tiny_models[("qwen2", "causal_lm")]
     out = tmp_path / "hf"
@@ -207,7 +207,7 @@ def test_full_disk_in_an_atomic_model_save_removes_the_partial_folder(tiny_model
     from megatron.core import dist_checkpointing
 
     from cooper_mcore.convert.checkpoint import save_model_checkpoint_atomic
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError
+    from cooper_mcore.files import NoSpaceLeftError
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 
@@ -233,7 +233,7 @@ def test_no_space_detection(tmp_path, monkeypatch):
     import shutil as shutil_mod
     from collections import namedtuple
 
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError, explain_write_errors, is_no_space
+    from cooper_mcore.files import NoSpaceLeftError, explain_write_errors, is_no_space
 
     assert is_no_space(RuntimeError(UNEXPECTED_POS)) and is_no_space(_checkpoint_exception())
     assert is_no_space(OSError(errno.ENOSPC, "No space left on device"))
