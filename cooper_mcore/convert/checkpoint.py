@@ -34,7 +34,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint import FileSystemReader
 
-from cooper_mcore.convert.mapping import (
+from cooper_mcore.convert.safetensors_io import HFCheckpointReader, write_tensors
+from cooper_mcore.files import explain_write_errors, read_json_object
+from cooper_mcore.models.arch import ArchSpec, load_hf_config
+from cooper_mcore.models.builder import build_model
+from cooper_mcore.models.hf_mapping import (
     _LAYER_RE,
     _LOCAL_TO_TE,
     ParamMapping,
@@ -44,10 +48,6 @@ from cooper_mcore.convert.mapping import (
     to_hf,
     to_mcore,
 )
-from cooper_mcore.convert.safetensors_io import HFCheckpointReader, write_tensors
-from cooper_mcore.files import explain_write_errors, read_json_object
-from cooper_mcore.models.arch import ArchSpec, load_hf_config
-from cooper_mcore.models.builder import build_model
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 
 logger = logging.getLogger(__name__)
