@@ -247,7 +247,7 @@ def converter_cases(tmp: str) -> list[Outcome]:
     """Broken HF folders and Megatron checkpoints through the converter."""
     from safetensors.torch import load_file, save_file
 
-    from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
     good = os.path.join(tmp, "hf_good")

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cooper_mcore.checkpoint.model import META_FILE, read_meta
 from cooper_mcore.config import CooperConfig, load_config
-from cooper_mcore.convert.checkpoint import META_FILE, read_meta
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.plan import (
     COMPONENTS,

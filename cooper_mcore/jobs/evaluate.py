@@ -13,7 +13,8 @@ import tempfile
 
 import torch
 
-from cooper_mcore.convert.checkpoint import EXTRA_DIR, META_FILE, mcore_to_hf, read_meta
+from cooper_mcore.checkpoint.model import EXTRA_DIR, META_FILE, read_meta
+from cooper_mcore.convert.hf import mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer

@@ -49,9 +49,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.atomic import atomic_open, check_output_path
+from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint_atomic
 from cooper_mcore.collectives import all_gather
-from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
-from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
 from cooper_mcore.mcore.reward_model import (

@@ -59,8 +59,8 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cooper_mcore.atomic import atomic_open, fsync_path
+from cooper_mcore.checkpoint.model import EXTRA_DIR, check_checkpoint_format, drop_absent_extra_state, write_meta
 from cooper_mcore.collectives import any_rank
-from cooper_mcore.convert.checkpoint import EXTRA_DIR, check_checkpoint_format, drop_absent_extra_state, write_meta
 from cooper_mcore.files import free_bytes, is_no_space
 from cooper_mcore.mcore.faults import fault_point
 from cooper_mcore.mcore.model_state import ModelState

@@ -15,7 +15,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from cooper_mcore.convert.checkpoint import EXTRA_DIR
+from cooper_mcore.checkpoint.model import EXTRA_DIR
 from cooper_mcore.mcore.offload import ModelOffloader
 from cooper_mcore.models.arch import ArchSpec
 

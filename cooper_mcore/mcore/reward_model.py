@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from cooper_mcore.algo import rm_bce_loss, rm_pair_losses
+from cooper_mcore.checkpoint.model import EXTRA_DIR
 from cooper_mcore.collectives import all_reduce, broadcast_from_last_stage
-from cooper_mcore.convert.checkpoint import EXTRA_DIR
 from cooper_mcore.data.tokenizer import load_tokenizer, pad_id_of
 from cooper_mcore.mcore.micro_batches import MicroBatching, build_micro_batch, micro_batch_plan, split_micro_batches
 from cooper_mcore.mcore.tokens import PACK_PAD_ID

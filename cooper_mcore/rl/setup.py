@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta
 from cooper_mcore.collectives import any_rank, is_group_leader
 from cooper_mcore.config import CooperConfig, OptimSection
 from cooper_mcore.config_checks import validate
-from cooper_mcore.convert.checkpoint import read_meta
-from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts

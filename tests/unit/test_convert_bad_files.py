@@ -12,7 +12,8 @@ import struct
 
 import pytest
 
-from cooper_mcore.convert.checkpoint import hf_to_mcore, load_model_checkpoint, mcore_to_hf, read_meta
+from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
+from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.models.tiny import save_tiny_hf_model
 
 
@@ -161,7 +162,7 @@ def test_full_disk_in_hf_to_mcore_names_the_output_and_leaves_nothing(tmp_path, 
 def test_full_disk_in_mcore_to_hf_names_the_output_and_leaves_nothing(tiny_models, tmp_path, monkeypatch):
     import errno
 
-    from cooper_mcore.convert import safetensors_io
+    from cooper_mcore.checkpoint import safetensors_io
     from cooper_mcore.files import NoSpaceLeftError
 
     _, ckpt = tiny_models[("qwen2", "causal_lm")]
@@ -182,7 +183,7 @@ def test_full_disk_in_mcore_to_hf_names_the_output_and_leaves_nothing(tiny_model
 
 def test_a_short_unbuffered_write_is_completed(tmp_path):
     """A raw write may take only part of its bytes (a disk filling up): the rest is written, not lost."""
-    from cooper_mcore.convert.safetensors_io import _write_all
+    from cooper_mcore.checkpoint.safetensors_io import _write_all
 
     class Short:
         name = "x"
@@ -206,7 +207,7 @@ def test_a_short_unbuffered_write_is_completed(tmp_path):
 def test_full_disk_in_an_atomic_model_save_removes_the_partial_folder(tiny_models, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
 
-    from cooper_mcore.convert.checkpoint import save_model_checkpoint_atomic
+    from cooper_mcore.checkpoint.model import save_model_checkpoint_atomic
     from cooper_mcore.files import NoSpaceLeftError
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world

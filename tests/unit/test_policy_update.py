@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from cooper_mcore.algo import kl_penalty
-from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
 from cooper_mcore.mcore.training import OptimConfig, wrap_for_training

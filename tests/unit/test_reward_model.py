@@ -55,7 +55,7 @@ def _triples(n, seed=3):
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
     """(hf_dir, ckpt): a 2-layer Qwen2 reward model with a tiny tokenizer for the RM template."""
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.data.tokenizer import train_tiny_tokenizer
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
@@ -89,7 +89,7 @@ def _hf_grad_norm(hf, loss_of_scores, *batches):
 
 
 def _load(ckpt):
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.parallel import ParallelConfig
 
     return load_checkpoint_model(ckpt, ParallelConfig())[0]
@@ -288,7 +288,8 @@ def test_accuracy_report_per_type_and_label():
 
 
 def test_train_rm_then_eval_rm_and_export(tiny_rm, tmp_path):
-    from cooper_mcore.convert.checkpoint import load_model_checkpoint, mcore_to_hf, read_meta
+    from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
+    from cooper_mcore.convert.hf import mcore_to_hf
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 

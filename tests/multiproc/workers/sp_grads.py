@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import RMBatch, pairwise_train_step, wrap_reward_model
 from cooper_mcore.mcore.tokens import build_token_batch, compute_logprobs
