@@ -50,12 +50,12 @@ from megatron.core import parallel_state
 
 from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint_atomic
+from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import all_gather
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
 from cooper_mcore.mcore.reward_model import (
     bce_train_step,
-    load_rm_tokenizer,
     pad_token_lists,
     rm_scores,
     tokenize_texts,
@@ -214,7 +214,7 @@ def eval_rm(
         check_output_path(predictions_path)  # a device or FIFO there is refused before any work
     examples, skipped = read_eval_examples(data_path, data_format, skip_malformed)
     with job_world(parallel, seed):
-        tokenizer = load_rm_tokenizer(ckpt)
+        tokenizer = load_checkpoint_tokenizer(ckpt)
         model, arch, _, _ = _load_rm(ckpt, parallel, tokenizer)
         scores = score_texts(model, tokenizer, [ex.rm_text() for ex in examples], micro_batch_size,
                              max_length or arch.max_position_embeddings)
@@ -316,7 +316,7 @@ def train_rm(
                              f"data-parallel size = {micro_batch_size} * {dp}")
         rank0 = dist.get_rank() == 0
         torch.manual_seed(seed)
-        tokenizer = load_rm_tokenizer(ckpt_in)
+        tokenizer = load_checkpoint_tokenizer(ckpt_in)
         model, arch, hf_config, dtype = _load_rm(ckpt_in, parallel, tokenizer)
         max_len = max_length or arch.max_position_embeddings
         pad = pad_id_of(tokenizer)

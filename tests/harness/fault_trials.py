@@ -219,8 +219,8 @@ def _state(path: str, assets: dict[str, str], steps: int) -> dict[str, Any]:
     import torch
 
     from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta
+    from cooper_mcore.checkpoint.training import load_training_checkpoint
     from cooper_mcore.config import ParallelConfig
-    from cooper_mcore.mcore.checkpoint import load_training_checkpoint
     from cooper_mcore.mcore.model_state import ModelState
     from cooper_mcore.mcore.offload import ModelOffloader
     from cooper_mcore.mcore.training import OptimConfig, build_scheduler, inner_optimizers, wrap_for_training
