@@ -49,7 +49,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.atomic import atomic_open, check_output_path
-from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint_atomic
+from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_new_model_checkpoint
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import all_gather
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
@@ -165,15 +165,6 @@ def _load_rm(ckpt: str, parallel: ParallelConfig, tokenizer: Any):
     check_tokenizer_fits(tokenizer, arch.vocab_size, ckpt)
     model, arch = load_checkpoint_model(ckpt, parallel)
     return model, arch, hf_config, dtype
-
-
-def _save_checkpoint(model, arch, hf_config, dtype, src_ckpt: str, dest: str) -> None:
-    """Save under ``dest + ".tmp"``, copy the tokenizer files, rename to ``dest``. Collective."""
-    if os.path.exists(dest):
-        raise FileExistsError(f"checkpoint {dest!r} already exists")
-    save_model_checkpoint_atomic(model, dest, arch, hf_config, dtype, extra_from=src_ckpt)
-    if dist.get_rank() == 0:
-        logger.info("saved %s", dest)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -364,7 +355,7 @@ def train_rm(
                     last_eval = evaluate(step, epoch + (k + 1) / steps_per_epoch)
                 if save_every and step % save_every == 0:
                     path = os.path.join(out_dir, CHECKPOINTS_DIR, f"step_{step:06d}")
-                    _save_checkpoint(model, arch, hf_config, dtype, ckpt_in, path)
+                    save_new_model_checkpoint(model, path, arch, hf_config, dtype, extra_from=ckpt_in)
                     checkpoints.append(path)
             n_ep = sum(m["num_samples"] for m in epoch_stats)
             logger.info("train-rm epoch %d/%d (step %d): loss %.4f, acc %.4f", epoch + 1, epochs, step,
@@ -372,7 +363,7 @@ def train_rm(
                         sum(m["acc"] * m["num_samples"] for m in epoch_stats) / n_ep)
             last_eval = evaluate(step, float(epoch + 1))
         final = os.path.join(out_dir, FINAL_DIR)
-        _save_checkpoint(model, arch, hf_config, dtype, ckpt_in, final)
+        save_new_model_checkpoint(model, final, arch, hf_config, dtype, extra_from=ckpt_in)
         n = sum(m["num_samples"] for m in epoch_stats)
         summary = {
             "steps": step, "epochs": epochs, "num_train": len(train), "skipped": skipped,
