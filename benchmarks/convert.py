@@ -35,9 +35,9 @@ def make_checkpoint(out: str, shape: str) -> int:
     """Write a random bf16 Qwen2 checkpoint one tensor at a time; return its size in bytes."""
     import transformers
 
-    from cooper_mcore.convert.mapping import hf_shapes, param_mappings
-    from cooper_mcore.convert.safetensors_io import write_tensors
+    from cooper_mcore.checkpoint.safetensors_io import write_tensors
     from cooper_mcore.models.arch import ArchSpec
+    from cooper_mcore.models.hf_mapping import hf_shapes, param_mappings
 
     cfg = transformers.Qwen2Config(**SHAPES[shape], dtype="bfloat16")
     cfg.architectures = ["Qwen2ForCausalLM"]
@@ -99,7 +99,7 @@ def timed_copy(src: str, dst: str, durable: bool) -> float:
 
 def check_export(src: str, exported: str) -> None:
     """Every tensor of the export equals the source's, bit for bit."""
-    from cooper_mcore.convert.safetensors_io import HFCheckpointReader
+    from cooper_mcore.checkpoint.safetensors_io import HFCheckpointReader
 
     a, b = HFCheckpointReader(src), HFCheckpointReader(exported)
     assert sorted(a.keys()) == sorted(b.keys()), "tensor names differ"

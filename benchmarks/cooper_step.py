@@ -105,7 +105,7 @@ def make_assets(out: str, shape: str) -> dict[str, str]:
         return paths
     import shutil
 
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
     big = {}

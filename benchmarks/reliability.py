@@ -173,7 +173,7 @@ def _parquet_cases(tmp: str, write: Callable[[str, bytes], str]) -> list[Outcome
 def checkpoint_cases(tmp: str, reference_ckpts: str) -> list[Outcome]:
     """Damage the newest of the reference run's checkpoints in every way; ``resume: auto`` must
     warn with its path and fall back to the previous one; an explicit path must be refused."""
-    from cooper_mcore.mcore.checkpoint import MANIFEST, find_resume
+    from cooper_mcore.checkpoint.training import MANIFEST, find_resume
 
     steps = sorted(int(n.split("_")[1]) for n in os.listdir(reference_ckpts) if n.startswith("step_"))
     prev, last = steps[-2], steps[-1]
@@ -206,7 +206,7 @@ def checkpoint_cases(tmp: str, reference_ckpts: str) -> list[Outcome]:
         bad = os.path.join(root, f"step_{last}")
         damage(bad)
         records: list[str] = []
-        handler, ckpt_logger = _ListHandler(records), logging.getLogger("cooper_mcore.mcore.checkpoint")
+        handler, ckpt_logger = _ListHandler(records), logging.getLogger("cooper_mcore.checkpoint.training")
         level = ckpt_logger.level
         ckpt_logger.addHandler(handler)
         ckpt_logger.setLevel(logging.WARNING)
@@ -247,7 +247,7 @@ def converter_cases(tmp: str) -> list[Outcome]:
     """Broken HF folders and Megatron checkpoints through the converter."""
     from safetensors.torch import load_file, save_file
 
-    from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
     good = os.path.join(tmp, "hf_good")

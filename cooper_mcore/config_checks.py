@@ -10,15 +10,15 @@ path the run reads exists and its JSON metadata parses. The config's types are i
 
 from __future__ import annotations
 
-import json
 import os
 import typing
 from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Any, Literal, Optional
 
+from cooper_mcore.checkpoint.model import META_FILE, checkpoint_arch_fields, is_model_checkpoint
 from cooper_mcore.config import CooperConfig, RewardMode
-from cooper_mcore.convert.file_errors import read_json_object
+from cooper_mcore.files import read_json_object
 
 #: fields the policy checkpoint's ``cooper_model.json`` "arch" and ``model.policy_hf``'s
 #: ``config.json`` must agree on: (arch field, config.json key)
@@ -153,7 +153,7 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     if _uses_rm(cfg):
         models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
     for name, ckpt in models:
-        arch, dtype = _checkpoint_arch(ckpt)
+        arch, dtype = checkpoint_arch_fields(ckpt)
         if arch is None:
             continue
         for field_name, what, size, by in (("num_attention_heads", "attention heads", par.tp, "tp"),
@@ -169,17 +169,6 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     return out
 
 
-def _checkpoint_arch(ckpt: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """(arch fields, dtype) from a checkpoint's ``cooper_model.json``; (None, None) when unreadable
-    (the path checks report that)."""
-    try:
-        with open(os.path.join(ckpt, "cooper_model.json"), encoding="utf-8") as f:
-            meta = json.load(f)
-        return dict(meta["arch"]), meta.get("dtype")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, None
-
-
 def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
     """Broken JSON metadata, and a policy checkpoint that is not the model of ``model.policy_hf``
     (the rollout engine starts from the HF folder and receives the checkpoint's weights: a
@@ -188,7 +177,7 @@ def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
     out = []
     ckpts = [("model.policy_ckpt", m.policy_ckpt)] + ([("model.rm_ckpt", m.rm_ckpt)] if _uses_rm(cfg) else [])
     for name, ckpt in ckpts:
-        problem = _json_problem(os.path.join(ckpt, "cooper_model.json")) if ckpt else None
+        problem = _json_problem(os.path.join(ckpt, META_FILE)) if ckpt else None
         if problem:
             out.append(f"{name}: {problem}")
     hf_cfg = None
@@ -199,7 +188,7 @@ def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
             out.append(f"model.policy_hf: {problem}")
         elif os.path.isfile(path):
             hf_cfg = read_json_object(path)
-    arch, _ = _checkpoint_arch(m.policy_ckpt) if m.policy_ckpt else (None, None)
+    arch, _ = checkpoint_arch_fields(m.policy_ckpt) if m.policy_ckpt else (None, None)
     if arch is None or hf_cfg is None:
         return out
     diffs = []
@@ -243,8 +232,8 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
         elif not os.path.exists(path):
             out.append(f"{name}: {path!r} does not exist")
     for name, path in ckpts:
-        if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "cooper_model.json")):
-            out.append(f"{name}: {path!r} is not a cooper_mcore checkpoint (no cooper_model.json; "
+        if path and os.path.isdir(path) and not is_model_checkpoint(path):
+            out.append(f"{name}: {path!r} is not a cooper_mcore checkpoint (no {META_FILE}; "
                        "make one with `cooper convert hf-to-mcore`)")
     if m.policy_hf and os.path.isdir(m.policy_hf) and not os.path.isfile(os.path.join(m.policy_hf, "config.json")):
         out.append(f"model.policy_hf: {m.policy_hf!r} has no config.json (an HF model folder is expected)")

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cooper_mcore.checkpoint.model import checkpoint_arch
 from cooper_mcore.config import CooperConfig, load_config
-from cooper_mcore.convert.checkpoint import META_FILE, read_meta
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.plan import (
     COMPONENTS,
@@ -49,12 +49,6 @@ def _read_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _from_checkpoint(ckpt: str) -> Optional[ArchSpec]:
-    if ckpt and os.path.isfile(os.path.join(ckpt, META_FILE)):
-        return read_meta(ckpt)[0]
-    return None
-
-
 def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
                 rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
     """The policy's and the RM's architectures for ``cfg``, and notes on where they came from.
@@ -67,7 +61,7 @@ def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
         policy = ArchSpec.from_hf_config(_read_config(policy_config), "causal_lm")
     elif cfg.model.policy_hf and os.path.isfile(os.path.join(cfg.model.policy_hf, "config.json")):
         policy = ArchSpec.from_hf_config(load_hf_config(cfg.model.policy_hf), "causal_lm")
-    elif (found := _from_checkpoint(cfg.model.policy_ckpt)) is not None:
+    elif (found := checkpoint_arch(cfg.model.policy_ckpt)) is not None:
         policy = found
     else:
         raise ValueError(f"no policy shape: model.policy_hf={cfg.model.policy_hf!r} has no config.json and "
@@ -77,7 +71,7 @@ def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
         return policy, None, notes
     if rm_config:
         rm = ArchSpec.from_hf_config(_read_config(rm_config), "reward")
-    elif (found := _from_checkpoint(cfg.model.rm_ckpt)) is not None:
+    elif (found := checkpoint_arch(cfg.model.rm_ckpt)) is not None:
         rm = found
     else:
         rm = dataclasses.replace(policy, model_type="reward", tie_word_embeddings=False)

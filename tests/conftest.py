@@ -60,7 +60,7 @@ def last_json(stdout: str):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
     """{(family, model_type): (hf_dir, mcore_ckpt)} for every tiny variant."""
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny")

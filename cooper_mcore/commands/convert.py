@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
+from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 
 logger = logging.getLogger("cooper_mcore")
 

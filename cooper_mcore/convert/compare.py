@@ -1,4 +1,7 @@
-"""Compare a Megatron model checkpoint with its Hugging Face original, at any TP/PP layout."""
+"""Compare a Megatron model checkpoint with its Hugging Face original, at any TP/PP layout.
+
+The checkpoint is loaded by :func:`cooper_mcore.checkpoint.model.load_checkpoint_model`.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.collectives import all_reduce
-from cooper_mcore.convert.checkpoint import load_model_checkpoint, read_meta
-from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.forward import forward_only
 from cooper_mcore.parallel import ParallelConfig
 
@@ -28,18 +30,6 @@ def sample_batch(vocab_size: int, batch: int, seq: int, pad_id: int | None, seed
     for i, n in enumerate(lengths.tolist()):
         ids[i, n:] = 0 if pad_id is None else pad_id
     return ids, lengths
-
-
-def load_checkpoint_model(ckpt: str, parallel: ParallelConfig, pg_collection=None):
-    """Build this rank's part of a checkpoint's model and load the checkpoint into it.
-
-    Returns:
-        ``(model, arch)``.
-    """
-    arch, _, dtype = read_meta(ckpt)
-    model = build_model(arch, parallel, dtype=dtype, init_weights=False, pg_collection=pg_collection)
-    load_model_checkpoint(model, ckpt, arch)
-    return model, arch
 
 
 def logits_diff(model, arch, hf_dir: str, batch: int = 2, seq: int = 16, seed: int = 0) -> float:

@@ -35,7 +35,7 @@ import sentencepiece as spm
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers
 
-from cooper_mcore.convert.file_errors import read_json_object
+from cooper_mcore.files import read_json_object
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from typing import Any
 
 from cooper_mcore.atomic import atomic_open
 from cooper_mcore.config import CooperConfig, save_config
-from cooper_mcore.convert.checkpoint import hf_to_mcore, mcore_to_hf
+from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.mathgen import answer_form, answer_value
 from cooper_mcore.data.templates import template_prompts

@@ -13,7 +13,8 @@ import tempfile
 
 import torch
 
-from cooper_mcore.convert.checkpoint import EXTRA_DIR, META_FILE, mcore_to_hf, read_meta
+from cooper_mcore.checkpoint.model import EXTRA_DIR, is_model_checkpoint, read_meta
+from cooper_mcore.convert.hf import mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
@@ -54,7 +55,7 @@ def evaluate_policy(model_dir: str, data_path: str, k: int = 8, temperature: flo
         prompts = prompts[:limit]
     with tempfile.TemporaryDirectory(prefix="cooper-eval-") as tmp:
         hf_dir = model_dir
-        if os.path.isfile(os.path.join(model_dir, META_FILE)):
+        if is_model_checkpoint(model_dir):
             _check_checkpoint_tokenizer(model_dir)  # before the export
             hf_dir = os.path.join(tmp, "hf")
             mcore_to_hf(model_dir, hf_dir)

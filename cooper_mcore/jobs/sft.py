@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint_atomic
 from cooper_mcore.collectives import all_reduce
-from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
-from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.iterator import epoch_order
 from cooper_mcore.data.mathgen import (
     MathProblem,

@@ -49,14 +49,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.atomic import atomic_open, check_output_path
+from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_new_model_checkpoint
+from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import all_gather
-from cooper_mcore.convert.checkpoint import read_meta, save_model_checkpoint_atomic
-from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
 from cooper_mcore.mcore.reward_model import (
     bce_train_step,
-    load_rm_tokenizer,
     pad_token_lists,
     rm_scores,
     tokenize_texts,
@@ -168,15 +167,6 @@ def _load_rm(ckpt: str, parallel: ParallelConfig, tokenizer: Any):
     return model, arch, hf_config, dtype
 
 
-def _save_checkpoint(model, arch, hf_config, dtype, src_ckpt: str, dest: str) -> None:
-    """Save under ``dest + ".tmp"``, copy the tokenizer files, rename to ``dest``. Collective."""
-    if os.path.exists(dest):
-        raise FileExistsError(f"checkpoint {dest!r} already exists")
-    save_model_checkpoint_atomic(model, dest, arch, hf_config, dtype, extra_from=src_ckpt)
-    if dist.get_rank() == 0:
-        logger.info("saved %s", dest)
-
-
 # --------------------------------------------------------------------------- jobs
 
 
@@ -215,7 +205,7 @@ def eval_rm(
         check_output_path(predictions_path)  # a device or FIFO there is refused before any work
     examples, skipped = read_eval_examples(data_path, data_format, skip_malformed)
     with job_world(parallel, seed):
-        tokenizer = load_rm_tokenizer(ckpt)
+        tokenizer = load_checkpoint_tokenizer(ckpt)
         model, arch, _, _ = _load_rm(ckpt, parallel, tokenizer)
         scores = score_texts(model, tokenizer, [ex.rm_text() for ex in examples], micro_batch_size,
                              max_length or arch.max_position_embeddings)
@@ -317,7 +307,7 @@ def train_rm(
                              f"data-parallel size = {micro_batch_size} * {dp}")
         rank0 = dist.get_rank() == 0
         torch.manual_seed(seed)
-        tokenizer = load_rm_tokenizer(ckpt_in)
+        tokenizer = load_checkpoint_tokenizer(ckpt_in)
         model, arch, hf_config, dtype = _load_rm(ckpt_in, parallel, tokenizer)
         max_len = max_length or arch.max_position_embeddings
         pad = pad_id_of(tokenizer)
@@ -365,7 +355,7 @@ def train_rm(
                     last_eval = evaluate(step, epoch + (k + 1) / steps_per_epoch)
                 if save_every and step % save_every == 0:
                     path = os.path.join(out_dir, CHECKPOINTS_DIR, f"step_{step:06d}")
-                    _save_checkpoint(model, arch, hf_config, dtype, ckpt_in, path)
+                    save_new_model_checkpoint(model, path, arch, hf_config, dtype, extra_from=ckpt_in)
                     checkpoints.append(path)
             n_ep = sum(m["num_samples"] for m in epoch_stats)
             logger.info("train-rm epoch %d/%d (step %d): loss %.4f, acc %.4f", epoch + 1, epochs, step,
@@ -373,7 +363,7 @@ def train_rm(
                         sum(m["acc"] * m["num_samples"] for m in epoch_stats) / n_ep)
             last_eval = evaluate(step, float(epoch + 1))
         final = os.path.join(out_dir, FINAL_DIR)
-        _save_checkpoint(model, arch, hf_config, dtype, ckpt_in, final)
+        save_new_model_checkpoint(model, final, arch, hf_config, dtype, extra_from=ckpt_in)
         n = sum(m["num_samples"] for m in epoch_stats)
         summary = {
             "steps": step, "epochs": epochs, "num_train": len(train), "skipped": skipped,

@@ -6,7 +6,6 @@ A Cooper run holds two: the policy and the reward model (frozen in ``static_rm``
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -15,7 +14,6 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from cooper_mcore.convert.checkpoint import EXTRA_DIR
 from cooper_mcore.mcore.offload import ModelOffloader
 from cooper_mcore.models.arch import ArchSpec
 
@@ -60,8 +58,3 @@ class ModelState:
     def model(self) -> torch.nn.Module:
         """What the forward passes run: the DDP wrapper when training, else the module."""
         return self.ddp if self.ddp is not None else self.module
-
-    @property
-    def extra_dir(self) -> str:
-        """The tokenizer/generation files folder of the source checkpoint."""
-        return os.path.join(self.source_ckpt, EXTRA_DIR)

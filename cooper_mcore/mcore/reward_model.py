@@ -31,7 +31,6 @@ over the data-parallel group first).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -42,8 +41,7 @@ from megatron.core import parallel_state
 
 from cooper_mcore.algo import rm_bce_loss, rm_pair_losses
 from cooper_mcore.collectives import all_reduce, broadcast_from_last_stage
-from cooper_mcore.convert.checkpoint import EXTRA_DIR
-from cooper_mcore.data.tokenizer import load_tokenizer, pad_id_of
+from cooper_mcore.data.tokenizer import pad_id_of
 from cooper_mcore.mcore.micro_batches import MicroBatching, build_micro_batch, micro_batch_plan, split_micro_batches
 from cooper_mcore.mcore.tokens import PACK_PAD_ID
 from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
@@ -87,24 +85,6 @@ class RMBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
-
-
-def load_rm_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    """The reward model's HF tokenizer.
-
-    Args:
-        path: a cooper_mcore checkpoint (the tokenizer is read from its ``hf_extra/`` folder) or
-            an HF model / tokenizer folder.
-        trust_remote_code: allow the folder's own Python tokenizer code to run (off unless asked).
-
-    Raises:
-        ValueError: no tokenizer files in the folder.
-    """
-    folder = os.path.join(path, EXTRA_DIR) if os.path.isdir(os.path.join(path, EXTRA_DIR)) else path
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, n)) for n in names):
-        raise ValueError(f"no tokenizer files in {folder!r} (expected one of {names})")
-    return load_tokenizer(folder, trust_remote_code=trust_remote_code)
 
 
 def tokenize_texts(

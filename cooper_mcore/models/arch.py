@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cooper_mcore.convert.file_errors import read_json_object
+from cooper_mcore.files import read_json_object
 
 # HF ``architectures`` entry -> (family, model type)
 ARCHITECTURES: dict[str, tuple[str, str]] = {

@@ -4,7 +4,7 @@ updated every step (``cooper``), kept frozen (``static_rm``) or replaced by the 
 
 Per step: :func:`cooper_mcore.rl.step.cooper_step`, then evaluation, metrics, checkpoints and the
 stop conditions. Faults: ``checkpoint.resume: auto`` continues from the newest checkpoint that
-verifies against its manifest (:mod:`cooper_mcore.mcore.checkpoint`). SIGTERM (preemption),
+verifies against its manifest (:mod:`cooper_mcore.checkpoint.training`). SIGTERM (preemption),
 SIGUSR1 (the early warning a scheduler sends before its time limit, e.g. ``#SBATCH
 --signal=B:USR1@600`` forwarded by the launcher) or a first Ctrl-C (SIGINT) is caught; at the end of
 the current step (or right after the checkpoint being written when it came) every rank writes a
@@ -38,16 +38,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cooper_mcore.collectives import any_rank
-from cooper_mcore.config import CooperConfig, save_config, to_dict
-from cooper_mcore.hacking import RewardHackingDetector
-from cooper_mcore.mcore.checkpoint import (
+from cooper_mcore.checkpoint.training import (
     CheckpointWriteError,
     complete_checkpoints,
     find_resume,
     load_training_checkpoint,
     save_training_checkpoint,
 )
+from cooper_mcore.collectives import any_rank
+from cooper_mcore.config import CooperConfig, save_config, to_dict
+from cooper_mcore.hacking import RewardHackingDetector
 from cooper_mcore.mcore.faults import FaultPhaseTimer
 from cooper_mcore.metrics import (
     CONFIG_FILE,

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cooper_mcore.checkpoint.model import EXTRA_DIR, load_checkpoint_model, read_meta
+from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import any_rank, is_group_leader
 from cooper_mcore.config import CooperConfig, OptimSection
 from cooper_mcore.config_checks import validate
-from cooper_mcore.convert.checkpoint import read_meta
-from cooper_mcore.convert.compare import load_checkpoint_model
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
@@ -29,7 +29,6 @@ from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
-from cooper_mcore.mcore.reward_model import load_rm_tokenizer
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, wrap_for_training
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.reward.openai_client import OpenAIChatClient
@@ -276,8 +275,8 @@ def build_run(cfg: CooperConfig) -> Run:
     reference = ReferenceSwap(policy.module) if cfg.algo.kl_coef else None
     rm = None
     if mode.uses_rm:
-        has_tokenizer = os.path.isdir(os.path.join(cfg.model.rm_ckpt, "hf_extra"))
-        rm_tokenizer = (load_rm_tokenizer(cfg.model.rm_ckpt, trust_remote_code=cfg.model.trust_remote_code)
+        has_tokenizer = os.path.isdir(os.path.join(cfg.model.rm_ckpt, EXTRA_DIR))
+        rm_tokenizer = (load_checkpoint_tokenizer(cfg.model.rm_ckpt, trust_remote_code=cfg.model.trust_remote_code)
                         if has_tokenizer else tokenizer)
         rm = load_model("rm", cfg.model.rm_ckpt, cfg, rm_tokenizer, cfg.rm.optim if mode.trains_rm else None,
                         cfg.train.steps)

@@ -3,8 +3,9 @@
 Each data-parallel replica gathers its own model one parameter at a time: tensor-parallel
 shards are gathered to the stage's TP rank 0 (the fused ``linear_fc1`` per gate/up half), then
 each pipeline stage broadcasts its full parameters to the replica's first rank, which maps them to
-Hugging Face names with the converter's mapping (:mod:`cooper_mcore.convert.mapping`) and hands
-them to its engine in buckets of a configurable size. The engine's ``weight_version`` is bumped.
+Hugging Face names with the per-parameter mapping it shares with the converter
+(:mod:`cooper_mcore.models.hf_mapping`) and hands them to its engine in buckets of a configurable
+size. The engine's ``weight_version`` is bumped.
 
 With ``per_tp_rank`` (an SGLang engine with the policy's TP size, on the same GPUs) the shards are
 all-gathered instead, every TP rank of the first stage holds the full tensors, makes its own
@@ -29,9 +30,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.collectives import any_rank
-from cooper_mcore.convert.mapping import canonical_mcore_name, param_mappings, to_hf
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.forward import unwrap
+from cooper_mcore.models.hf_mapping import canonical_mcore_name, param_mappings, to_hf
 from cooper_mcore.rollout.base import RolloutEngine, bucketize
 from cooper_mcore.rollout.sglang_payload import gather_rank_payloads, rank_payload
 

@@ -9,8 +9,8 @@ pytestmark = pytest.mark.gpu
 def test_bf16_logits_close_to_transformers(tmp_path):
     import transformers
 
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
     from cooper_mcore.convert.compare import compare_logits
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 def _bf16_assets(root) -> dict[str, str]:
     import transformers
 
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.demo.assets import build_tiny_assets
 
     paths = build_tiny_assets(str(root / "fp32"), n_train=64, n_eval=8)

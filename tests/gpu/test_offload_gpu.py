@@ -38,8 +38,8 @@ def step(ddp, opt, vocab: int, seed: int) -> None:
 
 
 def test_offload_frees_device_memory_and_onload_restores_bitwise(world, tmp_path):
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.mcore.offload import ModelOffloader
     from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
     from cooper_mcore.models.tiny import save_tiny_hf_model
@@ -86,8 +86,8 @@ def test_bf16_logits_of_a_wider_model_close_to_transformers(world, tmp_path):
     bf16 has 8 mantissa bits, so logits of magnitude ~10 agree to a few 0.01 after 8 layers."""
     import transformers
 
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.forward import forward_only
     from cooper_mcore.models.tiny import save_tiny_hf_model
     from cooper_mcore.parallel import ParallelConfig

@@ -103,8 +103,8 @@ def push_through_a_receiver(model, arch, bucket_bytes: int) -> tuple[int, dict, 
 
 
 def test_a_push_over_cuda_ipc_leaves_no_bucket_allocated(tmp_path):
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.forward import unwrap
     from cooper_mcore.models.tiny import save_tiny_hf_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world

@@ -218,10 +218,9 @@ def _state(path: str, assets: dict[str, str], steps: int) -> dict[str, Any]:
     """
     import torch
 
+    from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta
+    from cooper_mcore.checkpoint.training import load_training_checkpoint
     from cooper_mcore.config import ParallelConfig
-    from cooper_mcore.convert.checkpoint import read_meta
-    from cooper_mcore.convert.compare import load_checkpoint_model
-    from cooper_mcore.mcore.checkpoint import load_training_checkpoint
     from cooper_mcore.mcore.model_state import ModelState
     from cooper_mcore.mcore.offload import ModelOffloader
     from cooper_mcore.mcore.training import OptimConfig, build_scheduler, inner_optimizers, wrap_for_training
@@ -295,8 +294,8 @@ def _compare(reference: str, outs: list[str], steps: int, assets: dict[str, str]
 def _state_of_initial(ckpt: str) -> dict[str, Any]:
     import torch
 
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.config import ParallelConfig
-    from cooper_mcore.convert.compare import load_checkpoint_model
 
     model, _ = load_checkpoint_model(ckpt, ParallelConfig())
     return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}

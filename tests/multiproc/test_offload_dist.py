@@ -10,7 +10,7 @@ pytestmark = pytest.mark.multiproc
 
 @pytest.fixture(scope="module")
 def bf16_ckpt(tmp_path_factory) -> str:
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("offload_dist")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cooper_mcore.convert.checkpoint import mcore_to_hf
+from cooper_mcore.convert.hf import mcore_to_hf
 from tests.conftest import ROOT, VARIANTS, _free_port, last_json, torchrun
 
 pytestmark = pytest.mark.multiproc

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from cooper_mcore.convert.checkpoint import hf_to_mcore
 from cooper_mcore.convert.compare import sample_batch
+from cooper_mcore.convert.hf import hf_to_mcore
 from cooper_mcore.models.tiny import save_tiny_hf_model
 from tests.conftest import last_json, torchrun
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiproc
 
 
 def _reference(ckpt, data):
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.mcore.reward_model import (
         RMBatch,
         bce_train_step,

@@ -25,7 +25,7 @@ def assets(tmp_path_factory):
     with open(paths["train"], "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     _sft(paths["policy_hf"], rows, steps=60)  # right some of the time: valid pairs, a moving RM
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
 
     paths["policy_ckpt"] = str(root / "policy_sft_mcore")
     hf_to_mcore(paths["policy_hf"], paths["policy_ckpt"])

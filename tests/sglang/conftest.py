@@ -94,7 +94,7 @@ class Assets:
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Assets:
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.data.mathgen import tokenizer_corpus
     from cooper_mcore.data.tokenizer import EOS, train_tiny_tokenizer
     from cooper_mcore.models.tiny import save_tiny_hf_model

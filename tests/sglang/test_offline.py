@@ -40,7 +40,7 @@ def tokenizer(assets):
 @pytest.fixture(scope="module")
 def policy(megatron_world, assets):
     """The tied model as a Megatron policy (TP=PP=1)."""
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.parallel import ParallelConfig
 
     return load_checkpoint_model(assets.mcore["tied"], ParallelConfig())

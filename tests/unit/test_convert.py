@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
 from cooper_mcore.cli import main as cli_main
-from cooper_mcore.convert.checkpoint import hf_to_mcore, load_model_checkpoint, mcore_to_hf, read_meta
+from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.models.tiny import save_tiny_hf_model
 from tests.conftest import VARIANTS
 
@@ -173,7 +174,7 @@ def test_loading_into_a_different_model_names_the_difference(tiny_models, tmp_pa
 
 def test_live_model_to_hf_names(tiny_models):
     """hf_tensors (the weight-sync path) maps a loaded Megatron model to the HF tensors."""
-    from cooper_mcore.convert.checkpoint import hf_tensors
+    from cooper_mcore.convert.hf import hf_tensors
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 
@@ -194,7 +195,7 @@ def test_converter_save_makes_no_copy_of_fc1(tiny_models):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
-    from cooper_mcore.convert.checkpoint import _detach_views
+    from cooper_mcore.checkpoint.model import _detach_views
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 

@@ -12,7 +12,8 @@ import struct
 
 import pytest
 
-from cooper_mcore.convert.checkpoint import hf_to_mcore, load_model_checkpoint, mcore_to_hf, read_meta
+from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
+from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.models.tiny import save_tiny_hf_model
 
 
@@ -132,7 +133,7 @@ def _leftovers(parent, name):
 def test_full_disk_in_hf_to_mcore_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
     import torch
 
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError
+    from cooper_mcore.files import NoSpaceLeftError
 
     hf_dir = save_tiny_hf_model(str(tmp_path / "hf"), "qwen2")
     out = tmp_path / "mc"
@@ -161,8 +162,8 @@ def test_full_disk_in_hf_to_mcore_names_the_output_and_leaves_nothing(tmp_path, 
 def test_full_disk_in_mcore_to_hf_names_the_output_and_leaves_nothing(tiny_models, tmp_path, monkeypatch):
     import errno
 
-    from cooper_mcore.convert import safetensors_io
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError
+    from cooper_mcore.checkpoint import safetensors_io
+    from cooper_mcore.files import NoSpaceLeftError
 
     _, ckpt = tiny_models[("qwen2", "causal_lm")]
     out = tmp_path / "hf"
@@ -182,7 +183,7 @@ def test_full_disk_in_mcore_to_hf_names_the_output_and_leaves_nothing(tiny_model
 
 def test_a_short_unbuffered_write_is_completed(tmp_path):
     """A raw write may take only part of its bytes (a disk filling up): the rest is written, not lost."""
-    from cooper_mcore.convert.safetensors_io import _write_all
+    from cooper_mcore.checkpoint.safetensors_io import _write_all
 
     class Short:
         name = "x"
@@ -206,8 +207,8 @@ def test_a_short_unbuffered_write_is_completed(tmp_path):
 def test_full_disk_in_an_atomic_model_save_removes_the_partial_folder(tiny_models, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
 
-    from cooper_mcore.convert.checkpoint import save_model_checkpoint_atomic
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError
+    from cooper_mcore.checkpoint.model import save_model_checkpoint_atomic
+    from cooper_mcore.files import NoSpaceLeftError
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 
@@ -233,7 +234,7 @@ def test_no_space_detection(tmp_path, monkeypatch):
     import shutil as shutil_mod
     from collections import namedtuple
 
-    from cooper_mcore.convert.file_errors import NoSpaceLeftError, explain_write_errors, is_no_space
+    from cooper_mcore.files import NoSpaceLeftError, explain_write_errors, is_no_space
 
     assert is_no_space(RuntimeError(UNEXPECTED_POS)) and is_no_space(_checkpoint_exception())
     assert is_no_space(OSError(errno.ENOSPC, "No space left on device"))

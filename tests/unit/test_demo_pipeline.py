@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cooper_mcore.convert.checkpoint import mcore_to_hf
+from cooper_mcore.convert.hf import mcore_to_hf
 from cooper_mcore.demo import pipeline
 from cooper_mcore.demo.config import load_demo_config
 from cooper_mcore.demo.kinds import completion_kind, intermediate_variant, kind_shares

@@ -18,9 +18,8 @@ import torch
 from megatron.core import optimizer as mcore_optimizer
 from megatron.core.optimizer import distrib_optimizer
 
-from cooper_mcore.convert.checkpoint import read_meta
-from cooper_mcore.convert.compare import load_checkpoint_model
-from cooper_mcore.mcore.checkpoint import load_training_checkpoint, save_training_checkpoint
+from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta
+from cooper_mcore.checkpoint.training import load_training_checkpoint, save_training_checkpoint
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader
 from cooper_mcore.mcore.training import OptimConfig, adam_step, build_scheduler, inner_optimizers, wrap_for_training

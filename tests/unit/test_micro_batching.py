@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.mcore.micro_batches import MicroBatching, micro_batch_plan
 from cooper_mcore.mcore.reward_model import RMBatch, pairwise_train_step, rm_scores, wrap_reward_model
 from cooper_mcore.mcore.tokens import build_token_batch, compute_logprobs

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import cooper_mcore.rl.policy as policy
-from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.jobs import sft as sft_job
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import pairwise_train_step, wrap_reward_model

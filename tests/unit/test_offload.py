@@ -14,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, str]:
     """Tiny qwen2 policies converted to megatron checkpoints: fp32 and bf16."""
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("offload")
@@ -35,7 +35,7 @@ def world():
 
 
 def load(ckpt: str):
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.parallel import ParallelConfig
 
     return load_checkpoint_model(ckpt, ParallelConfig())

@@ -184,7 +184,7 @@ def world():
 
 
 def _load(tiny_models, family, model_type="causal_lm"):
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
 
     model, arch = load_checkpoint_model(tiny_models[(family, model_type)][1], ParallelConfig())
     return model.eval(), arch

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.data.mathgen import generate_problems, tokenizer_corpus
 from cooper_mcore.data.templates import rm_input
 from cooper_mcore.jobs.verify_rm import (
@@ -22,7 +23,6 @@ from cooper_mcore.jobs.verify_rm import (
 from cooper_mcore.mcore.reward_model import (
     RMBatch,
     bce_train_step,
-    load_rm_tokenizer,
     make_batch,
     pad_token_lists,
     pairwise_train_step,
@@ -55,7 +55,7 @@ def _triples(n, seed=3):
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
     """(hf_dir, ckpt): a 2-layer Qwen2 reward model with a tiny tokenizer for the RM template."""
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.data.tokenizer import train_tiny_tokenizer
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
@@ -89,7 +89,7 @@ def _hf_grad_norm(hf, loss_of_scores, *batches):
 
 
 def _load(ckpt):
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.parallel import ParallelConfig
 
     return load_checkpoint_model(ckpt, ParallelConfig())[0]
@@ -102,7 +102,7 @@ def test_rm_scores_equal_transformers(tiny_rm):
     texts, _ = _texts(4)
     texts = texts[:7]
     with single_process_world():
-        tok = load_rm_tokenizer(ckpt)  # read from the checkpoint's hf_extra/
+        tok = load_checkpoint_tokenizer(ckpt)  # read from the checkpoint's hf_extra/
         batch = make_batch(tok, texts)
         assert len(set(batch.lengths.tolist())) > 1  # rows of several lengths: last-token pick matters
         assert (batch.input_ids[0, batch.lengths[0]:] == tok.pad_token_id).all()
@@ -114,7 +114,7 @@ def test_rm_scores_equal_transformers(tiny_rm):
 
 
 def test_tokenize_cuts_long_rows_in_the_middle(tiny_rm):
-    tok = load_rm_tokenizer(tiny_rm[1])
+    tok = load_checkpoint_tokenizer(tiny_rm[1])
     text = rm_input("1+2=", "3", "1+2=3 \\boxed{3}")
     full = tok(text)["input_ids"]
     assert len(full) > 12
@@ -130,7 +130,7 @@ def test_bce_step_loss_matches_hand_formula_and_decreases(tiny_rm):
     hf_dir, ckpt = tiny_rm
     texts, labels = _texts(3)
     with single_process_world():
-        tok = load_rm_tokenizer(ckpt)
+        tok = load_checkpoint_tokenizer(ckpt)
         batch = make_batch(tok, texts, labels)
         model = _load(ckpt)
         s0 = rm_scores(model, batch.input_ids, batch.lengths).double()
@@ -156,7 +156,7 @@ def test_bce_mask_drops_rows(tiny_rm):
     hf_dir, ckpt = tiny_rm
     texts, labels = _texts(2)
     with single_process_world():
-        tok = load_rm_tokenizer(ckpt)
+        tok = load_checkpoint_tokenizer(ckpt)
         batch = make_batch(tok, texts, labels)
         ddp, opt = wrap_reward_model(_load(ckpt), OptimConfig(lr=1e-4))
         m = bce_train_step(ddp, opt, batch, 1, mask=torch.tensor([True, False, True, True]))
@@ -178,7 +178,7 @@ def test_pairwise_step_matches_hand_formula(tiny_rm):
     texts, _ = _texts(5)
     valid = torch.tensor([True, False, True, True, False])
     with single_process_world():
-        tok = load_rm_tokenizer(ckpt)
+        tok = load_checkpoint_tokenizer(ckpt)
         chosen, rejected = make_batch(tok, texts[0::2]), make_batch(tok, texts[1::2])
         model = _load(ckpt)
         sc = rm_scores(model, chosen.input_ids, chosen.lengths).double()
@@ -205,7 +205,7 @@ def test_pairwise_without_valid_pairs_leaves_weights_bitwise_unchanged(tiny_rm):
     _, ckpt = tiny_rm
     texts, _ = _texts(3)
     with single_process_world():
-        tok = load_rm_tokenizer(ckpt)
+        tok = load_checkpoint_tokenizer(ckpt)
         chosen, rejected = make_batch(tok, texts[0::2]), make_batch(tok, texts[1::2])
         model = _load(ckpt)
         ddp, opt = wrap_reward_model(model, OptimConfig(lr=1e-3, weight_decay=0.1))
@@ -226,7 +226,7 @@ def test_wrong_inputs_raise(tiny_rm):
 
     _, ckpt = tiny_rm
     with single_process_world():
-        tok = load_rm_tokenizer(ckpt)
+        tok = load_checkpoint_tokenizer(ckpt)
         batch = make_batch(tok, _texts(1)[0], [1.0, 0.0])
         model = _load(ckpt)
         from cooper_mcore.mcore.training import wrap_for_training
@@ -288,7 +288,8 @@ def test_accuracy_report_per_type_and_label():
 
 
 def test_train_rm_then_eval_rm_and_export(tiny_rm, tmp_path):
-    from cooper_mcore.convert.checkpoint import load_model_checkpoint, mcore_to_hf, read_meta
+    from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
+    from cooper_mcore.convert.hf import mcore_to_hf
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 
@@ -333,7 +334,7 @@ def test_train_rm_then_eval_rm_and_export(tiny_rm, tmp_path):
     hf_out = tmp_path / "hf"
     mcore_to_hf(final, str(hf_out))
     assert os.path.isfile(hf_out / "tokenizer.json")
-    tok = load_rm_tokenizer(final)
+    tok = load_checkpoint_tokenizer(final)
     items, _ = read_eval_examples(FIXTURE)
     batch = make_batch(tok, [it.rm_text() for it in items])
     with torch.no_grad():

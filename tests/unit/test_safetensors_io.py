@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cooper_mcore.convert.safetensors_io import HFCheckpointReader, write_tensors
+from cooper_mcore.checkpoint.safetensors_io import HFCheckpointReader, write_tensors
 
 
 def _tensors():

@@ -48,7 +48,7 @@ def _hf_masked_ce(hf_dir, examples) -> float:
 
 
 def _weights(ckpt):
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 
     with single_process_world():
@@ -95,7 +95,8 @@ def test_micro_batch_8_equals_8x1(assets, tok, tmp_path):
 def test_output_checkpoint_exports_with_tokenizer_and_holds_the_trained_weights(assets, trained, tmp_path):
     import transformers
 
-    from cooper_mcore.convert.checkpoint import EXTRA_DIR, META_FILE, mcore_to_hf
+    from cooper_mcore.checkpoint.model import EXTRA_DIR, META_FILE
+    from cooper_mcore.convert.hf import mcore_to_hf
     from cooper_mcore.data.tokenizer import load_tokenizer
 
     examples, out, history = trained
@@ -157,7 +158,7 @@ def test_torchrun_data_parallel_equals_one_process(assets, tok, tmp_path):
 
 
 def test_sft_learns_single_digit_copy(assets, tok, tmp_path):
-    from cooper_mcore.convert.checkpoint import mcore_to_hf
+    from cooper_mcore.convert.hf import mcore_to_hf
     from cooper_mcore.reward.verifier import RuleVerifier
     from cooper_mcore.rollout.base import SamplingParams
     from cooper_mcore.rollout.hf_engine import HFEngine

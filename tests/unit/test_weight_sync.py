@@ -10,8 +10,8 @@ from cooper_mcore.rollout import weight_sync
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    from cooper_mcore.convert.checkpoint import hf_to_mcore
-    from cooper_mcore.convert.compare import load_checkpoint_model
+    from cooper_mcore.checkpoint.model import load_checkpoint_model
+    from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
     from cooper_mcore.parallel import ParallelConfig, single_process_world
 

@@ -7,8 +7,8 @@ import os
 
 import torch.distributed as dist
 
-from cooper_mcore.convert.checkpoint import load_model_checkpoint, read_meta, save_model_checkpoint
-from cooper_mcore.convert.compare import compare_logits, load_checkpoint_model, logits_diff
+from cooper_mcore.checkpoint.model import load_checkpoint_model, load_model_checkpoint, read_meta, save_model_checkpoint
+from cooper_mcore.convert.compare import compare_logits, logits_diff
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 

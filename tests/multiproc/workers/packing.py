@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import rm_scores
 from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs

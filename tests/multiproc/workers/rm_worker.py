@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.mcore.reward_model import RMBatch, bce_train_step, pairwise_train_step, rm_scores, wrap_reward_model
 from cooper_mcore.mcore.training import OptimConfig
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed

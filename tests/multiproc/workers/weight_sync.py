@@ -10,7 +10,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from cooper_mcore.convert.compare import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.models.forward import forward_only
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rollout.base import SamplingParams

@@ -14,7 +14,7 @@ import io
 
 import torch
 
-from cooper_mcore.convert.checkpoint import load_model_checkpoint, read_meta, save_model_checkpoint
+from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta, save_model_checkpoint
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 

@@ -1,19 +1,19 @@
-"""Hugging Face <-> megatron-core checkpoint conversion, and loading checkpoints into models.
+"""Model checkpoints: the format every model of cooper_mcore is saved in and loaded from.
 
 A cooper_mcore model checkpoint is a megatron-core distributed checkpoint (``torch_dist``
-format, loadable at any TP/PP) plus ``cooper_model.json`` (the architecture, the original HF
-config and the dtype) and ``hf_extra/`` (tokenizer and generation files copied from the HF
-folder, so that an export is a complete HF model folder).
+format, loadable at any TP/PP) plus ``cooper_model.json`` (:data:`META_FILE`: the architecture, the
+original HF config and the dtype) and ``hf_extra/`` (:data:`EXTRA_DIR`: tokenizer and generation
+files copied from the HF folder, so that an export is a complete HF model folder).
 
-``hf-to-mcore`` builds the model once at TP=PP=1 without random init, fills it one HF tensor
-at a time and saves it without extra copies; ``mcore-to-hf`` builds no model and reads the
-checkpoint one layer at a time. Neither needs the model in memory twice. Folders are written under a temporary
-name and renamed when complete; a write that fails (a full disk is reported as such, naming the
-output: :mod:`cooper_mcore.convert.file_errors`) removes the temporary folder.
+Folders are written under a temporary name and renamed when complete
+(:func:`save_model_checkpoint_atomic`); a write that fails (a full disk is reported as such, naming
+the output: :mod:`cooper_mcore.files`) removes the temporary folder.
 
 A checkpoint is checked before megatron-core reads it (:func:`check_checkpoint_files`): a damaged
 ``cooper_model.json``, ``metadata.json`` naming another backend than ``torch_dist``, an
 unreadable ``common.pt``, or a missing or truncated shard is a ``ValueError`` naming the folder.
+
+The conversion from and to Hugging Face folders is :mod:`cooper_mcore.convert.hf`'s.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import logging
 import os
 import re
 import shutil
-import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from megatron.core import dist_checkpointing
@@ -34,36 +33,24 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint import FileSystemReader
 
-from cooper_mcore.convert.file_errors import explain_write_errors, read_json_object
-from cooper_mcore.convert.mapping import (
-    _LAYER_RE,
-    _LOCAL_TO_TE,
-    ParamMapping,
-    canonical_mcore_name,
-    hf_shapes,
-    param_mappings,
-    to_hf,
-    to_mcore,
-)
-from cooper_mcore.convert.safetensors_io import HFCheckpointReader, write_tensors
-from cooper_mcore.models.arch import ArchSpec, load_hf_config
+from cooper_mcore.files import explain_write_errors, read_json_object
+from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
-from cooper_mcore.parallel import ParallelConfig, single_process_world
+from cooper_mcore.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
+#: the checkpoint's metadata: architecture, original HF config, dtype
 META_FILE = "cooper_model.json"
+#: the HF tokenizer and generation files kept with the checkpoint
 EXTRA_DIR = "hf_extra"
 FORMAT_VERSION = 1
-_EXTRA_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
-)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: the parameter dtypes a model checkpoint may hold, by the name ``cooper_model.json`` gives them
+CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's name as ``cooper_model.json`` and ``config.json`` write it (``"bfloat16"``)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -85,15 +72,15 @@ def read_meta(ckpt_dir: str) -> tuple[ArchSpec, dict[str, Any], torch.dtype]:
     missing = [k for k in ("arch", "hf_config", "dtype") if k not in meta]
     if missing:
         raise ValueError(f"{path} has no {', '.join(repr(k) for k in missing)}{hint}")
-    if meta["dtype"] not in _DTYPES:
-        raise ValueError(f"{path}: unknown dtype {meta['dtype']!r} (expected one of {sorted(_DTYPES)}){hint}")
+    if meta["dtype"] not in CHECKPOINT_DTYPES:
+        raise ValueError(f"{path}: unknown dtype {meta['dtype']!r} (expected one of {sorted(CHECKPOINT_DTYPES)}){hint}")
     if not isinstance(meta["hf_config"], dict):
         raise ValueError(f"{path}: 'hf_config' must be a JSON object{hint}")
     try:
         arch = ArchSpec.from_dict(meta["arch"])
     except (TypeError, KeyError, ValueError) as e:
         raise ValueError(f"{path}: its 'arch' is not a valid architecture ({type(e).__name__}: {e}){hint}") from None
-    return arch, meta["hf_config"], _DTYPES[meta["dtype"]]
+    return arch, meta["hf_config"], CHECKPOINT_DTYPES[meta["dtype"]]
 
 
 def write_meta(ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
@@ -104,85 +91,40 @@ def write_meta(ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any], dtype: 
         json.dump(meta, f, indent=2)
 
 
-def _hf_dtype(reader: HFCheckpointReader, cfg: dict[str, Any]) -> torch.dtype:
-    name = cfg.get("dtype") or cfg.get("torch_dtype")
-    if name in _DTYPES:
-        return _DTYPES[name]
-    return reader.get("model.embed_tokens.weight").dtype
+def is_model_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a folder holding a model checkpoint's ``cooper_model.json``."""
+    return os.path.isfile(os.path.join(path, META_FILE))
 
 
-def check_hf_shapes(reader: HFCheckpointReader, arch: ArchSpec, hf_dir: str) -> None:
-    """Raise ValueError naming the first tensor whose shape disagrees with config.json."""
-    for name, expected in hf_shapes(arch).items():
-        if name == "score.weight" and name not in reader.weight_map:
-            continue  # a reward head initialised from a causal LM
-        if name not in reader.weight_map:
-            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {hf_dir!r}")
-        got = reader.shape(name)
-        if got != expected:
-            raise ValueError(
-                f"tensor {name!r}: checkpoint shape {got} does not match the shape {expected} "
-                f"implied by {hf_dir}/config.json"
-            )
+def checkpoint_arch(ckpt_dir: str) -> Optional[ArchSpec]:
+    """The architecture of the model checkpoint in ``ckpt_dir``; None when the folder holds none.
 
+    Args:
+        ckpt_dir: a folder, or "" (no checkpoint).
 
-def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: int = 0,
-                    head_std: float | None = None) -> None:
-    """Copy an HF checkpoint into a TP=PP=1 Megatron model, one tensor at a time.
-
-    A missing ``score.weight`` (reward model made from a causal LM) is initialised with
-    N(0, ``head_std``); ``head_std=None`` takes the config's ``initializer_range``, as transformers
-    does, and 0 gives a zero head (first scores 0; the backbone gets no gradient until the head moves).
+    Raises:
+        ValueError: its ``cooper_model.json`` is damaged (see :func:`read_meta`).
     """
-    cfg = load_hf_config(hf_dir)
-    reader = HFCheckpointReader(hf_dir)
-    check_hf_shapes(reader, arch, hf_dir)
-    params = {canonical_mcore_name(k): v for k, v in model.state_dict().items()
-              if not k.endswith("_extra_state")}
-    mapped = set()
-    with torch.no_grad():
-        for m in param_mappings(arch):
-            if m.hf == ("score.weight",) and "score.weight" not in reader.weight_map:
-                gen = torch.Generator().manual_seed(seed)
-                std = cfg.get("initializer_range", 0.02) if head_std is None else head_std
-                value = torch.randn(params[m.mcore].shape, generator=gen) * std
-                logger.warning("no score.weight in %s: reward head initialised N(0, %g)", hf_dir, std)
-                params[m.mcore].copy_(value)
-            else:
-                _read_mapped(reader, m, params[m.mcore], arch)
-            mapped.add(m.mcore)
-    missing = set(params) - mapped
-    assert not missing, f"model parameters without a mapping: {sorted(missing)}"
+    if not ckpt_dir or not is_model_checkpoint(ckpt_dir):
+        return None
+    return read_meta(ckpt_dir)[0]
 
 
-def _read_mapped(reader: HFCheckpointReader, m: ParamMapping, dest: torch.Tensor, arch: ArchSpec) -> None:
-    """Fill one Megatron parameter from its HF tensors, reading straight into it when the
-    layout allows (copies, and the gate/up halves of ``linear_fc1``)."""
-    # file reads land in host memory: a model built on a GPU is filled through a CPU copy
-    direct = dest.device.type == "cpu" and dest.is_contiguous() and all(reader.dtype(n) == dest.dtype for n in m.hf)
-    if direct and m.kind == "copy":
-        reader.read_into(m.hf[0], dest)
-    elif direct and m.kind == "gate_up":
-        gate, up = dest.chunk(2, dim=0)
-        reader.read_into(m.hf[0], gate)
-        reader.read_into(m.hf[1], up)
-    else:  # interleaved QKV, or a dtype change (e.g. bf16 norms into fp32 parameters)
-        dest.copy_(to_mcore(m, [reader.get(n) for n in m.hf], arch))
+def checkpoint_arch_fields(ckpt_dir: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """The raw architecture fields and dtype name in a checkpoint's ``cooper_model.json``.
 
+    Read leniently, for the config checks: a partial ``arch`` is returned as it is, and a missing,
+    unreadable or damaged file gives ``(None, None)`` (the checks of paths and JSON report why).
 
-def _copy_extra_files(src_dir: str, dst_dir: str) -> None:
-    os.makedirs(dst_dir, exist_ok=True)
-    for name in _EXTRA_FILES:
-        if os.path.isfile(os.path.join(src_dir, name)):
-            shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
-
-
-def _atomic_dir(out: str) -> str:
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    if os.path.exists(out):
-        raise FileExistsError(f"output {out!r} already exists; remove it or choose another path")
-    return tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=parent)
+    Returns:
+        ``(arch fields, dtype name)``.
+    """
+    try:
+        with open(os.path.join(ckpt_dir, META_FILE), encoding="utf-8") as f:
+            meta = json.load(f)
+        return dict(meta["arch"]), meta.get("dtype")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
 
 
 def save_model_checkpoint(
@@ -231,6 +173,20 @@ def save_model_checkpoint_atomic(model: torch.nn.Module, dest: str, arch: ArchSp
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     torch.distributed.barrier()
+
+
+def save_new_model_checkpoint(model: torch.nn.Module, dest: str, arch: ArchSpec, hf_config: dict[str, Any],
+                              dtype: torch.dtype, extra_from: Optional[str] = None) -> None:
+    """:func:`save_model_checkpoint_atomic` into a folder that must not exist yet; logs it. Collective.
+
+    Raises:
+        FileExistsError: ``dest`` exists (checked on every rank before anything is written).
+    """
+    if os.path.exists(dest):
+        raise FileExistsError(f"checkpoint {dest!r} already exists")
+    save_model_checkpoint_atomic(model, dest, arch, hf_config, dtype, extra_from=extra_from)
+    if torch.distributed.get_rank() == 0:
+        logger.info("saved %s", dest)
 
 
 def _detach_views(sharded: dict, model: torch.nn.Module) -> None:
@@ -315,6 +271,24 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
         missing, _ = model.load_state_dict(state, strict=False)  # strict trips on _extra_state
     missing = [k for k in missing if not k.endswith("_extra_state")]
     assert not missing, f"parameters not loaded from {ckpt_dir}: {missing}"
+
+
+def load_checkpoint_model(ckpt: str, parallel: ParallelConfig,
+                          pg_collection: Any = None) -> tuple[torch.nn.Module, ArchSpec]:
+    """Build this rank's part of a checkpoint's model and load the checkpoint into it.
+
+    Args:
+        ckpt: a model checkpoint folder.
+        parallel: the TP/PP layout to build the model at.
+        pg_collection: the process groups to build it with (default megatron-core's).
+
+    Returns:
+        ``(model, arch)``.
+    """
+    arch, _, dtype = read_meta(ckpt)
+    model = build_model(arch, parallel, dtype=dtype, init_weights=False, pg_collection=pg_collection)
+    load_model_checkpoint(model, ckpt, arch)
+    return model, arch
 
 
 def drop_absent_extra_state(sharded: dict, ckpt_dir: str) -> dict:
@@ -408,7 +382,7 @@ def check_checkpoint_files(ckpt_dir: str) -> None:
 
 
 def _sharded_tensors(sharded: dict) -> list:
-
+    """``(key, ShardedTensor)`` of every tensor a sharded state dict holds, factories built."""
     out = []
     for v in nested_values(sharded):
         if isinstance(v, ShardedTensor):
@@ -417,155 +391,3 @@ def _sharded_tensors(sharded: dict) -> list:
             built = v.build()
             out.extend((t.key, t) for t in nested_values(built) if isinstance(t, ShardedTensor))
     return out
-
-
-def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None, head_std: float | None = None) -> ArchSpec:
-    """Convert an HF safetensors folder into a cooper_mcore model checkpoint.
-
-    Args:
-        hf_dir: HF model folder (config.json + safetensors).
-        out: output folder; must not exist.
-        model_type: "causal_lm" or "reward"; default: from the config's architecture.
-        head_std: the std of a new reward head (``model_type="reward"`` from a causal LM, which has
-            no ``score.weight``); default the config's ``initializer_range``; 0 for a zero head.
-
-    Raises:
-        ValueError: a negative ``head_std``.
-    """
-    if head_std is not None and head_std < 0:
-        raise ValueError(f"head_std must be >= 0, got {head_std}")
-    cfg = load_hf_config(hf_dir)
-    try:
-        arch = ArchSpec.from_hf_config(cfg, model_type)
-    except ValueError as e:
-        raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: {e}") from None
-    reader = HFCheckpointReader(hf_dir)
-    dtype = _hf_dtype(reader, cfg)
-    check_hf_shapes(reader, arch, hf_dir)
-    tmp = _atomic_dir(out)
-    try:
-        with single_process_world():
-            model = build_model(arch, ParallelConfig(), dtype=dtype, init_weights=False, use_te=False)
-            load_hf_weights(model, hf_dir, arch, head_std=head_std)
-            del reader
-            with explain_write_errors(out, "converted checkpoint"):
-                save_model_checkpoint(model, tmp, arch, cfg, dtype, consume=True)
-            del model
-        with explain_write_errors(out, "converted checkpoint"):
-            _copy_extra_files(hf_dir, os.path.join(tmp, EXTRA_DIR))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("wrote %s (%s %s, %s)", out, arch.family, arch.model_type, dtype_name(dtype))
-    return arch
-
-
-def hf_config_for(arch: ArchSpec, base_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json of an export: the original config with the architecture's fields."""
-    cfg = dict(base_config)
-    cfg["architectures"] = [arch.hf_architecture()]
-    cfg["model_type"] = arch.family
-    cfg["dtype"] = dtype_name(dtype)
-    cfg.pop("torch_dtype", None)
-    cfg["tie_word_embeddings"] = arch.tie_word_embeddings
-    if arch.model_type == "reward":
-        cfg["num_labels"] = 1
-        cfg["id2label"] = {"0": "LABEL_0"}
-        cfg["label2id"] = {"LABEL_0": 0}
-        if arch.pad_token_id is None and cfg.get("pad_token_id") is None:
-            cfg["pad_token_id"] = cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), int) else 0
-    return cfg
-
-
-def hf_tensors(model: torch.nn.Module, arch: ArchSpec, layer_offset: int = 0):
-    """Yield ``(hf_name, tensor)`` for every parameter of a TP=1 model (or PP stage).
-
-    Args:
-        model: a model (or pipeline stage) holding full, unsharded tensors.
-        arch: its architecture.
-        layer_offset: global number of this stage's first layer.
-    """
-    params = {canonical_mcore_name(k, layer_offset): v for k, v in model.state_dict().items()
-              if not k.endswith("_extra_state")}
-    for m in param_mappings(arch):
-        if m.mcore not in params:
-            continue  # another pipeline stage holds it
-        yield from zip(m.hf, to_hf(m, params[m.mcore], arch))
-
-
-def _ckpt_key(mcore_name: str) -> tuple[str, int | None]:
-    """Distributed-checkpoint key and layer index of a mapping name.
-
-    megatron-core stacks the layers of a block under one key with a leading layer axis, and
-    stores the local spec's norm weights under Transformer Engine's names.
-    """
-    match = _LAYER_RE.match(mcore_name)
-    if not match:
-        return mcore_name, None
-    rest = _LOCAL_TO_TE.get(match.group(2), match.group(2))
-    return f"decoder.layers.{rest}", int(match.group(1))
-
-
-def _export_order(arch: ArchSpec) -> list[tuple[ParamMapping, str, int | None]]:
-    """Mappings grouped by checkpoint key (first-seen order), then by layer."""
-    keyed = [(m, *_ckpt_key(m.mcore)) for m in param_mappings(arch)]
-    first = {}
-    for i, (_, key, _) in enumerate(keyed):
-        first.setdefault(key, i)
-    return sorted(keyed, key=lambda x: (first[x[1]], -1 if x[2] is None else x[2]))
-
-
-def stream_checkpoint_tensors(ckpt: str, arch: ArchSpec):
-    """Yield ``(hf_name, tensor)`` from a model checkpoint, reading one stored tensor at a time.
-
-    No model is built. megatron-core stacks all layers of a parameter under one key, so the
-    largest read is one parameter of all layers (e.g. ``linear_fc1``), never the whole model.
-    The order is :func:`_export_order`'s. Needs torch.distributed initialised (one process).
-    """
-    check_checkpoint_files(ckpt)
-    meta = dist_checkpointing.load_tensors_metadata(ckpt)
-    current_key, value = None, None
-    for m, key, layer in _export_order(arch):
-        if key != current_key:
-            if key not in meta:
-                raise ValueError(f"tensor {key!r} is missing from checkpoint {ckpt!r}")
-            shape = tuple(meta[key].global_shape)
-            if layer is not None and shape[0] != arch.num_layers:
-                raise ValueError(f"tensor {key!r}: checkpoint has {shape[0]} layers, "
-                                 f"the architecture {arch.num_layers}")
-            value = None  # free the previous key first
-            request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=meta[key].dtype))}
-            value = dist_checkpointing.load(request, ckpt)[key]
-            current_key = key
-        yield from zip(m.hf, to_hf(m, value if layer is None else value[layer], arch))
-
-
-def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSpec:
-    """Export a cooper_mcore model checkpoint as an HF folder (safetensors + config.json).
-
-    Streams: one stored tensor (one parameter of all layers) is in memory at a time.
-    """
-    arch, base_cfg, dtype = read_meta(ckpt)
-    tmp = _atomic_dir(out)
-    try:
-        with single_process_world():
-            shapes = hf_shapes(arch)
-            layout = [(n, shapes[n], dtype) for m, _, _ in _export_order(arch) for n in m.hf]
-            # the torch-native spec keeps norm weights in fp32; export them in the model dtype
-            tensors = ((n, t.to(dtype)) for n, t in stream_checkpoint_tensors(ckpt, arch))
-            with explain_write_errors(out, "exported model"):
-                write_tensors(tmp, layout, tensors, max_shard_bytes)
-        with explain_write_errors(out, "exported model"):
-            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(hf_config_for(arch, base_cfg, dtype), f, indent=2)
-            extra = os.path.join(ckpt, EXTRA_DIR)
-            if os.path.isdir(extra):
-                for name in os.listdir(extra):
-                    shutil.copy2(os.path.join(extra, name), os.path.join(tmp, name))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("wrote %s (%s)", out, arch.hf_architecture())
-    return arch

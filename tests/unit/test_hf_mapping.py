@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cooper_mcore.convert.mapping import (
+from cooper_mcore.models.arch import ArchSpec, RopeSpec
+from cooper_mcore.models.hf_mapping import (
     ParamMapping,
     canonical_mcore_name,
     hf_shapes,
@@ -11,7 +12,6 @@ from cooper_mcore.convert.mapping import (
     to_hf,
     to_mcore,
 )
-from cooper_mcore.models.arch import ArchSpec, RopeSpec
 
 
 def arch(**kw) -> ArchSpec:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cooper_mcore.mcore.checkpoint import (
+from cooper_mcore.checkpoint.training import (
     MANIFEST,
     _prune,
     complete_checkpoints,
@@ -83,7 +83,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, 
     assert find_resume(str(tmp_path), "auto") == str(newest)
     reason = damage(newest)
     assert verify_checkpoint(str(newest)).startswith(reason)
-    with caplog.at_level(logging.WARNING, logger="cooper_mcore.mcore.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="cooper_mcore.checkpoint.training"):
         assert find_resume(str(tmp_path), "auto") == str(tmp_path / "step_2")
     assert f"skipping checkpoint {newest}: {reason}" in caplog.text
     with pytest.raises(ValueError, match="is not a whole training checkpoint"):

@@ -59,9 +59,9 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cooper_mcore.atomic import atomic_open, fsync_path
+from cooper_mcore.checkpoint.model import EXTRA_DIR, check_checkpoint_format, drop_absent_extra_state, write_meta
 from cooper_mcore.collectives import any_rank
-from cooper_mcore.convert.checkpoint import EXTRA_DIR, check_checkpoint_format, drop_absent_extra_state, write_meta
-from cooper_mcore.convert.file_errors import free_bytes, is_no_space
+from cooper_mcore.files import free_bytes, is_no_space
 from cooper_mcore.mcore.faults import fault_point
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.training import adam_step, restore_adam_step
@@ -156,8 +156,9 @@ def save_training_checkpoint(
             if rank == 0:
                 for m in models:
                     write_meta(os.path.join(tmp, m.name), m.arch, m.hf_config, m.dtype)
-                    if os.path.isdir(m.extra_dir):  # tokenizer files: the folder exports as a full HF model
-                        shutil.copytree(m.extra_dir, os.path.join(tmp, m.name, EXTRA_DIR))
+                    extra = os.path.join(m.source_ckpt, EXTRA_DIR)
+                    if os.path.isdir(extra):  # tokenizer files: the folder exports as a full HF model
+                        shutil.copytree(extra, os.path.join(tmp, m.name, EXTRA_DIR))
                 adam = {m.name: adam_step(m.optimizer) for m in models if m.optimizer is not None}
                 with open(os.path.join(tmp, "trainer.json"), "w") as f:
                     json.dump({"step": step, "world_size": dist.get_world_size(), "adam_steps": adam,
