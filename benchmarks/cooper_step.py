@@ -36,7 +36,10 @@ import psutil
 import torch
 from shapes import SHAPES  # benchmarks/shapes.py (scripts run from their folder)
 
-PHASES = ("offload", "rollout", "rm_score", "logprobs", "policy_update", "rm_update", "weight_sync")
+from cooper_mcore.metric_names import MetricKey, Phase, time_key
+
+PHASES = (Phase.OFFLOAD, Phase.ROLLOUT, Phase.RM_SCORE, Phase.LOGPROBS, Phase.POLICY_UPDATE, Phase.RM_UPDATE,
+          Phase.WEIGHT_SYNC)
 VARIANTS = {"no-offload": [], "offload": [f"offload.{m}_{k}=true" for m in ("policy", "rm")
                                           for k in ("params", "grads", "optimizer")]}
 
@@ -142,7 +145,7 @@ def run_variant(assets: str, shape: str, variant: str, steps: int, prompts: int,
     run = build_run(cfg)
     probe = PhaseProbe()
     for _ in range(steps):
-        metrics = cooper_step(run, run.data.next_batch(), probe)
+        result = cooper_step(run, run.data.next_batch(), probe)
         run.step += 1
         times, peaks = probe.pop()
     if run.verifier is not None:
@@ -150,7 +153,7 @@ def run_variant(assets: str, shape: str, variant: str, steps: int, prompts: int,
     at_rest = torch.cuda.memory_allocated() if torch.cuda.is_available() else psutil.Process().memory_info().rss
     return {"times": times, "peaks": peaks, "at_rest": at_rest, "config_overrides": overrides,
             "policy_config": os.path.join(paths["policy_hf"], "config.json"),
-            "response_length": metrics["response/length"], "sequences": prompts * group}
+            "response_length": result.rollouts.response_length, "sequences": prompts * group}
 
 
 def main() -> None:
@@ -213,7 +216,7 @@ def main() -> None:
     for ph in (*PHASES, "step"):
         cells = []
         for res in results.values():
-            t = res["times"].get(f"time/{ph}")
+            t = res["times"].get(MetricKey.TIME_STEP if ph == "step" else time_key(ph))
             peak = max(res["peaks"].values()) if ph == "step" else res["peaks"].get(ph)
             cells += [f"{t:.3f}" if t is not None else "-", f"{peak / gib:.2f}" if peak is not None else "-"]
         print(f"| {ph} | " + " | ".join(cells) + " |")

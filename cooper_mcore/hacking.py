@@ -72,7 +72,7 @@ class RewardHackingDetector:
 
         detector = RewardHackingDetector(window=10, action="stop")
         for step in ...:
-            msg = detector.update(step, metrics["reward/mean"], metrics["rule/acc"])
+            msg = detector.update(step, metrics[MetricKey.REWARD_MEAN], metrics[MetricKey.RULE_ACC])
             if detector.should_stop:
                 break
 

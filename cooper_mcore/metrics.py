@@ -2,27 +2,9 @@
 cross-rank metric reduction and (re-exported from :mod:`cooper_mcore.hacking`) the
 reward-hacking detector.
 
-Metric key conventions used by the trainer (one flat ``dict[str, float]`` per step):
-
-==================  ==========================================================================
-``step``            training step; the first key of every ``metrics.jsonl`` line (not a metric)
-``reward/mean``     mean reward the (co-trained) reward model gave this step's rollouts
-``rule/acc``        fraction of this step's rollouts the rule verifier judged correct
-``reward_rule_gap`` ``reward/mean - rule/acc`` (:func:`reward_rule_gap`); growth means hacking
-``kl``              KL divergence of the policy from the reference policy
-``ratio/mean``      mean importance ratio pi_new / pi_old over response tokens
-``clip_frac``       fraction of response tokens the PPO or the dual clip left without gradient
-``entropy``         mean token entropy of the policy on the responses
-``response/length`` mean response length in tokens
-``rm/pair_acc``     reward model accuracy on its (positive, negative) training pairs
-``pairs/valid``     number (or fraction) of valid preference pairs built this step
-``eval/acc``        held-out accuracy, on the steps that run an evaluation (by ``eval.verifier``)
-``eval/rule_acc``   the rule verifier's held-out accuracy, beside ``eval/acc`` when an oracle checks it
-``time/<phase>``    wall seconds of a phase this step (:class:`PhaseTimer`): ``rollout``,
-                    ``rm_score``, ``logprobs``, ``policy_update``, ``rm_update``,
-                    ``weight_sync``, ``offload``; ``time/step`` is their total
-``memory/<phase>``  on a GPU: the phase's peak allocated memory in GiB (:class:`PhaseTimer`)
-==================  ==========================================================================
+The trainer writes one flat ``dict[str, float]`` per step; its keys are named once, with their
+meanings, in :mod:`cooper_mcore.metric_names` (rendered as ``docs/metrics.md``). Code refers to
+those constants, never to the strings.
 
 Typical loop::
 
@@ -30,12 +12,11 @@ Typical loop::
     with MetricsLogger(out_dir, config=cfg, is_main=rank == 0) as log:
         bar = ProgressBar(total_steps, start_step=start)
         for step in range(start + 1, total_steps + 1):
-            with timer.phase("rollout"):
+            with timer.phase(Phase.ROLLOUT):
                 ...
             m = {**step_metrics, **timer.pop()}
-            m = reduce_metrics(m, max_keys=[k for k in m if k.startswith("time/")])
-            m["reward_rule_gap"] = reward_rule_gap(m["reward/mean"], m["rule/acc"])
-            detector.update(step, m["reward/mean"], m["rule/acc"])
+            m = reduce_metrics(m, max_keys=[k for k in m if k.startswith(TIME_PREFIX)])
+            detector.update(step, m[K.REWARD_MEAN], m[K.RULE_ACC])
             log.log(step, m)
             bar.update(step, m)
         bar.close()
@@ -64,6 +45,7 @@ from tqdm import tqdm
 from cooper_mcore import atomic
 from cooper_mcore.collectives import all_reduce
 from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
+from cooper_mcore.metric_names import MetricKey, memory_key, time_key
 from cooper_mcore.redaction import scrub, scrub_config
 
 __all__ = [
@@ -76,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "run_config.json"
-DEFAULT_PROGRESS_KEYS = ("reward/mean", "rule/acc", "eval/acc")
+DEFAULT_PROGRESS_KEYS = (MetricKey.REWARD_MEAN, MetricKey.RULE_ACC, MetricKey.EVAL_ACC)
 
 
 # ----------------------------------------------------------------------------- wandb mode
@@ -245,12 +227,12 @@ class MetricsLogger:
         for name, value in metrics.items():
             if not isinstance(name, str):
                 raise ValueError(f"metric names must be strings, got {name!r}")
-            if name == "step":
+            if name == MetricKey.STEP:
                 if _to_float(name, value) != step:
                     raise ValueError(f"metrics['step']={value!r} disagrees with step={step}")
                 continue
             values[name] = _to_float(name, value)
-        record: dict[str, Any] = {"step": step}
+        record: dict[str, Any] = {MetricKey.STEP: step}
         record.update((k, v if math.isfinite(v) else None) for k, v in sorted(values.items()))
         self._file.write(record)
         if self._run is not None:
@@ -441,7 +423,7 @@ class PhaseTimer:
         Raises:
             ValueError: on an empty name, ``"step"``, or a phase nested in itself.
         """
-        if not isinstance(name, str) or not name or name == "step":
+        if not isinstance(name, str) or not name or time_key(name) == MetricKey.TIME_STEP:
             raise ValueError(f"phase name must be a non-empty string other than 'step', got {name!r}")
         if name in self._active:
             raise ValueError(f"phase {name!r} is already running (phases: {self._active})")
@@ -478,9 +460,9 @@ class PhaseTimer:
         """
         if self._active:
             raise RuntimeError(f"PhaseTimer.pop() called inside phase(s) {self._active}")
-        out = {f"time/{k}": v for k, v in self._times.items()}
-        out["time/step"] = self._step_total
-        out.update({f"memory/{k}": v / 2**30 for k, v in self._peaks.items()})
+        out = {time_key(k): v for k, v in self._times.items()}
+        out[MetricKey.TIME_STEP] = self._step_total
+        out.update({memory_key(k): v / 2**30 for k, v in self._peaks.items()})
         self._times, self._peaks, self._step_total = {}, {}, 0.0
         return out
 

@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from cooper_mcore.config import CooperConfig, OffloadConfig
+from cooper_mcore.metric_names import Phase
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.plan_sizes import (
     CUDA_CONTEXT_GIB,
@@ -94,7 +95,8 @@ from cooper_mcore.plan_sizes import (
     training_state,
 )
 
-PHASES = ("rollout", "rm_score", "logprobs", "policy_update", "rm_update", "weight_sync")
+#: the phases planned, named as the trainer times them (``time/<phase>``)
+PHASES = (Phase.ROLLOUT, Phase.RM_SCORE, Phase.LOGPROBS, Phase.POLICY_UPDATE, Phase.RM_UPDATE, Phase.WEIGHT_SYNC)
 OFFLOAD_FLAGS = ("policy_params", "policy_grads", "policy_optimizer", "rm_params", "rm_grads", "rm_optimizer",
                  "release_engine")
 COMPONENTS = ("policy_params", "policy_grads", "policy_optimizer", "rm_params", "rm_grads", "rm_optimizer",

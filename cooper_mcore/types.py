@@ -45,7 +45,8 @@ class Sample:
         rule_answered: whether the rule verifier read the completion's final answer as a value
             (False: it found none it could read, so a False ``rule_correct`` means "unread", not
             "a different answer"); None when unknown.
-        reward: the reward used for the policy update.
+        reward: the reward of the policy's update (the rule's 0/1, or the reward model's), set by
+            the step (:func:`cooper_mcore.rl.step.record_rewards`); None before.
         weight_version: the policy weight version that generated it.
     """
 

@@ -5,6 +5,7 @@ selection."""
 from cooper_mcore.algo.advantages import broadcast_to_tokens, group_advantages
 from cooper_mcore.algo.batching import MicroBatchPlan, plan_micro_batches
 from cooper_mcore.algo.losses import (
+    PolicyLossStats,
     aggregate,
     entropy_from_logits,
     kl_penalty,
@@ -29,6 +30,7 @@ from cooper_mcore.algo.rewards import reward_from_logits, round_to_bf16
 __all__ = [
     "MicroBatchPlan",
     "PairSelection",
+    "PolicyLossStats",
     "aggregate",
     "broadcast_to_tokens",
     "entropy_from_logits",

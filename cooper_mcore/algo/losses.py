@@ -9,6 +9,9 @@ even when the inputs there are inf or NaN. Stats are detached scalars.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,6 +26,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "policy_loss",
+    "PolicyLossStats",
     "rm_bce_loss",
     "rm_pair_losses",
     "rm_pairwise_loss",
@@ -129,6 +133,37 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
     return masked_mean(per_seq, has_tokens)
 
 
+@dataclass(frozen=True, eq=False)
+class PolicyLossStats(Mapping[str, Tensor]):
+    """The detached statistics of :func:`policy_loss`: per token, and (as a mapping) their means.
+
+    The per-token tensors let a caller that splits a batch into micro-batches sum them over each
+    micro-batch's response tokens and divide by the tokens of them all (a token mean over the
+    whole batch); the mapping holds this call's means over its own response tokens.
+
+    Attributes:
+        ratio: ``[b, t]`` importance ratio ``exp(logp - old_logp)``, the log-ratio clamped as the
+            loss clamps it; 1 outside the mask.
+        clipped: ``[b, t]`` bool: the tokens whose loss is clipped, so that they get no gradient (the
+            PPO clip or the dual clip); False outside the mask.
+        means: the scalar statistics by name (documented at :func:`policy_loss`), read through the
+            mapping: ``stats["clip_frac"]``.
+    """
+
+    ratio: Tensor
+    clipped: Tensor
+    means: dict[str, Tensor]
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.means[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.means)
+
+    def __len__(self) -> int:
+        return len(self.means)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -137,7 +172,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_ratio_c: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, PolicyLossStats]:
     """PPO clipped surrogate per token, with optional clip-higher (DAPO) and dual-clip.
 
     ``ratio = exp(logp - old_logp)``; ``loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``.
@@ -154,8 +189,9 @@ def policy_loss(
         clip_ratio_c: dual-clip constant (verl uses 3.0); None turns dual-clip off.
 
     Returns:
-        ``(loss, stats)``: ``loss`` is ``[b, t]``, 0 where ``mask`` is 0. ``stats`` (masked over response
-        tokens, detached scalars): ``clip_frac`` (tokens whose loss is clipped, so that they get no
+        ``(loss, stats)``: ``loss`` is ``[b, t]``, 0 where ``mask`` is 0. ``stats`` (a
+        :class:`PolicyLossStats`): the per-token ``ratio`` and ``clipped``, and as a mapping their means
+        over the response tokens (detached scalars): ``clip_frac`` (tokens whose loss is clipped, so that they get no
         gradient: the PPO clip is active, its clipped term strictly larger, or the dual clip caps them),
         made of the disjoint ``clip_frac_low`` / ``clip_frac_high`` (PPO clip, ratio below / above the
         range) and ``dual_clip_frac`` (``A < 0`` and ratio above ``clip_ratio_c``); ``ratio_mean``,
@@ -198,8 +234,9 @@ def policy_loss(
     with torch.no_grad():
         r = ratio.detach().float()
         fm = m.float()
-        stats = {
-            "clip_frac": masked_mean((clip_active | dual_active).float(), fm),
+        cut = (clip_active | dual_active) & m
+        means = {
+            "clip_frac": masked_mean(cut.float(), fm),
             "clip_frac_low": masked_mean((clip_active & (r < 1.0 - clip_low)).float(), fm),
             "clip_frac_high": masked_mean((clip_active & (r > 1.0 + clip_high)).float(), fm),
             "dual_clip_frac": masked_mean(dual_active.float(), fm),
@@ -208,7 +245,7 @@ def policy_loss(
             "ratio_min": _masked_extreme(r, m, largest=False),
             "approx_kl": masked_mean(-log_ratio.detach().float(), fm),
         }
-    return loss, stats
+    return loss, PolicyLossStats(ratio=r, clipped=cut, means=means)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:

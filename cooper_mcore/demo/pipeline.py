@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cooper_mcore.atomic import atomic_open
-from cooper_mcore.config import CooperConfig, save_config
+from cooper_mcore.config import CooperConfig, RewardMode, save_config
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.mathgen import answer_form, answer_value
@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 STAGE_VERSION = 5  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
-MODES = ("rule", "static_rm", "cooper")
+MODES = tuple(m.value for m in RewardMode)  # rule, static_rm, cooper
 #: reference-swap augmentation: the "other" reference is the completion's answer plus one of these
 SWAP_OFFSETS = (-10, -2, -1, 1, 2, 10)
 # read by the rm stage only, not by rm_data
@@ -520,12 +520,12 @@ def mode_params(cfg: DemoConfig, mode: str, seed: int) -> dict[str, Any]:
     """The settings one RL stage reads (its cache key): rule runs ignore the RM's reward transform,
     only Cooper reads the Cooper section."""
     rl = dataclasses.asdict(cfg.rl)
-    if mode == "rule":
+    if not RewardMode(mode).uses_rm:
         rl.pop("rm_transform")
     ev = dataclasses.asdict(cfg.eval)
     ev.pop("hack_examples")  # read at report time
     params: dict[str, Any] = {"rl": rl, "eval": ev, "seed": seed}
-    if mode == "cooper":
+    if RewardMode(mode).trains_rm:
         params["cooper"] = dataclasses.asdict(cfg.cooper)
     return params
 
@@ -582,11 +582,12 @@ def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stag
     acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
                           os.path.join(out, "eval"))
     info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1), "curve": training_curve(run_dir)}
-    if mode != "rule":  # the final RM on the final policy's completions (rm_predictions.jsonl: the hacks)
-        rm_ckpt = os.path.join(final, "rm") if mode == "cooper" else rm_stage.file(rm_stage.info["checkpoint"])
+    reward = RewardMode(mode)
+    if reward.uses_rm:  # the final RM on the final policy's completions (rm_predictions.jsonl: the hacks)
+        rm_ckpt = os.path.join(final, "rm") if reward.trains_rm else rm_stage.file(rm_stage.info["checkpoint"])
         info["rm_acc_own"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
                                          os.path.join(out, "rm_predictions.jsonl"))
-        info["bench"] = (rm_stage.info["bench"] if mode == "static_rm" else  # frozen: the same predictions
+        info["bench"] = (rm_stage.info["bench"] if not reward.trains_rm else  # frozen: the same predictions
                          rm_bench(rm_ckpt, data.file("rm_bench.jsonl"), os.path.join(out, "bench_predictions.jsonl")))
     logger.info("[rl_%s] held-out accuracy %.3f by the oracle (%.3f by the rule), %.3f greedy%s", mode, acc["acc"],
                 acc["rule_acc"], acc["acc_greedy"],
@@ -620,15 +621,16 @@ def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> tuple[dict
     figures (the rule's recall and precision on the SFT policy, the RM before RL)."""
     sft_stage = run_stage(root, "sft", {"sft": cfg.sft, "seed": seed}, [assets],
                           lambda d: train_sft(cfg, seed, assets, d))
-    before = run_stage(root, "before", {"eval": mode_params(cfg, "rule", seed)["eval"], "rl_seed": cfg.rl.seed + seed},
-                       [assets, sft_stage], lambda d: measure_before(cfg, seed, assets, sft_stage, d))
+    rule_eval = mode_params(cfg, RewardMode.rule.value, seed)["eval"]
+    before = run_stage(root, "before", {"eval": rule_eval, "rl_seed": cfg.rl.seed + seed}, [assets, sft_stage],
+                       lambda d: measure_before(cfg, seed, assets, sft_stage, d))
     data = run_stage(root, "rm_data", rm_data_params(cfg, seed), [assets, sft_stage],
                      lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d))
     rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, sft_stage, before, data],
                          lambda d: train_verify_rm(cfg, seed, assets, sft_stage, before, data, d))
     runs = {}
     for mode in MODES:
-        reads = [assets, sft_stage] if mode == "rule" else [assets, sft_stage, data, rm_stage]  # rule: no RM
+        reads = [assets, sft_stage, data, rm_stage] if RewardMode(mode).uses_rm else [assets, sft_stage]  # rule: no RM
         stage = run_stage(root, f"rl_{mode}", mode_params(cfg, mode, seed), reads,
                           lambda d, mode=mode: run_rl(cfg, mode, seed, assets, sft_stage, data, rm_stage, d))
         runs[mode] = run_result(cfg, mode, before, rm_stage, stage)
@@ -640,7 +642,7 @@ def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> tuple[dict
 def run_result(cfg: DemoConfig, mode: str, before: Stage, rm_stage: Stage, stage: Stage) -> RunResult:
     """One RL stage's numbers as the report's :class:`RunResult`."""
     b, a = before.info["eval"], stage.info["eval"]
-    rm_modes = mode != "rule"
+    rm_modes = RewardMode(mode).uses_rm
     rm_b = rm_stage.info["bench"] if rm_modes else None
     rm_a = stage.info["bench"] if rm_modes else None
     fb, fa = b["families"], a["families"]

@@ -53,7 +53,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cooper_mcore.config import RewardMode
 from cooper_mcore.demo.report_render import MODE_COLORS, MODE_LABELS, MODES, PLOT_FILES, markdown, plot, series
+from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import METRICS_FILE, read_metrics
 from cooper_mcore.redaction import redact
 
@@ -64,7 +66,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RM_MODES = ("static_rm", "cooper")
+RM_MODES = tuple(m.value for m in RewardMode if m.uses_rm)  # static_rm, cooper
 REWARD_WINDOW = 5
 MIN_REWARD_RISE = 0.25
 MIN_ACC_DROP = 0.10
@@ -76,8 +78,8 @@ REPORT_FILE = "report.md"
 SPREAD_KEYS = ("acc_before", "acc_after", "acc_change", "train_reward_initial", "train_reward_final",
                "rm_acc_before", "rm_acc_after")
 #: in-training metrics summarised at the start and end of a run (means over the reward windows)
-WINDOW_KEYS = ("rule/acc", "rm/reward_correct", "rm/reward_wrong", "rm/pair_acc", "rm/threshold_acc",
-               "pairs/valid", "kl")
+WINDOW_KEYS = (K.RULE_ACC, K.RM_REWARD_CORRECT, K.RM_REWARD_WRONG, K.RM_PAIR_ACC, K.RM_THRESHOLD_ACC, K.PAIRS_VALID,
+               K.KL)
 _EPS = 1e-9  # float slack for threshold comparisons (0.94 - 0.49 is 0.4499999...)
 
 
@@ -203,9 +205,9 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _rewards(metrics: Sequence[Mapping[str, Any]]) -> list[float]:
-    values = series(metrics, "reward/mean")[1]
+    values = series(metrics, K.REWARD_MEAN)[1]
     if not values:
-        raise ValueError("metrics have no 'reward/mean' values")
+        raise ValueError(f"metrics have no {K.REWARD_MEAN!r} values")
     return values
 
 
@@ -267,7 +269,7 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
     rewards = _rewards(metrics)
     window = _window(len(rewards), window)
     start, end = _mean(rewards[:window]), _mean(rewards[-window:])
-    gaps = series(metrics, "reward_rule_gap")[1]
+    gaps = series(metrics, K.REWARD_RULE_GAP)[1]
     return _signature(start, end, before, after, window, min_reward_rise, min_acc_drop,
                       _mean(gaps[:window]) if gaps else None, _mean(gaps[-window:]) if gaps else None)
 
@@ -316,8 +318,8 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
             _check_acc(f"mode {mode!r}: {name}", getattr(r, name))
         for name in ("rm_acc_before", "rm_acc_after"):
             value = getattr(r, name)
-            if mode == "rule" and value is not None:
-                raise ValueError(f"mode 'rule' has no reward model, but {name}={value!r}")
+            if not RewardMode(mode).uses_rm and value is not None:
+                raise ValueError(f"mode {mode!r} has no reward model, but {name}={value!r}")
             _check_acc(f"mode {mode!r}: {name}", value, allow_none=True)
         path = metrics_file(r.metrics_path)
         if not os.path.isfile(path):
@@ -325,8 +327,8 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
         lines = read_metrics(path)
         if not lines:
             raise ValueError(f"mode {mode!r}: metrics file {path} is empty")
-        if not series(lines, "reward/mean")[1]:
-            raise ValueError(f"mode {mode!r}: metrics file {path} has no 'reward/mean' values")
+        if not series(lines, K.REWARD_MEAN)[1]:
+            raise ValueError(f"mode {mode!r}: metrics file {path} has no {K.REWARD_MEAN!r} values")
         results[mode], metrics[mode] = r, lines
     return results, metrics
 
@@ -334,9 +336,9 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
 def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
     sig = hacking_signature(lines, r.acc_before, r.acc_after)
     w = sig["window"]
-    seconds = series(lines, "time/step")[1]
-    rule_acc = series(lines, "rule/acc")[1]
-    eval_steps, eval_acc = series(lines, "eval/acc")
+    seconds = series(lines, K.TIME_STEP)[1]
+    rule_acc = series(lines, K.RULE_ACC)[1]
+    eval_steps, eval_acc = series(lines, K.EVAL_ACC)
     windows = {}
     for key in WINDOW_KEYS:  # the in-training metrics at the start and the end (as the reward)
         values = series(lines, key)[1]
@@ -467,9 +469,9 @@ def _rm_separation(coop: Mapping[str, Any]) -> float | None:
     """Cooper's RM at the end of training: its mean reward on rule-correct minus rule-wrong rollouts
     (the in-training ``rm/reward_correct`` and ``rm/reward_wrong``); None when not logged."""
     w = coop.get("windows", {})
-    if "rm/reward_correct" not in w or "rm/reward_wrong" not in w:
+    if K.RM_REWARD_CORRECT not in w or K.RM_REWARD_WRONG not in w:
         return None
-    return w["rm/reward_correct"]["end"] - w["rm/reward_wrong"]["end"]
+    return w[K.RM_REWARD_CORRECT]["end"] - w[K.RM_REWARD_WRONG]["end"]
 
 
 def _why_below_rule(coop: Mapping[str, Any], rule: Mapping[str, Any], separation: float, of: str) -> str:
@@ -480,7 +482,7 @@ def _why_below_rule(coop: Mapping[str, Any], rule: Mapping[str, Any], separation
     gained, rule_gained = coop["acc_change"], rule["acc_change"]
     share = f", {gained / rule_gained:.0%} of the rule run's {rule_gained:+.3f}" if rule_gained > 0 else ""
     return (f"Why Cooper is below the rule baseline: at the end of training{of} its RM's mean reward was "
-            f"{w['rm/reward_correct']['end']:.3f} on rule-correct rollouts and {w['rm/reward_wrong']['end']:.3f} on "
+            f"{w[K.RM_REWARD_CORRECT]['end']:.3f} on rule-correct rollouts and {w[K.RM_REWARD_WRONG]['end']:.3f} on "
             f"rule-wrong ones (a separation of {separation:.3f}; the rule reward's is 1): where the RM errs, the "
             f"policy's advantages point away from the rule's; Cooper's held-out accuracy changed by "
             f"{gained:+.3f}{share}.")
@@ -495,7 +497,7 @@ def _why_not_hacked(static: Mapping[str, Any], of: str) -> str:
                f"its held-out accuracy changed {h['acc_change']:+.3f} (the signature needs -{h['min_acc_drop']})"
                if h["acc_change"] > -h["min_acc_drop"] + _EPS else ""]
     text = f"Why the static RM shows no hacking signature{of}: " + " and ".join(m for m in missing if m)
-    wrong = static.get("windows", {}).get("rm/reward_wrong")
+    wrong = static.get("windows", {}).get(K.RM_REWARD_WRONG)
     if wrong:
         text += (f"; its frozen RM rewarded {wrong['start']:.0%} of the rule-wrong rollouts at the start and "
                  f"{wrong['end']:.0%} at the end")

@@ -17,10 +17,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from cooper_mcore.config import RewardMode
+from cooper_mcore.metric_names import MetricKey as K
+
 __all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "PREDICTIONS", "markdown", "plot",
            "series"]
 
-MODES = ("rule", "static_rm", "cooper")
+MODES = tuple(m.value for m in RewardMode)  # rule, static_rm, cooper
 MODE_LABELS = {"rule": "rule", "static_rm": "static RM", "cooper": "Cooper"}
 MODE_COLORS = {"rule": "#1f77b4", "static_rm": "#d62728", "cooper": "#2ca02c"}
 PLOT_FILES = {"train_reward": "train_reward.png", "eval_acc": "eval_acc.png", "rule_acc_gap": "rule_acc_gap.png",
@@ -28,9 +31,9 @@ PLOT_FILES = {"train_reward": "train_reward.png", "eval_acc": "eval_acc.png", "r
 MAX_EXAMPLES = 5
 MAX_COMPLETION_CHARS = 600
 #: the in-training metrics table: metric -> column title
-WINDOW_COLUMNS = {"rule/acc": "rollout rule accuracy", "rm/reward_correct": "RM reward, rule-correct rollouts",
-                  "rm/reward_wrong": "RM reward, rule-wrong rollouts", "rm/pair_acc": "RM pair accuracy",
-                  "rm/threshold_acc": "RM threshold accuracy", "pairs/valid": "valid pairs", "kl": "KL"}
+WINDOW_COLUMNS = {K.RULE_ACC: "rollout rule accuracy", K.RM_REWARD_CORRECT: "RM reward, rule-correct rollouts",
+                  K.RM_REWARD_WRONG: "RM reward, rule-wrong rollouts", K.RM_PAIR_ACC: "RM pair accuracy",
+                  K.RM_THRESHOLD_ACC: "RM threshold accuracy", K.PAIRS_VALID: "valid pairs", K.KL: "KL"}
 
 
 def series(metrics: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -40,7 +43,7 @@ def series(metrics: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], l
     for i, m in enumerate(metrics):
         v = m.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            steps.append(int(m.get("step", i + 1)))
+            steps.append(int(m.get(K.STEP, i + 1)))
             values.append(float(v))
     return steps, values
 
@@ -58,15 +61,15 @@ def plot(out_dir: str, metrics: Mapping[int, Mapping[str, list[dict[str, Any]]]]
         per_seed: seed -> mode -> its summary (``acc_before``, ``acc_after``, ``steps``).
     """
     specs = {  # plot -> (title, [(metrics key, y label, modes), ...] one panel each)
-        "train_reward": ("Training reward per step", [("reward/mean", "training reward (reward/mean)", MODES)]),
+        "train_reward": ("Training reward per step", [(K.REWARD_MEAN, f"training reward ({K.REWARD_MEAN})", MODES)]),
         "eval_acc": ("Held-out accuracy (x: before and after, the same measurement)",
-                     [("eval/acc", "held-out accuracy", MODES)]),
+                     [(K.EVAL_ACC, "held-out accuracy", MODES)]),
         "rule_acc_gap": ("Rollout accuracy by math-verify, and reward - rule gap",
-                         [("rule/acc", "rule accuracy (rule/acc)", MODES),
-                          ("reward_rule_gap", "reward_rule_gap", MODES)]),
+                         [(K.RULE_ACC, f"rule accuracy ({K.RULE_ACC})", MODES),
+                          (K.REWARD_RULE_GAP, K.REWARD_RULE_GAP, MODES)]),
         "rm_rewards": ("RM reward of rule-correct (solid) and rule-wrong (dashed) rollouts",
-                       [("rm/reward_correct", "static RM", ("static_rm",)),
-                        ("rm/reward_correct", "Cooper", ("cooper",))]),
+                       [(K.RM_REWARD_CORRECT, "static RM", (RewardMode.static_rm.value,)),
+                        (K.RM_REWARD_CORRECT, "Cooper", (RewardMode.cooper.value,))]),
     }
     paths = {k: os.path.join(out_dir, v) for k, v in PLOT_FILES.items()}
     seeds = list(metrics)
@@ -77,19 +80,19 @@ def plot(out_dir: str, metrics: Mapping[int, Mapping[str, list[dict[str, Any]]]]
             ax = fig.add_subplot(len(panels), 1, i + 1)
             ax.grid(True, alpha=0.3)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if key == "reward_rule_gap":
+            if key == K.REWARD_RULE_GAP:
                 ax.axhline(0.0, color="gray", linewidth=0.8, zorder=0)
             for j, seed in enumerate(seeds):
                 style = {"linewidth": 1.6 if j == 0 else 0.9, "alpha": 1.0 if j == 0 else 0.55}
                 for mode in modes:
                     color, label = MODE_COLORS[mode], (MODE_LABELS[mode] if j == 0 else None)
                     steps, values = series(metrics[seed][mode], key)
-                    ax.plot(steps, values, color=color, label=label, marker="o" if key == "eval/acc" else None,
+                    ax.plot(steps, values, color=color, label=label, marker="o" if key == K.EVAL_ACC else None,
                             **style)
                     if name == "rm_rewards":
-                        steps, values = series(metrics[seed][mode], "rm/reward_wrong")
+                        steps, values = series(metrics[seed][mode], K.RM_REWARD_WRONG)
                         ax.plot(steps, values, color=color, linestyle="--", **style)
-                    if key == "eval/acc":
+                    if key == K.EVAL_ACC:
                         s = per_seed[seed][mode]
                         ax.plot([0, s["steps"]], [s["acc_before"], s["acc_after"]], linestyle="none", marker="x",
                                 markersize=9, color=color, alpha=style["alpha"])

@@ -45,6 +45,9 @@ from cooper_mcore.config import CooperConfig, load_config, save_config
 from cooper_mcore.config_checks import validate
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.mcore.faults import FAULT_ENV, format_fault
+from cooper_mcore.metric_names import TIME_PREFIX, Phase, memory_key, time_key
+from cooper_mcore.metric_names import MetricKey as K
+from cooper_mcore.metrics import METRICS_FILE
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
 from cooper_mcore.parallel import single_process_world
@@ -69,7 +72,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: steps of the tiny policy's SFT: enough that it is sometimes right, so the RM gets pairs
 SFT_STEPS = 150
-TABLE_KEYS = ("reward/mean", "rule/acc", "loss", "kl", "grad_norm", "rm/loss", "pairs/valid", "eval/acc", "time/step")
+TABLE_KEYS = (K.REWARD_MEAN, K.RULE_ACC, K.LOSS, K.KL, K.GRAD_NORM, K.RM_LOSS, K.PAIRS_VALID, K.EVAL_ACC, K.TIME_STEP)
 _RANK_EXIT = re.compile(r"rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
@@ -161,10 +164,10 @@ class RehearsalReport:
             lines += [f"    {e}" for e in run.errors]
             if run.hang:
                 lines.append(f"    hang: {run.hang}")
-        lines.append("  " + " ".join(f"{k:>12}" for k in ("step",) + TABLE_KEYS))
+        lines.append("  " + " ".join(f"{k:>12}" for k in (K.STEP,) + TABLE_KEYS))
         reference = self.runs[0].steps if self.runs else []
         for m in reference:
-            cells = [f"{m['step']:>12}"] + [f"{m[k]:>12.4g}" if isinstance(m.get(k), (int, float)) else f"{'-':>12}"
+            cells = [f"{m[K.STEP]:>12}"] + [f"{m[k]:>12.4g}" if isinstance(m.get(k), (int, float)) else f"{'-':>12}"
                                             for k in TABLE_KEYS]
             lines.append("  " + " ".join(cells))
         if self.phases:
@@ -207,7 +210,7 @@ def _use_assets(cfg: CooperConfig, assets: dict[str, str]) -> None:
 
 
 def _read_steps(out: str) -> list[dict[str, Any]]:
-    path = os.path.join(out, "metrics.jsonl")
+    path = os.path.join(out, METRICS_FILE)
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
@@ -316,7 +319,7 @@ def launch(name: str, cfg_path: str, out: str, nproc: int, limits: Limits, resum
 
 def _same_metrics(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Keys whose values differ (timings aside; NaN equals NaN)."""
-    keys = {k for k in a.keys() | b.keys() if not k.startswith("time/")}
+    keys = {k for k in a.keys() | b.keys() if not k.startswith(TIME_PREFIX)}
 
     def same(x: Any, y: Any) -> bool:
         both_nan = isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
@@ -349,22 +352,22 @@ def check_runs(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: Run
     checks = [Check("collectives", not hangs and not mismatches,
                     "; ".join(hangs + mismatches) or "every rank called the same collectives (DETAIL), no step "
                                                      "over its limit")]
-    ref_ok = ref.rc == 0 and [m["step"] for m in ref.steps] == list(range(1, STEPS + 1))
-    checks.append(Check("run", ref_ok, f"exit {ref.rc}, steps {[m['step'] for m in ref.steps]}"
+    ref_ok = ref.rc == 0 and [m[K.STEP] for m in ref.steps] == list(range(1, STEPS + 1))
+    checks.append(Check("run", ref_ok, f"exit {ref.rc}, steps {[m[K.STEP] for m in ref.steps]}"
                         + ("" if ref.rc == 0 else f"; {'; '.join(ref.errors[-2:])}")))
     if not ref_ok:  # the rest reads the reference's steps and checkpoints
         return checks
-    evals = [m["step"] for m in ref.steps if "eval/acc" in m]
-    checks.append(Check("evaluation", len(evals) >= 2 and evals == [m["step"] for m in ref.steps],
-                        f"eval/acc at steps {evals}"))
+    evals = [m[K.STEP] for m in ref.steps if K.EVAL_ACC in m]
+    checks.append(Check("evaluation", len(evals) >= 2 and evals == [m[K.STEP] for m in ref.steps],
+                        f"{K.EVAL_ACC} at steps {evals}"))
     ckpts = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(cfg.out, "reference", "checkpoints"))
                    if d.startswith("step_") and d.split("_")[1].isdigit()) if ref.rc == 0 else []
     checks.append(Check("checkpoints", len(ckpts) >= 2, f"written at steps {ckpts}"))
-    finite = all(m.get("skipped/nonfinite", 0) == 0 for m in ref.steps)
+    finite = all(m.get(K.SKIPPED_NONFINITE, 0) == 0 for m in ref.steps)
     checks.append(Check("finite", finite and ref_ok, "no update skipped for a non-finite loss or gradient norm"
-                        if finite else "an update was skipped (skipped/nonfinite > 0)"))
+                        if finite else f"an update was skipped ({K.SKIPPED_NONFINITE} > 0)"))
     if cfg.reward.mode.trains_rm:
-        valid = sum(m.get("pairs/valid", 0) for m in ref.steps)
+        valid = sum(m.get(K.PAIRS_VALID, 0) for m in ref.steps)
         checks.append(Check("rm pairs", valid > 0, f"{valid:g} valid reward-model pairs over {len(ref.steps)} steps"))
     stop_ckpt = os.path.join(cfg.out, "cut", "checkpoints", f"step_{STOP_STEP}")
     codes = sorted(set(cut.rank_exit_codes.values()))
@@ -390,7 +393,7 @@ def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: Ru
     if cfg.rollout.engine != "hf":
         return True, (f"resumed from step {STOP_STEP} and finished; not compared with the reference: SGLang's CPU "
                       "backend does not honour per-request seeds, so two runs sample different rollouts")
-    diffs = [f"step {a['step']}: {d}" for a, b in zip(ref.steps, resumed.steps) if (d := _same_metrics(a, b))]
+    diffs = [f"step {a[K.STEP]}: {d}" for a, b in zip(ref.steps, resumed.steps) if (d := _same_metrics(a, b))]
     if diffs:
         return False, "metrics differ from the uninterrupted run's: " + "; ".join(diffs[:3])
     parts = ["policy"] + (["rm"] if cfg.reward.mode.trains_rm else [])
@@ -406,13 +409,13 @@ def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: Ru
 
 def check_real_shape_run(run: RunResult) -> list[Check]:
     """A real-shape rehearsal's checks: its steps ran, agreed, evaluated and stayed finite."""
-    steps = [m["step"] for m in run.steps]
+    steps = [m[K.STEP] for m in run.steps]
     return [Check("collectives", not run.hang and not any("mismatch" in e for e in run.errors),
                   run.hang or "; ".join(run.errors) or "no step over its limit"),
             Check("run", run.rc == 0 and steps == list(range(1, REAL_STEPS + 1)), f"exit {run.rc}, steps {steps}"
                   + ("" if run.rc == 0 else f"; {'; '.join(run.errors[-2:])}")),
-            Check("evaluation", any("eval/acc" in m for m in run.steps), "eval/acc logged"),
-            Check("finite", run.rc == 0 and all(m.get("skipped/nonfinite", 0) == 0 for m in run.steps),
+            Check("evaluation", any(K.EVAL_ACC in m for m in run.steps), f"{K.EVAL_ACC} logged"),
+            Check("finite", run.rc == 0 and all(m.get(K.SKIPPED_NONFINITE, 0) == 0 for m in run.steps),
                   "no update skipped for a non-finite loss or gradient norm")]
 
 
@@ -425,10 +428,10 @@ def measure_phases(cfg: CooperConfig, run: RunResult) -> list[PhaseMeasure]:
     planned = {p.phase: p.total / 2**30 for p in predicted.given.phases}
     last = run.steps[-1] if run.steps else {}
     out = []
-    for phase in ("offload", *PHASES, "eval"):
-        peaks = [m[f"memory/{phase}"] for m in run.steps if f"memory/{phase}" in m]
-        if f"time/{phase}" in last or peaks or phase in planned:
-            out.append(PhaseMeasure(phase, last.get(f"time/{phase}"), max(peaks) if peaks else None,
+    for phase in (Phase.OFFLOAD, *PHASES, Phase.EVAL):
+        peaks = [m[memory_key(phase)] for m in run.steps if memory_key(phase) in m]
+        if time_key(phase) in last or peaks or phase in planned:
+            out.append(PhaseMeasure(phase, last.get(time_key(phase)), max(peaks) if peaks else None,
                                     planned.get(phase)))
     return out
 
@@ -455,7 +458,7 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
             return report
         cut = resumed = RunResult("cut", None, [], 0.0, "", errors=["not run: the reference run failed"])
         if ref.rc == 0:  # else the interrupted runs would fail the same way: report the reference's failure
-            fault = {FAULT_ENV: format_fault("rollout", STOP_STEP, sig=signal.SIGUSR1)}
+            fault = {FAULT_ENV: format_fault(Phase.ROLLOUT, STOP_STEP, sig=signal.SIGUSR1)}
             cut = launch("cut", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, env=fault)
             resumed = launch("resumed", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, resume="auto")
         if plan.assistant:

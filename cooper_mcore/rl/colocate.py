@@ -30,6 +30,7 @@ import torch
 from cooper_mcore.collectives import is_group_leader
 from cooper_mcore.config import OffloadConfig
 from cooper_mcore.mcore.model_state import ModelState
+from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rollout.base import RolloutEngine
 from cooper_mcore.rollout.weight_sync import sync_weights
@@ -84,7 +85,7 @@ class Colocation:
     def generating(self, version: int, timer: PhaseTimer) -> Iterator[Optional[RolloutEngine]]:
         """Ready the engine with the policy's weights of ``version`` for the body (collective:
         every rank of the model calls it); yields the engine (None off the group leader)."""
-        with timer.phase("offload"):
+        with timer.phase(Phase.OFFLOAD):
             for model, flags in self._moves(policy_params=False):
                 model.offloader.offload(**flags)
             if torch.cuda.is_available():
@@ -92,13 +93,13 @@ class Colocation:
         if self._release:
             self.engine.resume_memory(["weights"])
         if self.push_needed(version):
-            with timer.phase("weight_sync"):
+            with timer.phase(Phase.WEIGHT_SYNC):
                 sync_weights(self.policy.model, self.policy.arch, self.engine if is_group_leader() else None,
                              version, bucket_bytes=self.bucket_bytes, per_tp_rank=self.per_tp_rank)
                 self.synced_version = version
         params_moved = self.offload.policy_params
         if params_moved:
-            with timer.phase("offload"):
+            with timer.phase(Phase.OFFLOAD):
                 self.policy.offloader.offload(params=True, grads=False, optimizer=False)
         if self._release:
             self.engine.resume_memory(["kv_cache", "cuda_graph"])
@@ -107,7 +108,7 @@ class Colocation:
         finally:
             if self._release:
                 self.engine.release_memory()
-            with timer.phase("offload"):
+            with timer.phase(Phase.OFFLOAD):
                 if params_moved:
                     self.policy.offloader.onload(params=True, grads=False, optimizer=False)
                 for model, flags in self._moves(policy_params=False):

@@ -49,6 +49,8 @@ from cooper_mcore.collectives import any_rank
 from cooper_mcore.config import CooperConfig, save_config, to_dict
 from cooper_mcore.hacking import RewardHackingDetector
 from cooper_mcore.mcore.faults import FaultPhaseTimer
+from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
+from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -58,6 +60,7 @@ from cooper_mcore.metrics import (
     reduce_metrics,
 )
 from cooper_mcore.parallel import owned_world
+from cooper_mcore.rl.results import StepResult
 from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR, eval_samples_path, evaluate
 from cooper_mcore.rl.setup import Run, build_run
 from cooper_mcore.rl.step import cooper_step
@@ -250,36 +253,22 @@ def train(cfg: CooperConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     try:
         while run.step < cfg.train.steps:
-            metrics = cooper_step(run, run.data.next_batch(), timer)
+            result = cooper_step(run, run.data.next_batch(), timer)
             run.step += 1
-            metrics["data/skipped_too_long"] = run.skipped_too_long
             eval_metrics: dict[str, float] = {}
             if cfg.eval.every and run.step % cfg.eval.every == 0:
-                with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase("eval"):
+                with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase(Phase.EVAL):
                     eval_metrics = run_evaluation(run, engine)
-            metrics.update(timer.pop())
-            # the slowest rank sets the pace and the fullest GPU the limit: time/* and memory/* are maxima;
-            # the rest are means over the ranks
-            metrics = reduce_metrics(metrics, max_keys=[k for k in metrics if k.startswith(("time/", "memory/"))])
-            metrics.update(eval_metrics)  # already over the world
+            metrics = world_metrics(run, result, timer.pop(), eval_metrics)
             metrics_log.log(run.step, metrics)
             bar.update(run.step, metrics)
-            streak = streak + 1 if metrics["skipped/nonfinite"] > 0 else 0
-            if streak:
-                logger.warning("step %d: non-finite loss or gradient norm, %d update(s) skipped "
-                               "(%d step(s) in a row, the limit is %d)", run.step, int(metrics["skipped/nonfinite"]),
-                               streak, cfg.train.max_nonfinite_steps)
-            no_pairs = no_pairs + 1 if metrics.get("pairs/valid") == 0 else 0
-            if no_pairs and no_pairs == cfg.train.max_steps_without_pairs:
-                logger.warning("%d steps in a row without a single valid reward-model pair: the reward model is not "
-                               "learning (pairs/no_positive %d, pairs/no_negative %d, pairs/assistant_failed %d); "
-                               "check rm.negatives and the assistant endpoint %s", no_pairs,
-                               metrics["pairs/no_positive"], metrics["pairs/no_negative"],
-                               metrics["pairs/assistant_failed"], cfg.rm.assistant_url or "(none)")
+            streak = nonfinite_streak(streak, result, run.step, cfg.train.max_nonfinite_steps)
+            no_pairs = steps_without_pairs(no_pairs, metrics, run.step, cfg)
             preempted = stop_signal.any_rank()
             nonfinite_stop = 0 < cfg.train.max_nonfinite_steps <= streak
             hacking_stop = False
-            if cfg.reward.mode.uses_rm and detector.update(run.step, metrics["reward/mean"], metrics["rule/acc"]):
+            # the world's reward and rule accuracy (means over the ranks): every rank decides the same
+            if cfg.reward.mode.uses_rm and detector.update(run.step, metrics[K.REWARD_MEAN], metrics[K.RULE_ACC]):
                 hacking_stop = detector.should_stop
             due = cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or run.step == cfg.train.steps)
             if due or preempted or nonfinite_stop:
@@ -313,6 +302,42 @@ def train(cfg: CooperConfig) -> dict[str, float]:
     return metrics
 
 
+def world_metrics(run: Run, result: StepResult, times: dict[str, float],
+                  eval_metrics: dict[str, float]) -> dict[str, float]:
+    """The step's metrics line, the same on every rank (collective): the step's
+    :meth:`~cooper_mcore.rl.results.StepResult.to_metrics`, ``data/skipped_too_long`` and the phase
+    timings reduced over the ranks (``time/*`` and ``memory/*``: the slowest rank sets the pace and
+    the fullest GPU the limit, so maxima; the rest means), and the evaluation's (already over the world)."""
+    metrics = {**result.to_metrics(), K.DATA_SKIPPED_TOO_LONG: run.skipped_too_long, **times}
+    metrics = reduce_metrics(metrics, max_keys=[k for k in metrics if k.startswith((TIME_PREFIX, MEMORY_PREFIX))])
+    metrics.update(eval_metrics)
+    return metrics
+
+
+def nonfinite_streak(streak: int, result: StepResult, step: int, limit: int) -> int:
+    """Steps in a row with an update skipped for a non-finite loss or gradient norm, after ``step``
+    (warned). Every rank counts the same: :func:`~cooper_mcore.mcore.training.guarded_step`
+    decides a skip over the world."""
+    streak = streak + 1 if result.skipped_updates else 0
+    if streak:
+        logger.warning("step %d: non-finite loss or gradient norm, %d update(s) skipped "
+                       "(%d step(s) in a row, the limit is %d)", step, result.skipped_updates, streak, limit)
+    return streak
+
+
+def steps_without_pairs(count: int, metrics: dict[str, float], step: int, cfg: CooperConfig) -> int:
+    """Cooper steps in a row without a valid reward-model pair in the world (``metrics``: the
+    world's line), warned once at ``train.max_steps_without_pairs``."""
+    count = count + 1 if metrics.get(K.PAIRS_VALID) == 0 else 0
+    if count and count == cfg.train.max_steps_without_pairs:
+        logger.warning("%d steps in a row without a single valid reward-model pair: the reward model is not "
+                       "learning (pairs/no_positive %d, pairs/no_negative %d, pairs/assistant_failed %d); "
+                       "check rm.negatives and the assistant endpoint %s", count, metrics[K.PAIRS_NO_POSITIVE],
+                       metrics[K.PAIRS_NO_NEGATIVE], metrics[K.PAIRS_ASSISTANT_FAILED],
+                       cfg.rm.assistant_url or "(none)")
+    return count
+
+
 def run_evaluation(run: Run, engine: Optional[RolloutEngine]) -> dict[str, float]:
     """Evaluate the engine's current weights on the held-out prompts (collective over the world):
     ``eval/acc`` by ``eval.verifier``'s checker, and ``eval/rule_acc`` (the rule verifier's) beside
@@ -322,9 +347,9 @@ def run_evaluation(run: Run, engine: Optional[RolloutEngine]) -> dict[str, float
     path = eval_samples_path(cfg.out, run.step) if cfg.eval.save_samples else None
     result = evaluate(engine, run.verifier, run.eval_prompts, cfg.eval.k, run.eval_sampling(), oracle=run.oracle,
                       samples_path=path)
-    metrics = {"eval/acc": result.accuracy}
+    metrics = {K.EVAL_ACC: result.accuracy}
     if cfg.eval.verifier != "rule":
-        metrics["eval/rule_acc"] = result.rule_accuracy
+        metrics[K.EVAL_RULE_ACC] = result.rule_accuracy
     return metrics
 
 

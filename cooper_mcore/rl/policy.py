@@ -25,8 +25,11 @@ from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
 from cooper_mcore.mcore.training import train_step
 from cooper_mcore.models.forward import sequence_multiple
+from cooper_mcore.rl.results import GRPOUpdate
 
-METRIC_KEYS = ("loss", "kl", "ratio/mean", "clip_frac", "entropy")
+#: the per-token terms summed over the micro-batches, as the fields of :class:`GRPOUpdate` (``loss``
+#: is also what :func:`~cooper_mcore.mcore.training.train_step` checks for finiteness)
+TERMS = ("loss", "kl", "ratio_mean", "clip_frac", "entropy")
 
 
 @dataclass
@@ -54,44 +57,39 @@ class GRPOLoss:
 
 def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
                     loss: GRPOLoss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token GRPO loss ``[b, s]`` of one micro-batch (0 outside the response) and detached
-    per-token terms for the metrics.
+    """Per-token GRPO loss ``[b, s]`` of one micro-batch (0 outside the response) and the detached
+    per-token :data:`TERMS` for the metrics.
 
-    ``clip_frac`` marks the tokens whose surrogate is clipped, so that they give no policy gradient:
-    the PPO clip (ratio below ``1 - clip_low`` with ``A < 0``, above ``1 + clip_high`` with ``A > 0``)
-    or the dual clip (ratio above ``clip_ratio_c`` with ``A < 0``), as ``policy_loss``'s ``clip_frac``.
+    ``ratio_mean`` and ``clip_frac`` are ``policy_loss``'s own per-token statistics
+    (:class:`~cooper_mcore.algo.PolicyLossStats`): its ratio, and its clipped tokens, which get no
+    policy gradient (the PPO clip or the dual clip).
     """
     logp = token_logprobs(logits, mb.labels)
-    tok, _ = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask,
-                         clip_low=loss.clip_low, clip_high=loss.clip_high, clip_ratio_c=loss.clip_ratio_c)
+    tok, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask,
+                             clip_low=loss.clip_low, clip_high=loss.clip_high, clip_ratio_c=loss.clip_ratio_c)
     kl = kl_penalty(logp, mb.ref_logp, loss.kl_kind) if loss.kl_coef else torch.zeros_like(logp)
     ent = vocab_parallel_entropy(logits) if loss.entropy_coef else None
     total = tok + loss.kl_coef * kl
     if ent is not None:
         total = total - loss.entropy_coef * ent
     with torch.no_grad():
-        ratio = torch.exp(logp - mb.old_logp)
-        adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None].expand_as(logp)
-        clipped = ((ratio < 1 - loss.clip_low) & (adv < 0)) | ((ratio > 1 + loss.clip_high) & (adv > 0))
-        if loss.clip_ratio_c is not None:
-            clipped |= (ratio > loss.clip_ratio_c) & (adv < 0)
-        terms = {"loss": total.detach(), "kl": kl.detach(), "ratio/mean": ratio, "clip_frac": clipped.float(),
+        terms = {"loss": total.detach(), "kl": kl.detach(), "ratio_mean": stats.ratio,
+                 "clip_frac": stats.clipped.float(),
                  "entropy": (ent if ent is not None else vocab_parallel_entropy(logits)).detach()}
     return total, terms
 
 
 def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, batch: TokenBatch,
-                  batching: MicroBatching, loss: GRPOLoss) -> dict[str, float]:
+                  batching: MicroBatching, loss: GRPOLoss) -> GRPOUpdate:
     """One optimizer step of GRPO on ``batch`` (token-mean loss over the whole batch), in the
     micro-batches ``batching`` makes (fixed, by a token budget, or packed).
 
     Requires ``calculate_per_token_loss`` (``wrap_for_training(..., per_token_loss=True)``).
 
     Returns:
-        Metrics (means over this rank's response tokens): ``loss``, ``kl``, ``ratio/mean``,
-        ``clip_frac``, ``entropy``, ``grad_norm``, and ``nonfinite``: 1.0 when the update was
-        skipped because the loss or the gradient norm was not finite (``grad_norm`` is then NaN;
-        see :func:`~cooper_mcore.mcore.training.guarded_step`), else 0.0.
+        The update's means over this rank's response tokens, its gradient norm, and whether it was
+        skipped because the loss or the gradient norm was not finite (``nonfinite``; ``grad_norm``
+        is then NaN; see :func:`~cooper_mcore.mcore.training.guarded_step`).
 
     Raises:
         ValueError: ``kl_coef > 0`` without reference log-probabilities.
@@ -118,12 +116,11 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
     shapes = [mb.micro.shape for mb in mbs]
     result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), max(s for _, s in shapes),
                         max(b for b, _ in shapes), variable_shapes=len(set(shapes)) > 1)
-    values = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+    values = torch.zeros(len(TERMS), dtype=torch.float64)
     if result.metrics:  # the last pipeline stage
         tokens = float(sum(r["tokens"] for r in result.metrics))
-        values = torch.tensor([float(sum(r[k] for r in result.metrics)) / max(tokens, 1.0) for k in METRIC_KEYS],
+        values = torch.tensor([float(sum(r[k] for r in result.metrics)) / max(tokens, 1.0) for k in TERMS],
                               dtype=torch.float64)
     values = broadcast_from_last_stage(values)  # every stage reports the same metrics
-    metrics = {"grad_norm": result.grad_norm, "nonfinite": 0.0 if result.updated else 1.0}
-    metrics.update({k: float(v) for k, v in zip(METRIC_KEYS, values.tolist())})
-    return metrics
+    means = {k: float(v) for k, v in zip(TERMS, values.tolist())}
+    return GRPOUpdate(**means, grad_norm=result.grad_norm, nonfinite=not result.updated)

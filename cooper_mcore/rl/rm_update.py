@@ -23,6 +23,7 @@ from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.reward_model import pairwise_train_step
 from cooper_mcore.reward.negatives import build_pairs, check_negative_failures, make_negative_generator, pair_stats
 from cooper_mcore.reward.protocols import BatchVerifier, ChatBatchClient
+from cooper_mcore.rl.results import PairCounts, RMUpdate
 from cooper_mcore.rl.rewards import rm_batch, rm_texts
 from cooper_mcore.types import PreferencePair, RolloutGroup
 
@@ -30,7 +31,14 @@ from cooper_mcore.types import PreferencePair, RolloutGroup
 def make_pairs(groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: RMUpdateConfig,
                verifier: Optional[BatchVerifier], assistant: Optional[ChatBatchClient],
                seed: int) -> list[PreferencePair]:
-    """This step's preference pairs, the same on every rank of the model-parallel group."""
+    """This step's preference pairs, the same on every rank of the model-parallel group, with
+    ``rm.on_assistant_failure`` applied (pairs whose assistant request failed are masked, or the
+    run stops).
+
+    Raises:
+        cooper_mcore.reward.negatives.AssistantUnavailable: an assistant request failed after its
+            retries and ``rm.on_assistant_failure`` is ``stop``.
+    """
     pairs = None
     if is_group_leader():
         negatives = make_negative_generator(cfg.negatives, verifier, client=assistant, seed=seed,
@@ -39,37 +47,30 @@ def make_pairs(groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: RMUpda
                                             rewrite_kinds=tuple(cfg.rewrite_kinds))
         pairs = build_pairs(groups, negatives, logits, pairs_per_prompt=cfg.pairs_per_prompt,
                             positive_pick=cfg.positive_pick, seed=seed)
-    return broadcast_object_in_model_parallel_group(pairs)
+    pairs = broadcast_object_in_model_parallel_group(pairs)
+    check_negative_failures(pairs, cfg.on_assistant_failure, cfg.assistant_url)
+    return pairs
 
 
-def train_on_pairs(rm: ModelState, pairs: Sequence[PreferencePair], cfg: CooperConfig,
-                   batching: MicroBatching) -> dict[str, float]:
-    """One pairwise optimizer step of the reward model on ``pairs`` (masked where invalid)."""
+def pair_counts(pairs: Sequence[PreferencePair]) -> PairCounts:
+    """The ``pairs/*`` counts of a step's pairs."""
+    stats = pair_stats(pairs)
+    return PairCounts(valid=stats["valid"], no_positive=stats["no_positive"], no_negative=stats["no_negative"],
+                      assistant_failed=stats["failed"])
+
+
+def update_reward_model(rm: ModelState, pairs: Sequence[PreferencePair], cfg: CooperConfig,
+                        batching: MicroBatching) -> RMUpdate:
+    """One pairwise optimizer step of the reward model on ``pairs`` (masked where invalid); a
+    skipped (non-finite) update does not advance the schedule, as in megatron."""
     chosen = rm_batch(rm, rm_texts(cfg, [(p.prompt, p.chosen or "") for p in pairs]))
     rejected = rm_batch(rm, rm_texts(cfg, [(p.prompt, p.rejected or "") for p in pairs]))
     valid = torch.tensor([p.valid for p in pairs], dtype=torch.bool)
     m = pairwise_train_step(rm.ddp, rm.optimizer, chosen, rejected, valid, cfg.train.micro_batch_size,
                             anchor_weight=cfg.rm.anchor_weight, batching=batching)
-    if not m["nonfinite"]:  # as megatron: a skipped non-finite update does not advance the schedule
+    update = RMUpdate(loss=m["loss"], pairwise_loss=m["pairwise_loss"], anchor_loss=m["anchor_loss"],
+                      pair_acc=m["pair_acc"], threshold_acc=m["threshold_acc"], nonfinite=bool(m["nonfinite"]),
+                      pair_counts=pair_counts(pairs))
+    if not update.nonfinite:
         rm.scheduler.step(1)
-    return {"rm/loss": m["loss"], "rm/pairwise_loss": m["pairwise_loss"], "rm/anchor_loss": m["anchor_loss"],
-            "rm/pair_acc": m["pair_acc"], "rm/threshold_acc": m["threshold_acc"],
-            "rm/nonfinite": float(m["nonfinite"])}
-
-
-def update_reward_model(rm: ModelState, groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: CooperConfig,
-                        batching: MicroBatching, verifier: Optional[BatchVerifier],
-                        assistant: Optional[ChatBatchClient], seed: int) -> dict[str, float]:
-    """Build this step's pairs and train the reward model on them; returns the step's RM metrics.
-
-    Raises:
-        cooper_mcore.reward.negatives.AssistantUnavailable: an assistant request failed after its
-            retries and ``rm.on_assistant_failure`` is ``stop``.
-    """
-    pairs = make_pairs(groups, logits, cfg.rm, verifier, assistant, seed)
-    failed = check_negative_failures(pairs, cfg.rm.on_assistant_failure, cfg.rm.assistant_url)
-    metrics = train_on_pairs(rm, pairs, cfg, batching)
-    stats = pair_stats(pairs)
-    metrics.update({"pairs/valid": float(stats["valid"]), "pairs/no_positive": float(stats["no_positive"]),
-                    "pairs/no_negative": float(stats["no_negative"]), "pairs/assistant_failed": float(failed)})
-    return metrics
+    return update

@@ -2,7 +2,8 @@
 
 rollouts (G per prompt, verified by the rule) -> rewards (the RM's, or the rule's) -> group
 advantages -> old and reference log-probabilities -> GRPO update of the policy -> the reward
-model's pairwise update on this step's pairs (cooper mode) -> metrics.
+model's pairwise update on this step's pairs (cooper mode) -> a :class:`~cooper_mcore.rl.results.StepResult`
+(its :meth:`~cooper_mcore.rl.results.StepResult.to_metrics` is the step's metrics line).
 
 As in the reference implementation, the policy step of step t uses the RM before its step-t
 update. The new policy weights reach the engine at the start of the next generation
@@ -18,42 +19,49 @@ import torch.distributed as dist
 
 from cooper_mcore.algo import group_advantages, reward_from_logits
 from cooper_mcore.data.tokenizer import pad_id_of
-from cooper_mcore.hacking import reward_rule_gap
 from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
+from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.rl.results import PolicyUpdate, RolloutStats, StepResult
 from cooper_mcore.rl.rewards import rollout_logits, rule_verdicts
-from cooper_mcore.rl.rm_update import update_reward_model
+from cooper_mcore.rl.rm_update import make_pairs, update_reward_model
 from cooper_mcore.rl.rollouts import generate_groups
 from cooper_mcore.rl.setup import Run
 from cooper_mcore.types import Prompt, RolloutGroup
 
 
-def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> dict[str, float]:
-    """One Cooper step on this data-parallel rank's prompts; returns its metrics (this rank's)."""
+def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepResult:
+    """One Cooper step on this data-parallel rank's prompts; returns what it did (this rank's)."""
     cfg = run.cfg
     seed = cfg.train.seed * 100003 + run.step * 1009 + dist.get_rank()
     with run.colocation.generating(version=run.step, timer=timer) as engine:
-        with timer.phase("rollout"):
+        with timer.phase(Phase.ROLLOUT):
             groups = generate_groups(engine, run.verifier, prompts, cfg.rollout.group_size, run.sampling(seed),
                                      run.step)
-    with timer.phase("rm_score"):
+    with timer.phase(Phase.RM_SCORE):
         logits = rollout_logits(run.rm, groups, cfg, run.batching) if run.rm is not None else None
     rewards = reward_from_logits(logits, cfg.reward.rm_transform) if logits is not None else rule_verdicts(groups)
+    record_rewards(groups, rewards)
     advantages = group_advantages(rewards, eps=cfg.algo.adv_eps, std_floor=cfg.algo.adv_std_floor)
     batch = policy_batch(run, groups, advantages)
-    with timer.phase("logprobs"):
+    with timer.phase(Phase.LOGPROBS):
         fill_logprobs(run, batch)
-    with timer.phase("policy_update"):
-        metrics = update_policy(run, batch)
+    with timer.phase(Phase.POLICY_UPDATE):
+        policy = update_policy(run, batch)
+    rm_step, pairs = None, []
     if cfg.reward.mode.trains_rm:
-        with timer.phase("rm_update"):
-            rm_metrics = update_reward_model(run.rm, groups, logits, cfg, run.batching, run.verifier,
-                                             run.assistant, seed=cfg.train.seed + run.step)
-        metrics["skipped/nonfinite"] += rm_metrics.pop("rm/nonfinite")
-        metrics.update(rm_metrics)
-    metrics.update(rollout_metrics(groups, rewards, run))
-    return metrics
+        with timer.phase(Phase.RM_UPDATE):
+            pairs = make_pairs(groups, logits, cfg.rm, run.verifier, run.assistant, seed=cfg.train.seed + run.step)
+            rm_step = update_reward_model(run.rm, pairs, cfg, run.batching)
+    return StepResult(rollout_stats(groups, rewards, run), policy, rm_step, pairs)
+
+
+def record_rewards(groups: Sequence[RolloutGroup], rewards: torch.Tensor) -> None:
+    """Set each sample's :attr:`~cooper_mcore.types.Sample.reward` to the reward of the policy's update."""
+    for group, row in zip(groups, rewards.tolist()):
+        for sample, reward in zip(group.samples, row):
+            sample.reward = float(reward)
 
 
 def policy_batch(run: Run, groups: Sequence[RolloutGroup], advantages: torch.Tensor) -> TokenBatch:
@@ -72,9 +80,9 @@ def fill_logprobs(run: Run, batch: TokenBatch) -> None:
             batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching)
 
 
-def update_policy(run: Run, batch: TokenBatch) -> dict[str, float]:
-    """``train.mini_batches`` GRPO updates on consecutive slices of the batch; mean metrics and the
-    number of skipped (non-finite) updates."""
+def update_policy(run: Run, batch: TokenBatch) -> PolicyUpdate:
+    """``train.mini_batches`` GRPO updates on consecutive slices of the batch; a skipped
+    (non-finite) update does not advance the schedule, as in megatron."""
     cfg, policy = run.cfg, run.policy
     loss = GRPOLoss(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_ratio_c,
                     kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef)
@@ -83,28 +91,23 @@ def update_policy(run: Run, batch: TokenBatch) -> dict[str, float]:
     for i in range(cfg.train.mini_batches):
         u = policy_update(policy.ddp, policy.optimizer, batch.slice(i * per_mini, (i + 1) * per_mini),
                           run.batching, loss)
-        if not u["nonfinite"]:  # as megatron: a skipped update does not advance the schedule
+        if not u.nonfinite:
             policy.scheduler.step(1)
         updates.append(u)
-    metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "nonfinite"}
-    metrics["skipped/nonfinite"] = float(sum(u["nonfinite"] for u in updates))
-    metrics["lr"] = float(policy.optimizer.param_groups[0]["lr"])
-    return metrics
+    return PolicyUpdate.mean_of(updates, lr=float(policy.optimizer.param_groups[0]["lr"]))
 
 
-def rollout_metrics(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Run) -> dict[str, float]:
-    """Reward, rule accuracy, their gap, lengths and (RM modes) the reward of right and wrong rollouts."""
+def rollout_stats(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Run) -> RolloutStats:
+    """Reward, rule accuracy, lengths and (RM modes) the reward of right and wrong rollouts."""
     samples = [s for g in groups for s in g.samples]
     flat = rewards.flatten().tolist()
-    rule = rule_verdicts(groups).flatten()
-    m = {"reward/mean": float(rewards.mean()), "rule/acc": float(rule.mean()),
-         "reward_rule_gap": reward_rule_gap(float(rewards.mean()), float(rule.mean())),
-         "response/length": sum(len(s.token_ids) for s in samples) / len(samples),
-         "rule/unverifiable": sum(s.rule_correct is None for s in samples) / len(samples)}
-    if run.rm is not None:
-        m["rm/reward_correct"] = _mean([r for r, s in zip(flat, samples) if s.rule_correct])
-        m["rm/reward_wrong"] = _mean([r for r, s in zip(flat, samples) if not s.rule_correct])
-    return m
+    scored = run.rm is not None
+    return RolloutStats(
+        reward_mean=float(rewards.mean()), rule_acc=float(rule_verdicts(groups).flatten().mean()),
+        rule_unverifiable=sum(s.rule_correct is None for s in samples) / len(samples),
+        response_length=sum(len(s.token_ids) for s in samples) / len(samples),
+        rm_reward_correct=_mean([r for r, s in zip(flat, samples) if s.rule_correct]) if scored else None,
+        rm_reward_wrong=_mean([r for r, s in zip(flat, samples) if not s.rule_correct]) if scored else None)
 
 
 def _mean(xs: list[float]) -> float:

@@ -71,7 +71,12 @@ def _train(assets, out, *overrides, nproc=1):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
     assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    from cooper_mcore.metric_names import SCHEMA
+
+    unknown = sorted({k for m in lines for k in m} - set(SCHEMA))
+    assert not unknown, f"keys missing from cooper_mcore/metric_names.py: {unknown}"  # docs/metrics.md lists them all
+    return lines
 
 
 def _tensors(ckpt):

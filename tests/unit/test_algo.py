@@ -107,6 +107,12 @@ def test_policy_loss_clip_regions_hand_values():
     close(stats["ratio_mean"], (0.5 + 1.1 + 1.5) * 2 / 6, atol=1e-6)
     close(stats["ratio_max"], 1.5, atol=1e-6)  # the padding's 100 is excluded
     close(stats["ratio_min"], 0.5, atol=1e-6)
+    # the per-token statistics behind the means: the ratio (1 on padding) and the clipped tokens, the
+    # ones that get no gradient below (r=1.5 with A=+1, r=0.5 with A=-1)
+    close(stats.ratio, [[0.5, 1.1, 1.5, 1.0], [0.5, 1.1, 1.5, 1.0]], atol=1e-6)
+    assert stats.clipped.tolist() == [[False, False, True, False], [True, False, False, False]]
+    assert set(stats) == {"clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean",
+                          "ratio_max", "ratio_min", "approx_kl"}
     # d loss / d logp = -A * ratio on unclipped tokens, 0 on clipped ones and padding
     loss.sum().backward()
     close(logp.grad, [[-0.5, -1.1, 0.0, 0.0], [0.0, 1.1, 1.5, 0.0]], atol=1e-6)
@@ -153,6 +159,8 @@ def test_policy_loss_dual_clip():
     close(stats["dual_clip_frac"], 1 / 3)
     loss.sum().backward()
     close(logp.grad, [[0.0, 2.0, 0.0]], atol=1e-5)  # capped and clipped tokens get no gradient
+    assert stats.clipped.tolist() == [[True, False, True]]  # exactly those: the dual cap and the PPO clip
+    close(stats.ratio, [[5.0, 2.0, 5.0]], atol=1e-5)
     off, _ = policy_loss(logp.detach(), old, adv, torch.ones(1, 3))
     close(off, [[5.0, 2.0, -1.2]], atol=1e-5)
 
@@ -208,6 +216,7 @@ def test_policy_loss_empty_mask_and_bad_input():
     loss, stats = policy_loss(logp, logp, torch.ones(2, 2), torch.zeros(2, 2))
     assert torch.equal(loss, torch.zeros(2, 2))
     assert stats["ratio_max"].item() == 0.0 and stats["ratio_min"].item() == 0.0 and stats["clip_frac"].item() == 0.0
+    assert not stats.clipped.any() and torch.equal(stats.ratio, torch.ones(2, 2))
     with pytest.raises(ValueError):
         policy_loss(logp, torch.zeros(2, 3), torch.ones(2, 2), torch.ones(2, 2))
     with pytest.raises(ValueError):

@@ -374,6 +374,8 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
 
     from cooper_mcore.data.mathgen import answer_form, answer_value
     from cooper_mcore.demo.task import family_of
+    from cooper_mcore.metric_names import SCHEMA
+    from cooper_mcore.metrics import read_metrics
 
     out = tmp_path / "demo"
     r = _demo(out)
@@ -387,6 +389,9 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
             assert key in s, (mode, key)
         assert 0.0 <= s["acc_before"] <= 1.0 and 0.0 <= s["acc_after"] <= 1.0
         assert (report / f"metrics_{mode}.jsonl").stat().st_size > 0
+        # every key the trainer wrote (rule, static RM, Cooper, with evaluations) is in the metric schema
+        written = {k for line in read_metrics(str(report / f"metrics_{mode}.jsonl")) for k in line}
+        assert written <= set(SCHEMA), (mode, sorted(written - set(SCHEMA)))
     assert summary["rule"]["rm_acc_before"] is None and summary["rule"]["rm_acc_after"] is None
     # the RM's benchmark needs a held-out question with a correct and a wrong completion: a 4-step SFT policy
     # may have none (then the RM accuracies are not measured, None, and the run goes on)

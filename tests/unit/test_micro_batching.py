@@ -78,7 +78,7 @@ def test_policy_update_gradient_equal_in_every_mode(tiny_models, world):
         batch.ref_logp = logp - 0.1
         m = policy_update(ddp, opt, batch, batching, GRPOLoss(kl_coef=0.1, entropy_coef=0.01))
         grads[mode] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
-        losses[mode] = m["loss"]
+        losses[mode] = m.loss
     for mode in ("budget", "packed"):
         assert losses[mode] == pytest.approx(losses["fixed"], rel=1e-5)
         for name, g in grads["fixed"].items():

@@ -126,11 +126,11 @@ def test_policy_update_with_nan_loss_is_skipped(tiny_models, monkeypatch):
 
         monkeypatch.setattr(policy, "policy_loss", nan_loss)
         m = policy.policy_update(ddp, opt, batch, MicroBatching(4), policy.GRPOLoss())
-        assert m["nonfinite"] == 1.0 and math.isnan(m["grad_norm"]) and math.isnan(m["loss"])
+        assert m.nonfinite is True and math.isnan(m.grad_norm) and math.isnan(m.loss)
         assert _same(before, _state(model, opt)) and adam_step(opt) == 0.0
         monkeypatch.setattr(policy, "policy_loss", real_loss)
         m = policy.policy_update(ddp, opt, batch, MicroBatching(4), policy.GRPOLoss())
-        assert m["nonfinite"] == 0.0 and m["grad_norm"] > 0 and adam_step(opt) == 1.0
+        assert m.nonfinite is False and m.grad_norm > 0 and adam_step(opt) == 1.0
         assert not _same(before, _state(model, opt))  # the check above could have failed
 
 

@@ -24,6 +24,7 @@ from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
 from cooper_mcore.models.hf_mapping import canonical_mcore_name, param_mappings, to_hf
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.rl.results import GRPOUpdate
 
 
 def _batch(vocab: int, n: int = 8, seed: int = 3) -> TokenBatch:
@@ -40,7 +41,7 @@ def _batch(vocab: int, n: int = 8, seed: int = 3) -> TokenBatch:
 
 
 def _megatron_update(ckpt: str, batch: TokenBatch, mbs: int, loss: GRPOLoss, lr: float = 1e-3):
-    """One policy_update; returns (model, metrics, {hf name: gradient})."""
+    """One policy_update; returns (model, its GRPOUpdate, {hf name: gradient})."""
     model, arch = load_checkpoint_model(ckpt, ParallelConfig())
     ddp, opt = wrap_for_training(model, OptimConfig(lr=lr, clip_grad=0.0), per_token_loss=True)
     metrics = policy_update(ddp, opt, batch, MicroBatching(mbs), loss)
@@ -101,9 +102,9 @@ def test_update_gradient_equals_a_plain_torch_grpo_step(tiny_models, family):
         batch = _with_logprobs(ckpt, _batch(vocab=128), noise=0.3)
         _, metrics, ours = _megatron_update(ckpt, batch, mbs=2, loss=loss)
     ref, ref_loss, ref_clip_frac = _reference_grads(hf_dir, batch, loss)
-    assert metrics["clip_frac"] > 0.05  # the clip is active on this batch
-    assert metrics["clip_frac"] == pytest.approx(ref_clip_frac, abs=1e-6)
-    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert metrics.clip_frac > 0.05  # the clip is active on this batch
+    assert metrics.clip_frac == pytest.approx(ref_clip_frac, abs=1e-6)
+    assert metrics.loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     scale = max(float(g.abs().max()) for g in ref.values())
     for name, g in ref.items():
         if family == "qwen2_tied" and name == "lm_head.weight":
@@ -140,10 +141,10 @@ def test_update_gradient_applies_the_dual_clip(tiny_models):
     assert int(capped.sum()) >= 5  # the batch has dual-clipped tokens
     ref, ref_loss, ref_clip_frac = _reference_grads(hf_dir, batch, loss)
     no_dual, no_dual_loss, no_dual_clip_frac = _reference_grads(hf_dir, batch, GRPOLoss(0.2, 0.28, clip_ratio_c=None))
-    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert metrics.loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     assert no_dual_loss > ref_loss + 0.1  # the uncapped losses of stale negative tokens (|A| * 4.48 > |A| * 3)
     # clip_frac counts the tokens either clip leaves without a gradient, the dual-clipped ones included
-    assert metrics["clip_frac"] == pytest.approx(ref_clip_frac, abs=1e-6)
+    assert metrics.clip_frac == pytest.approx(ref_clip_frac, abs=1e-6)
     assert ref_clip_frac >= no_dual_clip_frac + float(capped.sum() / mask.sum()) - 1e-6
     scale = max(float(g.abs().max()) for g in ref.values())
     for name, g in ref.items():
@@ -171,7 +172,7 @@ def test_update_policy_takes_the_dual_clip_from_the_config(monkeypatch):
 
     def update(ddp, optimizer, batch, batching, loss):
         seen.append(loss)
-        return {"loss": 0.0, "nonfinite": 0.0}
+        return GRPOUpdate(loss=0.0, kl=0.0, ratio_mean=1.0, clip_frac=0.0, entropy=0.0, grad_norm=0.0, nonfinite=False)
 
     monkeypatch.setattr(step, "policy_update", update)
     optimizer = SimpleNamespace(param_groups=[{"lr": 1e-6}])
@@ -194,9 +195,9 @@ def test_micro_batches_1x8_equal_8x1(tiny_models):
     scale = max(float(g.abs().max()) for g in ga.values())
     for k in ga:
         torch.testing.assert_close(ga[k], gb[k], atol=1e-5 * scale, rtol=1e-4, msg=k)
-    assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-6)
-    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
-    assert ma["ratio/mean"] == pytest.approx(1.0, abs=1e-6) and ma["clip_frac"] == 0.0  # old == current
+    assert ma.loss == pytest.approx(mb.loss, abs=1e-6)
+    assert ma.grad_norm == pytest.approx(mb.grad_norm, rel=1e-5)
+    assert ma.ratio_mean == pytest.approx(1.0, abs=1e-6) and ma.clip_frac == 0.0  # old == current
 
 
 def test_loss_is_token_mean_of_the_grpo_objective(tiny_models):
@@ -213,8 +214,8 @@ def test_loss_is_token_mean_of_the_grpo_objective(tiny_models):
     # at ratio 1 the clipped surrogate is -A per token; the KL term is k3 of (old - 0.01) vs old
     kl = kl_penalty(batch.old_logp, batch.ref_logp, "low_var_kl")
     expected = ((-adv + 0.5 * kl) * mask).sum() / mask.sum()
-    assert m["loss"] == pytest.approx(float(expected), abs=1e-6)
-    assert m["kl"] == pytest.approx(float((kl * mask).sum() / mask.sum()), abs=1e-7) and m["kl"] > 0
+    assert m.loss == pytest.approx(float(expected), abs=1e-6)
+    assert m.kl == pytest.approx(float((kl * mask).sum() / mask.sum()), abs=1e-7) and m.kl > 0
 
 
 def test_token_logprobs_leave_fp32_logits_intact():

@@ -56,7 +56,7 @@ def main():
     batch.old_logp = compute_logprobs(model, batch, MicroBatching(2)) + noise
     m = policy_update(ddp, opt, batch, MicroBatching(2), GRPOLoss(clip_low=0.2, clip_high=0.2))
     result["policy"] = full_grads(model)
-    result["policy_loss"] = m["loss"]
+    result["policy_loss"] = m.loss
 
     rm, rm_arch = load_checkpoint_model(args.rm, parallel)
     rm_ddp, rm_opt = wrap_reward_model(rm, OptimConfig(lr=0.0, clip_grad=0.0))

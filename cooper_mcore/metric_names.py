@@ -1,0 +1,205 @@
+"""The trainer's metric schema: every key ``cooper train`` writes to ``metrics.jsonl`` (and wandb),
+named once here with a one-line description.
+
+Code refers to the constants (:class:`MetricKey`, :class:`Phase`, :func:`time_key`,
+:func:`memory_key`), never to the strings; :data:`SCHEMA` lists every key with where it is written
+and what it means, and :func:`render_page` renders it as ``docs/metrics.md`` (a unit test keeps the
+checked-in page equal to the rendering)::
+
+    python -m cooper_mcore.metric_names > docs/metrics.md
+
+This module is at the bottom of the import order: it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MEMORY_PREFIX", "SCHEMA", "SECTIONS", "TIME_PREFIX", "Metric", "MetricKey", "Phase", "memory_key",
+           "render_page", "time_key"]
+
+#: the prefix of a phase's wall seconds (the slowest rank's; :func:`time_key`)
+TIME_PREFIX = "time/"
+#: the prefix of a phase's peak GPU memory (the fullest rank's; :func:`memory_key`)
+MEMORY_PREFIX = "memory/"
+
+#: the page's sections, in order: title and what the section's keys have in common
+SECTIONS = {
+    "run": ("Run", "the loop's own keys"),
+    "rollouts": ("Rollouts", "this step's rollouts: means over the step's rollouts"),
+    "policy": ("Policy update", "the GRPO update: token means over the response tokens, means over the step's "
+                                "`train.mini_batches` updates"),
+    "rm": ("Reward-model update", "the reward model's pairwise update on the step's preference pairs "
+                                  "(`reward.mode: cooper`)"),
+    "eval": ("Evaluation", "on the steps that evaluate (every `eval.every` steps): held-out avg@k at the eval "
+                           "sampling (temperature 0.7, top-p 0.95 by default), split across the data-parallel "
+                           "replicas, counted over the world"),
+    "timing": ("Timing and memory", "per phase of the step (`metrics.PhaseTimer`); `time/*` are the slowest "
+                                    "rank's, `memory/*` the fullest rank's"),
+}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One key of a ``metrics.jsonl`` line.
+
+    Attributes:
+        key: the key as written.
+        section: its section of :data:`SECTIONS`.
+        written: when a line holds it (every step, a reward mode, the evaluation steps, a GPU).
+        description: what it means, in one line.
+    """
+
+    key: str
+    section: str
+    written: str
+    description: str
+
+
+_SCHEMA: list[Metric] = []
+_EVERY = "every step"
+_RM = "reward.mode static_rm, cooper"
+_COOPER = "reward.mode cooper"
+
+
+def _define(key: str, section: str, written: str, description: str) -> str:
+    """Add `key` to the schema and return it (so that each key is spelled once, where it is described)."""
+    if section not in SECTIONS:
+        raise ValueError(f"unknown section {section!r} of metric {key!r}")
+    if any(m.key == key for m in _SCHEMA):
+        raise ValueError(f"metric {key!r} defined twice")
+    _SCHEMA.append(Metric(key, section, written, description))
+    return key
+
+
+class MetricKey:
+    """The keys of a ``metrics.jsonl`` line; the per-phase ``time/*`` and ``memory/*`` keys come from
+    :func:`time_key` and :func:`memory_key`."""
+
+    STEP = _define("step", "run", "every line", "finished steps; the first key of each line (not a metric)")
+
+    REWARD_MEAN = _define("reward/mean", "rollouts", _EVERY,
+                          "the policy's reward: the rule's 0/1 (rule) or the reward model's (static_rm, cooper)")
+    RULE_ACC = _define("rule/acc", "rollouts", _EVERY, "share of the rollouts math-verify marks correct")
+    RULE_UNVERIFIABLE = _define("rule/unverifiable", "rollouts", _EVERY,
+                                "share of the rollouts math-verify could not verify")
+    REWARD_RULE_GAP = _define("reward_rule_gap", "rollouts", _EVERY,
+                              "`reward/mean - rule/acc` (`hacking.reward_rule_gap`); it grows "
+                              "when the policy hacks the reward model")
+    RESPONSE_LENGTH = _define("response/length", "rollouts", _EVERY, "tokens per completion")
+    RM_REWARD_CORRECT = _define("rm/reward_correct", "rollouts", _RM,
+                                "mean reward-model reward of the rule-correct rollouts (NaN without one)")
+    RM_REWARD_WRONG = _define("rm/reward_wrong", "rollouts", _RM,
+                              "mean reward-model reward of the rule-wrong rollouts (NaN without one)")
+
+    LOSS = _define("loss", "policy", _EVERY, "the GRPO loss (clipped surrogate + KL term - entropy bonus)")
+    KL = _define("kl", "policy", _EVERY, "KL of the policy to the reference by `algo.kl_kind` (0 with "
+                                         "`algo.kl_coef` 0)")
+    RATIO_MEAN = _define("ratio/mean", "policy", _EVERY, "importance ratio pi / pi_old of the sampled tokens")
+    CLIP_FRAC = _define("clip_frac", "policy", _EVERY,
+                        "share of the tokens the PPO clip or the dual clip leaves without gradient")
+    ENTROPY = _define("entropy", "policy", _EVERY, "token entropy of the policy on the responses")
+    GRAD_NORM = _define("grad_norm", "policy", _EVERY,
+                        "the policy's global gradient norm before clipping (NaN for a skipped update)")
+    LR = _define("lr", "policy", _EVERY, "the policy's learning rate after the step's updates")
+    SKIPPED_NONFINITE = _define("skipped/nonfinite", "policy", _EVERY,
+                                "updates (policy mini-batches + the RM's) skipped for a non-finite loss or "
+                                "gradient norm; `train.max_nonfinite_steps` such steps in a row stop the run")
+
+    RM_LOSS = _define("rm/loss", "rm", _COOPER, "the RM's loss: pairwise loss + `rm.anchor_weight` x anchor")
+    RM_PAIRWISE_LOSS = _define("rm/pairwise_loss", "rm", _COOPER, "the pairwise loss -logsigmoid(s_pos - s_neg)")
+    RM_ANCHOR_LOSS = _define("rm/anchor_loss", "rm", _COOPER,
+                             "the calibration anchor (BCE on each pair's own labels, unweighted)")
+    RM_PAIR_ACC = _define("rm/pair_acc", "rm", _COOPER,
+                          "share of the valid pairs the RM orders right (s_pos > s_neg; NaN without a valid pair)")
+    RM_THRESHOLD_ACC = _define("rm/threshold_acc", "rm", _COOPER,
+                               "share of the pairs' rows on the right side of logit 0 (NaN without a valid pair)")
+    PAIRS_VALID = _define("pairs/valid", "rm", _COOPER, "preference pairs with a positive and a negative; "
+                                                        "`train.max_steps_without_pairs` steps in a row without "
+                                                        "one give a warning")
+    PAIRS_NO_POSITIVE = _define("pairs/no_positive", "rm", _COOPER, "prompts without a rule-correct rollout")
+    PAIRS_NO_NEGATIVE = _define("pairs/no_negative", "rm", _COOPER,
+                                "prompts with a positive but no negative (assistant failures included)")
+    PAIRS_ASSISTANT_FAILED = _define("pairs/assistant_failed", "rm", _COOPER,
+                                     "prompts whose assistant request failed after its retries (masked)")
+
+    DATA_SKIPPED_TOO_LONG = _define("data/skipped_too_long", "run", _EVERY,
+                                    "training prompts left out at start-up: prompt + `rollout.max_new_tokens` "
+                                    "exceeds the policy's `max_position_embeddings` (a warning names how many and "
+                                    "the first ids)")
+
+    EVAL_ACC = _define("eval/acc", "eval", "evaluation steps",
+                       "held-out avg@k by `eval.verifier`: the rule verifier, or `arithmetic_oracle` (the arithmetic "
+                       "task's truth, which also reads answers math-verify does not, such as `\\boxed{14.}`)")
+    EVAL_RULE_ACC = _define("eval/rule_acc", "eval", "evaluation steps, eval.verifier arithmetic_oracle",
+                            "the rule verifier's held-out accuracy on the same completions")
+
+    TIME_STEP = _define(TIME_PREFIX + "step", "timing", _EVERY, "seconds of the step: the sum of its outermost "
+                                                                "phases")
+
+
+class Phase:
+    """The timed phases of a step: ``with timer.phase(Phase.ROLLOUT)`` writes ``time/rollout`` (and,
+    on a GPU, ``memory/rollout``); the names are also ``COOPER_FAULT``'s fault points."""
+
+    OFFLOAD = "offload"
+    WEIGHT_SYNC = "weight_sync"
+    ROLLOUT = "rollout"
+    RM_SCORE = "rm_score"
+    LOGPROBS = "logprobs"
+    POLICY_UPDATE = "policy_update"
+    RM_UPDATE = "rm_update"
+    EVAL = "eval"
+
+
+_PHASES = (
+    (Phase.OFFLOAD, _EVERY, "moving training state to and from host memory around each generation"),
+    (Phase.WEIGHT_SYNC, "steps that push weights", "pushing the policy's new weights into the rollout engine"),
+    (Phase.ROLLOUT, _EVERY, "generating the rollouts and verifying them by the rule"),
+    (Phase.RM_SCORE, _EVERY, "scoring the rollouts with the reward model (none in rule mode)"),
+    (Phase.LOGPROBS, _EVERY, "the old (and, with a KL term, the reference) log-probabilities"),
+    (Phase.POLICY_UPDATE, _EVERY, "the policy's GRPO update"),
+    (Phase.RM_UPDATE, _COOPER, "building the preference pairs and the reward model's update"),
+    (Phase.EVAL, "evaluation steps", "the held-out evaluation"),
+)
+
+
+def time_key(phase: str) -> str:
+    """`time/<phase>`: the phase's wall seconds this step."""
+    return TIME_PREFIX + phase
+
+
+def memory_key(phase: str) -> str:
+    """`memory/<phase>`: the phase's peak allocated GPU memory this step, GiB."""
+    return MEMORY_PREFIX + phase
+
+
+for _phase, _written, _what in _PHASES:
+    _define(time_key(_phase), "timing", _written, f"seconds: {_what}")
+for _phase, _written, _what in _PHASES:
+    _define(memory_key(_phase), "timing", f"{_written}, on a GPU", f"peak GiB (torch.cuda.max_memory_allocated): "
+                                                                  f"{_what}")
+
+#: every key of a `metrics.jsonl` line, by key
+SCHEMA: dict[str, Metric] = {m.key: m for m in _SCHEMA}
+
+
+def render_page() -> str:
+    """`docs/metrics.md`: one table per section of :data:`SCHEMA`."""
+    lines = ["# Metrics reference", "",
+             "<!-- generated from cooper_mcore/metric_names.py by "
+             "`python -m cooper_mcore.metric_names > docs/metrics.md`; do not edit -->", "",
+             "Every key `cooper train` writes to `<out>/metrics.jsonl`, one JSON object per step (and to wandb). "
+             "Values are means over the data-parallel ranks unless said otherwise; a non-finite value is written "
+             "as `null`. The keys are named once, in `cooper_mcore/metric_names.py`: code refers to its "
+             "constants.", ""]
+    for section, (title, about) in SECTIONS.items():
+        lines += [f"## {title}", "", about[0].upper() + about[1:] + ".", "", "| key | written | meaning |",
+                  "|---|---|---|"]
+        lines += [f"| `{m.key}` | {m.written} | {m.description} |" for m in _SCHEMA if m.section == section]
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_page(), end="")

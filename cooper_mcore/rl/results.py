@@ -1,0 +1,195 @@
+"""What a Cooper step returns: typed records of its rollouts, its policy update and its
+reward-model update, and the one mapping of them to the metric keys of
+:mod:`cooper_mcore.metric_names` (:meth:`StepResult.to_metrics`).
+
+Control decisions read the fields (a skipped update does not step the schedule; the loop counts
+steps with skipped updates); only :meth:`StepResult.to_metrics` turns them into a metrics dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cooper_mcore.hacking import reward_rule_gap
+from cooper_mcore.metric_names import MetricKey as K
+from cooper_mcore.types import PreferencePair
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """This rank's rollouts of one step.
+
+    Attributes:
+        reward_mean: mean reward the policy got (the rule's 0/1, or the reward model's).
+        rule_acc: share of the rollouts the rule verifier marked correct.
+        rule_unverifiable: share of the rollouts the rule verifier could not verify.
+        response_length: mean completion length in tokens.
+        rm_reward_correct: mean reward-model reward of the rule-correct rollouts (NaN without one);
+            None when no reward model scored them (rule mode).
+        rm_reward_wrong: the same for the rule-wrong rollouts.
+    """
+
+    reward_mean: float
+    rule_acc: float
+    rule_unverifiable: float
+    response_length: float
+    rm_reward_correct: Optional[float] = None
+    rm_reward_wrong: Optional[float] = None
+
+    @property
+    def reward_rule_gap(self) -> float:
+        """:func:`cooper_mcore.hacking.reward_rule_gap` of this step's reward and rule accuracy."""
+        return reward_rule_gap(self.reward_mean, self.rule_acc)
+
+    def to_metrics(self) -> dict[str, float]:
+        """The rollout keys of a metrics line (the RM's rewards only when a reward model scored them)."""
+        m = {K.REWARD_MEAN: self.reward_mean, K.RULE_ACC: self.rule_acc, K.REWARD_RULE_GAP: self.reward_rule_gap,
+             K.RESPONSE_LENGTH: self.response_length, K.RULE_UNVERIFIABLE: self.rule_unverifiable}
+        if self.rm_reward_correct is not None and self.rm_reward_wrong is not None:
+            m[K.RM_REWARD_CORRECT] = self.rm_reward_correct
+            m[K.RM_REWARD_WRONG] = self.rm_reward_wrong
+        return m
+
+
+@dataclass(frozen=True)
+class GRPOUpdate:
+    """One GRPO optimizer step of the policy (:func:`cooper_mcore.rl.policy.policy_update`): means
+    over this rank's response tokens.
+
+    Attributes:
+        loss: the GRPO loss (surrogate + KL term - entropy bonus).
+        kl: KL to the reference by the loss's estimator (0 without a KL term).
+        ratio_mean: importance ratio pi / pi_old.
+        clip_frac: share of the tokens the PPO or the dual clip left without gradient.
+        entropy: token entropy of the policy.
+        grad_norm: the global gradient norm (NaN when the update was skipped).
+        nonfinite: the update was skipped because the loss or the gradient norm was not finite
+            (the same on every rank).
+    """
+
+    loss: float
+    kl: float
+    ratio_mean: float
+    clip_frac: float
+    entropy: float
+    grad_norm: float
+    nonfinite: bool
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """The step's policy update: means over its ``train.mini_batches`` :class:`GRPOUpdate` records.
+
+    Attributes:
+        loss, kl, ratio_mean, clip_frac, entropy, grad_norm: means over the updates.
+        skipped: updates skipped for a non-finite loss or gradient norm.
+        lr: the learning rate after the updates (and the schedule's steps).
+    """
+
+    loss: float
+    kl: float
+    ratio_mean: float
+    clip_frac: float
+    entropy: float
+    grad_norm: float
+    skipped: int
+    lr: float
+
+    @classmethod
+    def mean_of(cls, updates: Sequence[GRPOUpdate], lr: float) -> PolicyUpdate:
+        """The mean of ``updates`` (one or more), the number skipped, and the learning rate ``lr``."""
+        def mean(values: Iterable[float]) -> float:
+            return sum(values) / len(updates)
+
+        return cls(loss=mean(u.loss for u in updates), kl=mean(u.kl for u in updates),
+                   ratio_mean=mean(u.ratio_mean for u in updates), clip_frac=mean(u.clip_frac for u in updates),
+                   entropy=mean(u.entropy for u in updates), grad_norm=mean(u.grad_norm for u in updates),
+                   skipped=sum(u.nonfinite for u in updates), lr=lr)
+
+    def to_metrics(self) -> dict[str, float]:
+        """The policy keys of a metrics line, but ``skipped/nonfinite`` (:meth:`StepResult.to_metrics`)."""
+        return {K.LOSS: self.loss, K.KL: self.kl, K.RATIO_MEAN: self.ratio_mean, K.CLIP_FRAC: self.clip_frac,
+                K.ENTROPY: self.entropy, K.GRAD_NORM: self.grad_norm, K.LR: self.lr}
+
+
+@dataclass(frozen=True)
+class PairCounts:
+    """The step's preference pairs, counted (the same on every rank of a model-parallel group).
+
+    Attributes:
+        valid: pairs with a positive and a negative.
+        no_positive: prompts without a rule-correct rollout.
+        no_negative: prompts with a positive but no negative (failures included).
+        assistant_failed: prompts whose negative's generator failed (the assistant endpoint).
+    """
+
+    valid: int
+    no_positive: int
+    no_negative: int
+    assistant_failed: int
+
+    def to_metrics(self) -> dict[str, float]:
+        """The ``pairs/*`` keys of a metrics line."""
+        return {K.PAIRS_VALID: float(self.valid), K.PAIRS_NO_POSITIVE: float(self.no_positive),
+                K.PAIRS_NO_NEGATIVE: float(self.no_negative), K.PAIRS_ASSISTANT_FAILED: float(self.assistant_failed)}
+
+
+@dataclass(frozen=True)
+class RMUpdate:
+    """The reward model's pairwise update of one step (global over the ranks).
+
+    Attributes:
+        loss: the RM's loss (pairwise + weighted anchor); 0 without a valid pair.
+        pairwise_loss: the pairwise term.
+        anchor_loss: the anchor term, unweighted.
+        pair_acc: share of the valid pairs ordered right (NaN without one).
+        threshold_acc: share of the pairs' rows on the right side of logit 0 (NaN without one).
+        nonfinite: the update was skipped because the loss or the gradient norm was not finite.
+        pair_counts: the step's pairs, counted.
+    """
+
+    loss: float
+    pairwise_loss: float
+    anchor_loss: float
+    pair_acc: float
+    threshold_acc: float
+    nonfinite: bool
+    pair_counts: PairCounts
+
+    def to_metrics(self) -> dict[str, float]:
+        """The ``rm/*`` and ``pairs/*`` keys of a metrics line."""
+        return {K.RM_LOSS: self.loss, K.RM_PAIRWISE_LOSS: self.pairwise_loss, K.RM_ANCHOR_LOSS: self.anchor_loss,
+                K.RM_PAIR_ACC: self.pair_acc, K.RM_THRESHOLD_ACC: self.threshold_acc,
+                **self.pair_counts.to_metrics()}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One Cooper step on this rank (:func:`cooper_mcore.rl.step.cooper_step`).
+
+    Attributes:
+        rollouts: the rollouts' statistics.
+        policy: the policy's update.
+        rm: the reward model's update; None when the reward model is not trained (rule, static_rm).
+        pairs: the preference pairs the reward model was trained on (empty without an RM update).
+    """
+
+    rollouts: RolloutStats
+    policy: PolicyUpdate
+    rm: Optional[RMUpdate] = None
+    pairs: list[PreferencePair] = field(default_factory=list)
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped this step for a non-finite loss or gradient norm (the policy's and the RM's)."""
+        return self.policy.skipped + (1 if self.rm is not None and self.rm.nonfinite else 0)
+
+    def to_metrics(self) -> dict[str, float]:
+        """This step's metrics line (this rank's values), keyed by :mod:`cooper_mcore.metric_names`."""
+        metrics = {**self.policy.to_metrics(), K.SKIPPED_NONFINITE: float(self.skipped_updates)}
+        if self.rm is not None:
+            metrics.update(self.rm.to_metrics())
+        metrics.update(self.rollouts.to_metrics())
+        return metrics
