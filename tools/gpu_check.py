@@ -5,15 +5,18 @@ by what it tells, most first; ``<out>/report.md`` is rewritten after every step,
 keeps what it measured. Each step runs in its own process group with a time limit (the rest of the
 budget at most):
 
-1. the rehearsal of ``examples/qwen2.5-1.5b_8xh100.yaml`` at its real model shape on one GPU
-   (``cooper rehearse --real-shape``: random weights, TP=1, the transformers engine where SGLang is
-   absent, 3 steps): per-phase time and peak memory next to ``cooper plan``'s prediction;
-2. the ``gpu``-marked tests (``tests/gpu``, and ``tests/sglang/test_gpu.py`` when sglang imports);
-3. ``benchmarks/train_step.py``: tokens/s, MFU and peak memory of a Qwen2.5-1.5B-shaped policy
+1. the ``gpu``-marked tests (``tests/gpu``, and ``tests/sglang/test_gpu.py`` when sglang imports):
+   2 min 10 s on an H200 (2026-11-26), the most informative minutes;
+2. ``benchmarks/train_step.py``: tokens/s, MFU and peak memory of a Qwen2.5-1.5B-shaped policy
    step (bf16, sequence 4096) with megatron-core and with plain transformers, each in a fresh
    process;
-4. ``benchmarks/cooper_step.py`` (not with ``--quick``): one full Cooper step, time and peak memory
-   per phase, with and without offload, next to ``cooper plan``.
+3. ``benchmarks/cooper_step.py`` (not with ``--quick``): one full Cooper step, time and peak memory
+   per phase, with and without offload, next to ``cooper plan``;
+4. the rehearsal of ``examples/qwen2.5-1.5b_8xh100.yaml`` at its real model shape on one GPU
+   (``cooper rehearse --real-shape``: random weights, TP=1, the transformers engine where SGLang is
+   absent, 3 steps): per-phase time and peak memory next to ``cooper plan``'s prediction. Last,
+   because building its real-shape assets alone took 3 minutes of the budget on an H200's host
+   (2026-11-26) and the run did not finish in the 6 minutes it had.
 
 The report holds the device, driver, versions, every figure, and every failure with the end of its
 log; raw logs and JSON lie beside it. Steps that fail are reported and the run goes on; a step the
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import logging
 import os
@@ -123,12 +127,16 @@ def versions() -> dict[str, str]:
     import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    for name in ("transformers", "megatron.core", "transformer_engine", "sglang", "math_verify"):
+    for name, dist in (("transformers", "transformers"), ("megatron.core", "megatron-core"),
+                       ("transformer_engine", "transformer-engine"), ("sglang", "sglang"),
+                       ("math_verify", "math-verify")):
         try:
-            mod = __import__(name, fromlist=["__version__"])
-            out[name] = getattr(mod, "__version__", "?")
+            __import__(name)
+            out[name] = importlib.metadata.version(dist)
         except ImportError:
             out[name] = "not installed"
+        except importlib.metadata.PackageNotFoundError:  # importable but not installed as a distribution
+            out[name] = "?"
     out["devices"] = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     out["memory_gib"] = f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.2f}"
     try:
@@ -260,9 +268,7 @@ def plan_steps(py: str, tiny: bool, quick: bool, out: Path) -> list[Step]:
     """The steps, most informative first (see the module doc)."""
     bench = ROOT / "benchmarks"
     preset = ROOT / ("examples/tiny_cpu.yaml" if tiny else REHEARSED_PRESET)
-    steps = [Step("rehearsal", [py, "-m", "cooper_mcore", "rehearse", "--config", str(preset), "--real-shape",
-                                "--out", str(out / "rehearsal")], 360),
-             Step("gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"], 240)]
+    steps = [Step("gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"], 240)]
     try:
         import sglang  # noqa: F401  (optional)
 
@@ -280,6 +286,8 @@ def plan_steps(py: str, tiny: bool, quick: bool, out: Path) -> list[Step]:
     if not quick:
         steps.append(Step("cooper_step", [py, "cooper_step.py", *shape, "--steps", "2", "--json",
                                           str(out / "cooper_step.json")], 300, cwd=bench))
+    steps.append(Step("rehearsal", [py, "-m", "cooper_mcore", "rehearse", "--config", str(preset), "--real-shape",
+                                    "--out", str(out / "rehearsal")], 360))
     return steps
 
 
