@@ -69,7 +69,7 @@ HANDLERS = {
 #: :func:`environment_error`); the others (a connection reset, ...) get a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
 #: The library's own user errors, by "module.Class": importing them would import megatron-core.
-USER_ERROR_NAMES = frozenset({"cooper_mcore.rl.loop.TrainingStopped",
+USER_ERROR_NAMES = frozenset({"cooper_mcore.job.TrainingStopped",
                               "cooper_mcore.reward.negatives.AssistantUnavailable",
                               "cooper_mcore.reward.annotate.JudgeUnavailable",
                               "cooper_mcore.parallel.CollectiveTimeout"})
