@@ -169,8 +169,8 @@ class JobRoom:
 @contextmanager
 def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None, seed: int = 1234,
         start_step: int = 0, config: Optional[dict[str, Any]] = None, metrics_dir: Optional[str] = None,
-        use_wandb: bool = False, wandb_project: str = "cooper_mcore", run_name: Optional[str] = None,
-        ) -> Iterator[JobRoom]:
+        write_metrics: bool = True, use_wandb: bool = False, wandb_project: str = "cooper_mcore",
+        run_name: Optional[str] = None) -> Iterator[JobRoom]:
     """The world, metrics log, progress bar and stop signal of a training job (module doc).
 
     Args:
@@ -182,6 +182,8 @@ def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None
         start_step: steps already done (a resumed run).
         config: the job's config, written beside the metrics (redacted) and sent to wandb.
         metrics_dir: where ``metrics.jsonl`` goes (default ``out``).
+        write_metrics: False: no metrics file (the log is a no-op; a job whose output folder is
+            a model checkpoint written whole at the end).
         use_wandb / wandb_project / run_name: the wandb mirror of the metrics.
 
     Yields:
@@ -195,7 +197,8 @@ def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None
     with world:
         main = dist.get_rank() == 0
         room = JobRoom(out, main, MetricsLogger(metrics_dir or out, run_name=run_name, config=config,
-                                                use_wandb=use_wandb, wandb_project=wandb_project, is_main=main),
+                                                use_wandb=use_wandb and write_metrics, wandb_project=wandb_project,
+                                                is_main=main and write_metrics),
                        ProgressBar(total_steps, start_step=start_step, enabled=main), StopSignal(), start_step)
         try:
             yield room

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cooper_mcore.atomic import atomic_open
-from cooper_mcore.config import CooperConfig, RewardMode, save_config
+from cooper_mcore.config import CooperConfig, OptimSection, RewardMode, SFTConfig, SFTTrainConfig, save_config
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.mathgen import answer_form, answer_value
@@ -293,9 +293,12 @@ def train_sft(cfg: DemoConfig, seed: int, assets: Stage, out: str) -> dict[str, 
     s = cfg.sft
     tokenizer = load_tokenizer(assets.file("tokenizer"))
     examples = _task(cfg).sft_examples(tokenizer, cfg.task.n_train, s.seed + seed, s.mix_wrong)
-    history = sft(assets.file("policy_mcore"), os.path.join(out, "policy_mcore"), examples, steps=s.steps, lr=s.lr,
-                  global_batch_size=s.batch, micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed + seed,
-                  log_every=max(s.steps // 10, 1))
+    job = SFTConfig(ckpt=assets.file("policy_mcore"), out=os.path.join(out, "policy_mcore"),
+                    optim=OptimSection(lr=s.lr),
+                    train=SFTTrainConfig(steps=s.steps, global_batch_size=s.batch,
+                                         micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed + seed,
+                                         log_every=max(s.steps // 10, 1)))
+    history = sft(job, examples)
     mcore_to_hf(os.path.join(out, "policy_mcore"), os.path.join(out, "policy_hf"))
     return {"loss_first": history["loss"][0], "loss_last": history["loss"][-1]}
 

@@ -105,10 +105,12 @@ def test_reward_model_jobs_refuse_a_larger_tokenizer(tiny_models, tmp_path):
 
 
 def test_sft_refuses_token_ids_past_the_vocabulary(tiny_models, tmp_path):
+    from cooper_mcore.config import OptimSection, SFTConfig, SFTTrainConfig
     from cooper_mcore.jobs.sft import sft
 
     _, ckpt = tiny_models[("qwen2", "causal_lm")]
     with pytest.raises(ValueError, match=r"the tokenizer of the SFT examples has 201 token ids \(0\.\.200\), the model "
                                          rf"'{re.escape(ckpt)}' a vocabulary of 128"):
-        sft(ckpt, str(tmp_path / "out"), [([5, 6], [7, 200])], steps=1, lr=1e-3, global_batch_size=1)
+        sft(SFTConfig(ckpt=ckpt, out=str(tmp_path / "out"), optim=OptimSection(lr=1e-3),
+                      train=SFTTrainConfig(steps=1, global_batch_size=1)), [([5, 6], [7, 200])])
     assert not os.path.exists(tmp_path / "out")
