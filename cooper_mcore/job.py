@@ -195,6 +195,7 @@ def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None
     """
     world = job_world(parallel, seed) if parallel is not None else _callers_world()
     with world:
+        dist.barrier()  # every rank has checked its output folder before rank 0 writes into it
         main = dist.get_rank() == 0
         room = JobRoom(out, main, MetricsLogger(metrics_dir or out, run_name=run_name, config=config,
                                                 use_wandb=use_wandb and write_metrics, wandb_project=wandb_project,
