@@ -11,6 +11,10 @@ permutation of the examples, epochs concatenated); every step takes the next
 ``global_batch_size`` of them and data-parallel rank ``r`` trains on the ``r``-th contiguous slice.
 The result is written as a new model checkpoint (``cooper_model.json`` and the input
 checkpoint's tokenizer files in ``hf_extra/``), under a temporary name renamed when complete.
+The job's settings are an :class:`~cooper_mcore.config.SFTConfig` (``cooper sft --config PRESET``
+builds the examples from its ``data`` section); it runs in the job skeleton
+(:func:`cooper_mcore.job.job`: world, progress bar, stop signal; no metrics file, its output folder
+is the checkpoint).
 
 :func:`math_sft_examples` builds SFT pairs for :mod:`cooper_mcore.data.mathgen`: the prompt is
 the templated question tokenised as the trainer and ``cooper eval`` tokenise prompts, the

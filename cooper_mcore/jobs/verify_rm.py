@@ -27,9 +27,11 @@ A completion is judged correct when ``sigmoid(score) >= threshold`` (0.5).
 Training (:func:`train_rm`) minimises the mean binary cross-entropy with AdamW at a constant
 learning rate (paper: lr 2e-5, weight decay 0.01, 3 epochs). Each epoch visits the rows in a
 seeded random order, in global batches of ``global_batch_size`` rows (the last one may be short;
-it counts only its real rows). ``out_dir`` receives ``metrics.jsonl`` (one JSON object per
-training step, ``"kind": "train"``, and per evaluation, ``"kind": "eval"``), checkpoints
-(``checkpoints/step_NNNNNN`` every ``save_every`` steps and ``final``; each written under a
+it counts only its real rows). The job (:class:`~cooper_mcore.config.VerifyRMConfig`) runs in the
+job skeleton (:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
+training step, the ``rm_train/*`` keys, and one per evaluation, the ``rm_eval/*`` keys, of
+:mod:`cooper_mcore.metric_names`), ``run_config.json``, model checkpoints
+(``checkpoints/step_NNNNNN`` every ``train.save_every`` steps and ``final``; each written under a
 temporary name and renamed when complete, with the tokenizer in ``hf_extra/``) and
 ``summary.json``. Optimizer states are not saved: a checkpoint is a model, not a resumable run.
 """
