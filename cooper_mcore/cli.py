@@ -185,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser)
 
+    _add_model_commands(sub)
+    _add_trainer_commands(sub)
+    _add_job_commands(sub)
+    _add_tool_commands(sub)
+    return p
+
+
+def _add_model_commands(sub: Any) -> None:
+    """The subcommands ``convert`` and ``verify``."""
     conv = sub.add_parser("convert", help="convert checkpoints between HF and Megatron formats")
     csub = conv.add_subparsers(dest="direction", required=True)
     h2m = csub.add_parser("hf-to-mcore", help="HF safetensors folder -> Megatron dist checkpoint")
@@ -210,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--gold-key", default="gold", help="field of each line holding the gold answer")
     ver.add_argument("--pred-key", default="pred", help="field of each line holding the prediction")
 
+
+def _add_trainer_commands(sub: Any) -> None:
+    """The subcommands ``train``, ``config`` and ``eval``."""
     tr = sub.add_parser("train", help="Cooper RL (reward modes: rule, static_rm, cooper); run under torchrun")
     tr.add_argument("--config", default=None, help="YAML preset (examples/*.yaml); default: the built-in defaults")
     tr.add_argument("--out", default=None, help="run folder (config.yaml, metrics.jsonl, checkpoints/); "
@@ -241,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all)")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
 
+
+def _add_job_commands(sub: Any) -> None:
+    """The subcommands ``sft``, ``train-rm``, ``eval-rm`` and ``annotate``."""
     sft = sub.add_parser("sft", help="supervised fine-tuning of a policy checkpoint on the arithmetic task's worked "
                                      "solutions; run under torchrun for several GPUs")
     sft.add_argument("--config", default=None, help="YAML preset (examples/jobs/sft_*.yaml); default: the built-in "
@@ -290,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--workers", type=int, default=2, help="verifier processes")
     an.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows instead of failing")
 
+
+def _add_tool_commands(sub: Any) -> None:
+    """The subcommands ``tiny-assets``, ``demo``, ``plan`` and ``rehearse``."""
     ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
     ta.add_argument("--out", default="runs/tiny_assets", help="output folder (existing pieces are reused)")
 
@@ -337,7 +355,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds one step may take before the run counts as hung")
     rh.add_argument("--startup-timeout", type=float, default=600.0, help="seconds from launch to the first step")
     rh.add_argument("overrides", nargs="*", help="dotted overrides applied to the preset, e.g. parallel.tp=2")
-    return p
 
 
 def _quiet_known_warnings() -> None:
