@@ -42,12 +42,12 @@ from megatron.core import parallel_state
 from cooper_mcore.algo import rm_bce_loss, rm_pair_losses
 from cooper_mcore.collectives import all_reduce, broadcast_from_last_stage
 from cooper_mcore.data.tokenizer import pad_id_of
-from cooper_mcore.mcore.micro_batches import MicroBatching, build_micro_batch, micro_batch_plan, split_micro_batches
 from cooper_mcore.mcore.tokens import PACK_PAD_ID
 from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
+from cooper_mcore.micro_batching.packing import round_up
+from cooper_mcore.micro_batching.runner import MicroBatching, build_micro_batch, micro_batch_plan, split_micro_batches
 from cooper_mcore.models.builder import RewardGPTModel
 from cooper_mcore.models.forward import forward_only, position_ids_for, run_schedule, unwrap
-from cooper_mcore.models.packing import round_up
 from cooper_mcore.parallel import device
 
 logger = logging.getLogger(__name__)

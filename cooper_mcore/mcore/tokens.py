@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from cooper_mcore.collectives import all_reduce, broadcast_from_last_stage
-from cooper_mcore.mcore.micro_batches import MicroBatch, MicroBatching, split_micro_batches
+from cooper_mcore.micro_batching.runner import MicroBatch, MicroBatching, split_micro_batches
 from cooper_mcore.models.forward import run_schedule, sequence_multiple, shifted_labels
 from cooper_mcore.parallel import device
 

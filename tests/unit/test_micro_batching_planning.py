@@ -1,10 +1,10 @@
-"""Micro-batches by a token budget (cooper_mcore.algo.batching): hand-checked plans and properties."""
+"""Micro-batches by a token budget (cooper_mcore.micro_batching.planning): hand-checked plans and properties."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cooper_mcore.algo import MicroBatchPlan, plan_micro_batches
+from cooper_mcore.micro_batching.planning import MicroBatchPlan, plan_micro_batches
 
 
 def test_packed_worst_fit_by_hand():

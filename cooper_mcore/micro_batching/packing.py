@@ -3,8 +3,8 @@
 A :class:`PackedBatch` is megatron-core's ``thd`` layout with a batch of one: the token ids of
 ``n`` sequences concatenated into one row ``[1, T]``, described by ``cu_seqlens`` (the cumulative
 segment boundaries ``[0, L_0, L_0 + L_1, ...]``). Attention stays inside each segment and rotary
-positions restart at 0 in each (:mod:`cooper_mcore.models.forward` turns a pack into megatron's
-``PackedSeqParams``; :class:`~cooper_mcore.models.spec.SDPAttention` and Transformer Engine read
+positions restart at 0 in each (:func:`cooper_mcore.micro_batching.runner.forward_packed` turns a pack
+into megatron's ``PackedSeqParams``; :class:`~cooper_mcore.models.spec.SDPAttention` and Transformer Engine read
 it). When the row must be longer than its tokens (sequence parallelism needs ``T`` to be a
 multiple of the TP size), the padding is appended as one extra segment of pad tokens, so it
 attends only to itself and never changes a real token's output (megatron-LM and slime pad the
@@ -175,7 +175,7 @@ def pack_rows(
         input_ids: ``[N, s]`` right-padded token ids.
         lengths: ``[N]`` real lengths.
         rows: the rows to pack, in the order they are laid out (e.g. one micro-batch of
-            :func:`cooper_mcore.algo.batching.plan_micro_batches`).
+            :func:`cooper_mcore.micro_batching.planning.plan_micro_batches`).
         pad_id: token id of the padding.
         multiple_of: round the row length up to a multiple of this (the TP size under sequence
             parallelism).
@@ -256,7 +256,7 @@ def pack_micro_batches(
     Args:
         input_ids / lengths: the right-padded source batch.
         micro_batches: row indices of each micro-batch (one rank's list from
-            :class:`cooper_mcore.algo.batching.MicroBatchPlan`).
+            :class:`cooper_mcore.micro_batching.planning.MicroBatchPlan`).
         pad_id / multiple_of: as in :func:`pack_rows`.
         same_width: pad every pack to the widest one (fixed pipeline shapes without
             ``variable_seq_lengths``).

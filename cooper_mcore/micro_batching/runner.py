@@ -1,20 +1,26 @@
-"""Micro-batches of a mini-batch: a fixed number of right-padded rows, or rows binned by a token
-budget, padded or packed end to end into one row (megatron-core's ``thd`` layout).
+"""Micro-batches of a mini-batch as forward passes take them: a fixed number of right-padded rows,
+or rows binned by a token budget, padded or packed end to end into one row (megatron-core's ``thd``
+layout).
 
 GRPO batches are ragged: responses run from a few tokens to the length limit. Fixed micro-batches
 pad every row to the longest of the micro-batch; a token budget
-(:func:`cooper_mcore.algo.batching.plan_micro_batches`, longest first into the emptiest bin) puts
-similar lengths together and fills each micro-batch up to the budget; packing removes the padding
-(attention stays inside each sequence and rotary positions restart per sequence:
-:mod:`cooper_mcore.models.packing`). The four passes of a Cooper step (old/reference
-log-probabilities, the policy update, RM scoring, the RM update) take a :class:`MicroBatching` and
-go through :class:`MicroBatch`, so each pass has one code path for the three modes.
+(:func:`~cooper_mcore.micro_batching.planning.plan_micro_batches`, longest first into the emptiest
+bin) puts similar lengths together and fills each micro-batch up to the budget; packing removes the
+padding (attention stays inside each sequence and rotary positions restart per sequence:
+:mod:`cooper_mcore.micro_batching.packing`, run here with megatron's ``PackedSeqParams`` by
+:func:`forward_packed`). The four passes of a Cooper step (old/reference log-probabilities, the
+policy update, RM scoring, the RM update) take a :class:`MicroBatching` and go through
+:class:`MicroBatch`, so each pass has one code path for the three modes.
 
 Every data-parallel rank bins its own rows and runs as many micro-batches as the rank with the
 most (:func:`micro_batch_plan`); ranks do not exchange rows, so their token counts are balanced
 only as far as their mini-batches are. The loss stays exactly the token (or pair) mean over the
 whole mini-batch across micro-batches and ranks: losses return sums and counts and megatron
 divides once (per-token loss mode), whatever the micro-batches.
+
+megatron-core 0.16's ``GPTModel`` does not use ``position_ids`` for rotary embeddings (it builds
+positions ``0..max_seqlen-1`` and ``Attention`` applies them per ``cu_seqlens`` segment); a pack's
+``position_ids`` are passed for completeness only.
 """
 
 from __future__ import annotations
@@ -25,12 +31,42 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 
-from cooper_mcore.algo.batching import plan_micro_batches
 from cooper_mcore.collectives import all_reduce
-from cooper_mcore.models.forward import forward_packed, position_ids_for
-from cooper_mcore.models.packing import PackedBatch, pack_rows, round_up
+from cooper_mcore.micro_batching.packing import PackedBatch, pack_rows, round_up
+from cooper_mcore.micro_batching.planning import plan_micro_batches
+from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import device
+
+
+def packed_seq_params(pack: PackedBatch, dev: Optional[torch.device] = None) -> PackedSeqParams:
+    """megatron-core's ``PackedSeqParams`` of a pack (``thd``, int32 ``cu_seqlens`` on ``dev``).
+
+    The padding at the end of a pack is its own segment, so no ``cu_seqlens_*_padded`` are set.
+    """
+    cu = pack.cu_seqlens.to(device=dev or device(), dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=pack.max_seqlen, max_seqlen_kv=pack.max_seqlen)
+
+
+def forward_packed(model: torch.nn.Module, pack: PackedBatch, **kwargs: Any) -> torch.Tensor:
+    """Call this rank's stage on one packed row.
+
+    Args:
+        model: this rank's stage (inside a megatron forward step).
+        pack: the packed micro-batch (on any device; moved to this rank's device).
+        kwargs: passed to the model, e.g. ``score_positions=pack.last_token_positions`` for a
+            reward model.
+
+    Returns:
+        What the stage returns: the hidden states on inner stages; on the last stage the logits
+        ``[1, T, vocab / tp]`` (policy), per-token scores ``[1, T]`` or the scores at
+        ``score_positions`` (reward model).
+    """
+    dev = device()
+    return model(pack.input_ids.to(dev), pack.position_ids.to(dev), None,
+                 packed_seq_params=packed_seq_params(pack, dev), **kwargs)
 
 
 @dataclass(frozen=True)

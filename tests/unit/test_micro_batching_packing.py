@@ -16,16 +16,11 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import rm_scores
 from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs
-from cooper_mcore.models.forward import (
-    forward_only,
-    forward_packed,
-    position_ids_for,
-    shifted_labels,
-)
-from cooper_mcore.models.packing import pack_micro_batches, pack_rows, pack_sequences, right_pad
+from cooper_mcore.micro_batching.packing import pack_micro_batches, pack_rows, pack_sequences, right_pad
+from cooper_mcore.micro_batching.runner import MicroBatching, forward_packed
+from cooper_mcore.models.forward import forward_only, position_ids_for, shifted_labels
 from cooper_mcore.models.spec import SDPAttention
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 
