@@ -39,6 +39,10 @@ from cooper_mcore.micro_batching.planning import plan_micro_batches
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import device
 
+#: the token that fills a micro-batch's row past its sequences: a pack's last segment, or the columns
+#: past every length of padded rows (never read)
+PACK_PAD_ID = 0
+
 
 def packed_seq_params(pack: PackedBatch, dev: Optional[torch.device] = None) -> PackedSeqParams:
     """megatron-core's ``PackedSeqParams`` of a pack (``thd``, int32 ``cu_seqlens`` on ``dev``).
@@ -121,11 +125,7 @@ class MicroBatch:
         """Per-token values of the mini-batch (``[N, S, ...]``) in this micro-batch's layout ``[b, s, ...]``."""
         if self.pack is not None:
             return self.pack.pack(values, fill)
-        out = values[self.rows][:, :self.shape[1]]
-        if out.shape[1] < self.shape[1]:
-            pad = out.new_full((out.shape[0], self.shape[1] - out.shape[1], *out.shape[2:]), fill)
-            out = torch.cat([out, pad], dim=1)
-        return out
+        return fit_width(values[self.rows], self.shape[1], fill)
 
     def per_row(self, values: torch.Tensor) -> torch.Tensor:
         """One value per row of the mini-batch (``[N]``): ``[b]`` padded, every token's ``[1, T]`` packed."""
@@ -180,28 +180,32 @@ def micro_batch_plan(lengths: Sequence[int], batching: MicroBatching, dp_group: 
     return plan.for_rank(0)
 
 
-def build_micro_batch(input_ids: torch.Tensor, lengths: torch.Tensor, rows: Sequence[int], batching: MicroBatching,
-                      pad_id: int, multiple: int = 1) -> MicroBatch:
+def fit_width(values: torch.Tensor, width: int, fill: float | int = 0) -> torch.Tensor:
+    """Right-padded rows ``[b, s, ...]`` cut, or filled with ``fill`` on the right, to ``[b, width, ...]``."""
+    if values.shape[1] >= width:
+        return values[:, :width]
+    pad = values.new_full((values.shape[0], width - values.shape[1], *values.shape[2:]), fill)
+    return torch.cat([values, pad], dim=1)
+
+
+def build_micro_batch(input_ids: torch.Tensor, lengths: torch.Tensor, rows: Sequence[int] | torch.Tensor,
+                      batching: MicroBatching, multiple: int = 1) -> MicroBatch:
     """The micro-batch of ``rows`` of a right-padded mini-batch (widths rounded to ``multiple``).
 
     Fixed micro-batches keep the mini-batch's full width (as megatron's schedule wants one shape);
-    by-token ones are cut to their longest row or packed.
+    by-token ones are cut to their longest row or packed. Rows are filled with :data:`PACK_PAD_ID`.
     """
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    idx = torch.as_tensor(rows, dtype=torch.long)
     lens = lengths[idx]
     if batching.pack:
-        pack = pack_rows(input_ids, lengths, idx, pad_id, multiple_of=multiple)
+        pack = pack_rows(input_ids, lengths, idx, PACK_PAD_ID, multiple_of=multiple)
         return MicroBatch(idx, pack.input_ids, lens, pack)
     width = input_ids.shape[1] if not batching.by_tokens else int(lens.max())
-    width = round_up(width, multiple)
-    ids = input_ids[idx][:, :width]
-    if ids.shape[1] < width:
-        ids = torch.cat([ids, ids.new_full((ids.shape[0], width - ids.shape[1]), pad_id)], dim=1)
-    return MicroBatch(idx, ids, lens)
+    return MicroBatch(idx, fit_width(input_ids[idx], round_up(width, multiple), PACK_PAD_ID), lens)
 
 
-def split_micro_batches(input_ids: torch.Tensor, lengths: torch.Tensor, batching: MicroBatching, pad_id: int,
+def split_micro_batches(input_ids: torch.Tensor, lengths: torch.Tensor, batching: MicroBatching,
                         multiple: int = 1, dp_group: Optional[Any] = None) -> list[MicroBatch]:
     """Every row of a right-padded mini-batch, in this rank's micro-batches."""
-    return [build_micro_batch(input_ids, lengths, rows, batching, pad_id, multiple)
+    return [build_micro_batch(input_ids, lengths, rows, batching, multiple)
             for rows in micro_batch_plan(lengths.tolist(), batching, dp_group)]
