@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -81,8 +82,9 @@ class PackedBatch:
         """``[n]`` position of each sequence's last token in the row (where an RM score is read)."""
         return self.starts + self.lengths - 1
 
+    @cached_property
     def _token_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence i, column j) of every real token, in row order."""
+        """(sequence i, column j) of every real token, in row order (computed once per pack)."""
         seq = torch.repeat_interleave(torch.arange(self.num_sequences), self.lengths)
         col = torch.arange(self.num_tokens) - torch.repeat_interleave(self.starts, self.lengths)
         return seq, col
@@ -103,7 +105,7 @@ class PackedBatch:
         if self.num_sequences and int(self.lengths.max()) > values.shape[1]:
             raise ValueError(f"pack: values have {values.shape[1]} columns, a packed sequence has "
                              f"{int(self.lengths.max())} tokens")
-        seq, col = self._token_index()
+        seq, col = self._token_index
         out = values.new_full((self.width, *values.shape[2:]), fill)
         dev = values.device
         out[: self.num_tokens] = values[self.rows[seq].to(dev), col.to(dev)]
@@ -111,7 +113,7 @@ class PackedBatch:
 
     def pack_per_sequence(self, values: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
         """Broadcast one value per source row (e.g. an advantage) to its tokens: ``[N]`` -> ``[1, T]``."""
-        seq, _ = self._token_index()
+        seq, _ = self._token_index
         out = values.new_full((self.width,), fill)
         out[: self.num_tokens] = values[self.rows[seq].to(values.device)]
         return out.unsqueeze(0)
@@ -129,7 +131,7 @@ class PackedBatch:
         """
         packed = self._flat(packed)
         width = int(self.lengths.max()) if width is None else width
-        seq, col = self._token_index()
+        seq, col = self._token_index
         out = packed.new_full((self.num_sequences, width, *packed.shape[1:]), fill)
         dev = packed.device
         out[seq.to(dev), col.to(dev)] = packed[: self.num_tokens]
@@ -143,7 +145,7 @@ class PackedBatch:
             packed: ``[1, T, ...]`` or ``[T, ...]``.
         """
         packed = self._flat(packed)
-        seq, col = self._token_index()
+        seq, col = self._token_index
         dev = out.device
         out[self.rows[seq].to(dev), col.to(dev)] = packed[: self.num_tokens].to(out.dtype).to(dev)
         return out
@@ -208,7 +210,7 @@ def pack_rows(
         lengths=lens,
         rows=rows,
     )
-    seq, col = pack._token_index()
+    seq, col = pack._token_index
     pack.input_ids[0, :total] = input_ids.cpu()[rows[seq], col]
     seg_len = (cu[1:] - cu[:-1]).long()
     pack.position_ids[0] = torch.arange(width) - torch.repeat_interleave(cu[:-1].long(), seg_len)
