@@ -36,6 +36,7 @@ mode reads, so changing a Cooper setting re-runs only the Cooper runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cooper_mcore.atomic import atomic_open
-from cooper_mcore.config import CooperConfig, RewardMode, save_config
+from cooper_mcore.config import CooperConfig, RewardMode, dotted, load_config, save_config
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.mathgen import answer_form, answer_value
@@ -530,37 +531,48 @@ def mode_params(cfg: DemoConfig, mode: str, seed: int) -> dict[str, Any]:
     return params
 
 
+#: what every demo RL run sets over ``cooper train``'s defaults, whatever the demo's settings: the
+#: held-out measurement of the demo (every held-out problem, judged by the task's oracle, the
+#: completions kept per family) and no wandb
+RL_BASE: dict[str, Any] = {"data.eval_limit": 0, "reward.verifier_workers": 2, "eval.verifier": "arithmetic_oracle",
+                           "eval.save_samples": True, "checkpoint.keep": 1, "logging.wandb": False}
+#: ``cooper train`` setting <- the demo setting it takes
+RL_FROM_DEMO: dict[str, str] = {
+    "rollout.group_size": "rl.group_size", "rollout.temperature": "rl.temperature",
+    "rollout.max_new_tokens": "rl.max_new_tokens", "reward.rm_transform": "rl.rm_transform",
+    "algo.kl_coef": "rl.kl_coef", "algo.kl_kind": "rl.kl_kind", "algo.adv_std_floor": "rl.adv_std_floor",
+    "optim.lr": "rl.lr", "train.steps": "rl.steps", "train.prompts_per_step": "rl.prompts_per_step",
+    "train.micro_batch_size": "rl.micro_batch", "eval.every": "rl.eval_every", "checkpoint.every": "rl.steps",
+    "rm.negatives": "cooper.negatives", "rm.optim.lr": "cooper.rm_lr", "rm.negative_pick": "cooper.negative_pick",
+    "rm.positive_pick": "cooper.positive_pick", "rm.pairs_per_prompt": "cooper.pairs_per_prompt",
+    "rm.anchor_weight": "cooper.anchor_weight", "eval.k": "eval.k", "eval.max_new_tokens": "eval.max_new_tokens",
+    "eval.temperature": "eval.temperature", "eval.top_p": "eval.top_p",
+}
+
+
+def rl_settings(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, rm_stage: Stage,
+                out: str) -> dict[str, Any]:
+    """The dotted ``cooper train`` settings of one RL run: :data:`RL_BASE`, the demo's settings
+    (:data:`RL_FROM_DEMO`), the stages' files, and what differs per run (``reward.mode``, the seed, the name)."""
+    return {**RL_BASE, **{key: functools.reduce(getattr, demo_key.split("."), cfg)
+                          for key, demo_key in RL_FROM_DEMO.items()},
+            "out": out, "model.policy_ckpt": sft_stage.file("policy_mcore"),
+            "model.policy_hf": sft_stage.file("policy_hf"),
+            "model.rm_ckpt": rm_stage.file(rm_stage.info["checkpoint"]), "data.train_path": assets.file("train.jsonl"),
+            "data.eval_path": assets.file("eval.jsonl"), "reward.mode": mode, "train.seed": cfg.rl.seed + seed,
+            "logging.run_name": f"demo-{mode}-seed{seed}"}
+
+
 def rl_config(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, rm_stage: Stage,
               out: str) -> CooperConfig:
-    """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three).
+    """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three),
+    loaded as ``cooper train`` loads one: its defaults and :func:`rl_settings` as dotted overrides.
 
     Its evaluation is the demo's held-out measurement: every held-out problem, ``eval.k`` samples
     at the eval sampling, seeded by ``train.seed`` (as :func:`policy_accuracy` with that seed), judged
     by the task's oracle (``eval/acc``; the rule's ``eval/rule_acc`` beside it), its completions kept.
     """
-    c, r, co = CooperConfig(), cfg.rl, cfg.cooper
-    c.out = out
-    c.model.policy_ckpt = sft_stage.file("policy_mcore")
-    c.model.policy_hf = sft_stage.file("policy_hf")
-    c.model.rm_ckpt = rm_stage.file(rm_stage.info["checkpoint"])
-    c.data.train_path, c.data.eval_path = assets.file("train.jsonl"), assets.file("eval.jsonl")
-    c.data.eval_limit = 0
-    c.rollout.group_size, c.rollout.temperature = r.group_size, r.temperature
-    c.rollout.max_new_tokens = r.max_new_tokens
-    c.reward.mode, c.reward.verifier_workers, c.reward.rm_transform = mode, 2, r.rm_transform
-    c.algo.kl_coef, c.algo.kl_kind, c.algo.adv_std_floor = r.kl_coef, r.kl_kind, r.adv_std_floor
-    c.optim.lr = r.lr
-    c.rm.negatives, c.rm.optim.lr = co.negatives, co.rm_lr
-    c.rm.negative_pick, c.rm.positive_pick = co.negative_pick, co.positive_pick
-    c.rm.pairs_per_prompt, c.rm.anchor_weight = co.pairs_per_prompt, co.anchor_weight
-    c.train.steps, c.train.prompts_per_step, c.train.seed = r.steps, r.prompts_per_step, r.seed + seed
-    c.train.micro_batch_size = r.micro_batch
-    c.eval.every, c.eval.k, c.eval.max_new_tokens = r.eval_every, cfg.eval.k, cfg.eval.max_new_tokens
-    c.eval.temperature, c.eval.top_p = cfg.eval.temperature, cfg.eval.top_p
-    c.eval.verifier, c.eval.save_samples = "arithmetic_oracle", True  # the truth, and the completions per family
-    c.checkpoint.every, c.checkpoint.keep = r.steps, 1
-    c.logging.wandb, c.logging.run_name = False, f"demo-{mode}-seed{seed}"
-    return c
+    return load_config(None, dotted(rl_settings(cfg, mode, seed, assets, sft_stage, rm_stage, out)))
 
 
 def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, data: Stage, rm_stage: Stage,

@@ -52,6 +52,14 @@ def test_rl_config_of_every_mode_is_the_pinned_one(case):
             assert built(case, mode, seed) == pinned[key], key
 
 
+def test_paths_reach_the_config_as_written():
+    """Folders pass through the dotted overrides unchanged, whatever characters they hold."""
+    assets, sft, rm = _stages()
+    odd = "/tmp/a dir: with=odd #chars, [1] 'q' \"dq\""
+    cfg = rl_config(load_demo_config(), "cooper", 0, assets, sft, rm, odd)
+    assert cfg.out == odd and cfg.model.rm_ckpt == "/cache/rm-c/train/final"
+
+
 if __name__ == "__main__":  # regenerate the pin (only when the demo's runs are meant to change)
     with open(PINNED, "w", encoding="utf-8") as f:
         json.dump(all_built(), f, indent=1, sort_keys=True)
