@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,7 +28,7 @@ CASES = {"default": (None, []), "full": ("full", []), "changed": (None, CHANGED)
 def _stages() -> tuple[Stage, Stage, Stage]:
     assets = Stage("assets", "a" * 12, "/cache/assets-a", {})
     sft = Stage("sft", "b" * 12, "/cache/sft-b", {})
-    rm = Stage("rm", "c" * 12, "/cache/rm-c", {"checkpoint": "train/final"})
+    rm = Stage("rm", "c" * 12, "/cache/rm-c", SimpleNamespace(checkpoint="train/final"))
     return assets, sft, rm
 
 
