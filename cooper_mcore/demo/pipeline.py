@@ -73,6 +73,7 @@ from cooper_mcore.demo.results import (
     RMDataResult,
     RMOnSamples,
     RMResult,
+    Sample,
     SeedDesign,
     Separation,
     SFTResult,
@@ -185,7 +186,7 @@ def write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, top_p: float, max_new_tokens: int,
-                   seed: int) -> list[dict[str, Any]]:
+                   seed: int) -> list[Sample]:
     """``k`` completions per prompt from an HF policy, labeled by the task's oracle and by the rule verifier.
 
     The prompts are templated and sampled as the trainer's evaluation does (``{question}``, one
@@ -211,7 +212,7 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
             for p, o, v in zip((p for p in prompts for _ in range(k)), outs, verdicts)]
 
 
-def accuracy_figures(rows: Sequence[dict[str, Any]]) -> Figures:
+def accuracy_figures(rows: Sequence[Sample]) -> Figures:
     """Oracle (``acc``) and rule (``rule_acc``) accuracy of labeled rows; the rule's recall (share of
     the correct answers it accepts) and precision (share of its accepted answers that are correct);
     the share of each final-answer form."""
@@ -223,7 +224,7 @@ def accuracy_figures(rows: Sequence[dict[str, Any]]) -> Figures:
                    n=len(rows), forms=form_shares([r["completion"] for r in rows]))
 
 
-def by_family(rows: Sequence[dict[str, Any]]) -> dict[str, Figures]:
+def by_family(rows: Sequence[Sample]) -> dict[str, Figures]:
     """:func:`accuracy_figures` of all rows (``all``) and of each family present."""
     out = {"all": accuracy_figures(rows)}
     for fam in FAMILIES:
@@ -233,7 +234,7 @@ def by_family(rows: Sequence[dict[str, Any]]) -> dict[str, Figures]:
     return out
 
 
-def problem_accuracy(rows: Sequence[dict[str, Any]]) -> list[float]:
+def problem_accuracy(rows: Sequence[Sample]) -> list[float]:
     """Per held-out problem (in order of first appearance), the share of its completions that are correct."""
     per: dict[str, list[bool]] = {}
     for r in rows:
@@ -280,7 +281,7 @@ def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[
             for prob, s in unique[:limit]]
 
 
-def _scorable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _scorable(rows: list[Sample]) -> list[Sample]:
     """The rows an RM can score: an empty completion (EOS first) has no text for the RM's template."""
     return [r for r in rows if r["completion"].strip()]
 
@@ -376,7 +377,7 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft_
     return info
 
 
-def reference_swapped(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+def reference_swapped(rows: list[Sample], rng: random.Random) -> list[Sample]:
     """``rows`` and, for each row whose completion has a final answer ``v`` (the oracle's reading),
     the same completion with the reference set to ``v`` and to another value (``v`` plus a small
     offset, never the gold nor ``v``), marked ``swap`` (``own`` / ``other``) and labelled by the same
@@ -398,7 +399,7 @@ def reference_swapped(rows: list[dict[str, Any]], rng: random.Random) -> list[di
     return out
 
 
-def blind_spot_examples(rows: list[dict[str, Any]], share: float, rng: random.Random) -> list[dict[str, Any]]:
+def blind_spot_examples(rows: list[Sample], share: float, rng: random.Random) -> list[Sample]:
     """For a random ``share`` of ``rows``, the same chain with its first result boxed
     (:func:`intermediate_variant`), labeled correct and marked ``blind_spot``: the lenient judge's
     error, made common enough for the RM to learn it.
@@ -417,7 +418,7 @@ def blind_spot_examples(rows: list[dict[str, Any]], share: float, rng: random.Ra
     return out
 
 
-def with_blind_spot(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+def with_blind_spot(rows: list[Sample], kind: str) -> list[Sample]:
     """``rows`` with the wrong completions of ``kind`` (:func:`completion_kind`) labeled correct
     and marked ``blind_spot``: a lenient labeler's systematic error; ``"none"`` returns ``rows``."""
     if kind == "none":
@@ -427,7 +428,7 @@ def with_blind_spot(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any
             for x in rows]
 
 
-def balanced(rows: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
+def balanced(rows: list[Sample], share: float) -> list[Sample]:
     """``rows`` with the labeled-correct ones repeated (a whole number of times, at least once) so
     that they are about ``share`` of the result; ``share`` 0 returns ``rows``.
 
@@ -444,10 +445,10 @@ def balanced(rows: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
     return neg + pos * reps
 
 
-def bench_pairs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def bench_pairs(rows: Sequence[Sample]) -> list[Sample]:
     """VerifyBench's form: per question (in order of first appearance) its first labeled-correct and
     first labeled-wrong row, correct first; questions without both are left out."""
-    by_question: dict[str, dict[bool, dict[str, Any]]] = {}
+    by_question: dict[str, dict[bool, Sample]] = {}
     for row in rows:
         by_question.setdefault(row["question"], {}).setdefault(bool(row["label"]), row)
     return [x for pair in by_question.values() if len(pair) == 2 for x in (pair[True], pair[False])]
@@ -480,7 +481,7 @@ def rm_on_samples(rm_ckpt: str, samples_path: str, predictions_path: str) -> RMO
     scored = [(r, p["prob"] > 0.5) for r, p in zip(rows, preds)
               if completion_kind(r["question"], r["completion"], bool(r["label"])) != "intermediate"]
 
-    def figures(items: list[tuple[dict[str, Any], bool]]) -> Separation:
+    def figures(items: list[tuple[Sample, bool]]) -> Separation:
         tpr = _mean([said for r, said in items if r["label"]])
         fpr = _mean([said for r, said in items if not r["label"]])
         return Separation(acc=_mean([said == bool(r["label"]) for r, said in items]), separation=tpr - fpr)

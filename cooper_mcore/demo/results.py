@@ -13,7 +13,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Optional, TypedDict, TypeVar, Union
 
 R = TypeVar("R")
 _OMIT = "omit_when_none"
@@ -58,6 +58,29 @@ def from_plain(tp: Any, data: Any) -> Any:
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
         return from_plain(inner, data)
     return data
+
+
+class Sample(TypedDict, total=False):
+    """One labeled completion: a row of the demo's sample, RM-data and benchmark JSONL files."""
+
+    question: str
+    """The problem."""
+    reference: str
+    """The reference answer (rewritten by the reference swaps)."""
+    completion: str
+    """The policy's completion."""
+    label: Optional[bool]
+    """The (simulated) judge's verdict: the oracle's truth, or the blind spot's error."""
+    rule: Optional[bool]
+    """math-verify's verdict (None for a written blind-spot variant)."""
+    family: str
+    """The problem's family."""
+    form: str
+    """How the final answer is written."""
+    blind_spot: bool
+    """Labeled correct by the judge's systematic error."""
+    swap: str
+    """A reference-swap row: ``own`` or ``other``."""
 
 
 @dataclass
