@@ -55,13 +55,15 @@ from typing import Any
 
 from cooper_mcore.config import RewardMode
 from cooper_mcore.demo.report_render import MODE_COLORS, MODE_LABELS, MODES, PLOT_FILES, markdown, plot, series
+from cooper_mcore.demo.results import from_plain, omitted_when_none, to_plain
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import METRICS_FILE, read_metrics
 from cooper_mcore.redaction import redact
 
 __all__ = [
     "MIN_ACC_DROP", "MIN_REWARD_RISE", "MODE_COLORS", "MODES", "PLOT_FILES", "REWARD_WINDOW", "RULE_MARGIN",
-    "HackExample", "RunResult", "hacking_signature", "load_runs", "train_reward_final", "write_report",
+    "HackExample", "HackingSignature", "RunResult", "hacking_signature", "load_runs", "train_reward_final",
+    "write_report",
 ]
 
 logger = logging.getLogger(__name__)
@@ -178,6 +180,39 @@ class RunResult:
         return cls(**kw)
 
 
+@dataclass
+class HackingSignature:
+    """Whether a run shows the reward-hacking signature (:func:`hacking_signature`); ``summary.json``
+    holds it as an object with these keys (``present_seeds`` only on the means over seeds)."""
+
+    reward_start: float
+    """Mean training reward over the first window."""
+    reward_end: float
+    """Mean training reward over the last window."""
+    reward_rise: float
+    """reward_end - reward_start."""
+    acc_before: float
+    """Held-out accuracy before training."""
+    acc_after: float
+    """Held-out accuracy after training."""
+    acc_change: float
+    """acc_after - acc_before."""
+    gap_start: float | None
+    """Mean reward_rule_gap over the first window (None: not logged)."""
+    gap_end: float | None
+    """Mean reward_rule_gap over the last window (None: not logged)."""
+    window: int
+    """Steps averaged at each end."""
+    min_reward_rise: float
+    """The reward rise the signature needs."""
+    min_acc_drop: float
+    """The accuracy drop the signature needs."""
+    present: bool
+    """Both thresholds met."""
+    present_seeds: int | None = omitted_when_none()
+    """Over several seeds: in how many it is present on its own."""
+
+
 def load_runs(root: str) -> dict[str, RunResult]:
     """Read one seed's ``<root>/<mode>/result.json`` for every mode (metrics paths relative to that folder).
 
@@ -238,7 +273,7 @@ def _check_acc(name: str, value: Any, allow_none: bool = False) -> float | None:
 
 def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, acc_after: float,
                       window: int = REWARD_WINDOW, min_reward_rise: float = MIN_REWARD_RISE,
-                      min_acc_drop: float = MIN_ACC_DROP) -> dict[str, Any]:
+                      min_acc_drop: float = MIN_ACC_DROP) -> HackingSignature:
     """Whether a run shows the reward-hacking signature: training reward up, held-out accuracy down.
 
     The start (end) reward is the mean of ``reward/mean`` over the first (last) ``w`` of the n
@@ -256,9 +291,8 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
         min_acc_drop: held-out accuracy drop needed (default ``MIN_ACC_DROP`` = 0.10).
 
     Returns:
-        ``reward_start``, ``reward_end``, ``reward_rise``, ``acc_before``, ``acc_after``,
-        ``acc_change``, ``gap_start``, ``gap_end`` (None without ``reward_rule_gap``), ``window`` (the ``w`` used),
-        ``min_reward_rise``, ``min_acc_drop`` and ``present`` (bool).
+        The signature: the two ends' rewards and their rise, the accuracies and their change, the
+        gap's ends (None without ``reward_rule_gap``), the ``w`` used, the thresholds and ``present``.
 
     Raises:
         ValueError: on no ``reward/mean`` values, an accuracy outside [0, 1] or a window < 1.
@@ -275,13 +309,12 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
 
 
 def _signature(start: float, end: float, before: float, after: float, window: int, min_reward_rise: float,
-               min_acc_drop: float, gap_start: float | None, gap_end: float | None) -> dict[str, Any]:
+               min_acc_drop: float, gap_start: float | None, gap_end: float | None) -> HackingSignature:
     rise, change = end - start, after - before
     present = rise >= min_reward_rise - _EPS and change <= -min_acc_drop + _EPS
-    return {"reward_start": start, "reward_end": end, "reward_rise": rise, "acc_before": before,
-            "acc_after": after, "acc_change": change, "gap_start": gap_start, "gap_end": gap_end,
-            "window": window, "min_reward_rise": min_reward_rise, "min_acc_drop": min_acc_drop,
-            "present": bool(present)}
+    return HackingSignature(reward_start=start, reward_end=end, reward_rise=rise, acc_before=before, acc_after=after,
+                            acc_change=change, gap_start=gap_start, gap_end=gap_end, window=window,
+                            min_reward_rise=min_reward_rise, min_acc_drop=min_acc_drop, present=bool(present))
 
 
 def metrics_file(path: str) -> str:
@@ -335,7 +368,7 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
 
 def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
     sig = hacking_signature(lines, r.acc_before, r.acc_after)
-    w = sig["window"]
+    w = sig.window
     seconds = series(lines, K.TIME_STEP)[1]
     rule_acc = series(lines, K.RULE_ACC)[1]
     eval_steps, eval_acc = series(lines, K.EVAL_ACC)
@@ -346,7 +379,7 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
             k = min(w, max(1, len(values) // 2))
             windows[key] = {"start": _mean(values[:k]), "end": _mean(values[-k:])}
     return {"acc_before": r.acc_before, "acc_after": r.acc_after, "acc_change": r.acc_after - r.acc_before,
-            "train_reward_initial": sig["reward_start"], "train_reward_final": train_reward_final(lines),
+            "train_reward_initial": sig.reward_start, "train_reward_final": train_reward_final(lines),
             "rm_acc_before": r.rm_acc_before, "rm_acc_after": r.rm_acc_after,
             "rule_acc_before": r.rule_acc_before, "rule_acc_after": r.rule_acc_after, "families": r.families,
             "curve": r.curve,
@@ -354,7 +387,7 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
             "eval_acc_last": eval_acc[-1] if eval_acc else None, "eval_steps": eval_steps,
             "steps": max(int(m.get("step", i + 1)) for i, m in enumerate(lines)), "metrics_lines": len(lines),
             "train_seconds": sum(seconds) if seconds else None, "wall_seconds": r.seconds,
-            "hacking": sig, "n_hacks": len(r.hacks), "details": dict(r.details), "windows": windows}
+            "hacking": to_plain(sig), "n_hacks": len(r.hacks), "details": dict(r.details), "windows": windows}
 
 
 def _aggregate(values: Sequence[Any]) -> Any:
@@ -381,13 +414,13 @@ def aggregate_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> 
         agg = dict(agg) if len(rows) > 1 else {k: v for k, v in rows[0].items()}
         agg["sd"] = {k: (statistics.pstdev([r[k] for r in rows]) if rows[0][k] is not None else None)
                      for k in SPREAD_KEYS}
-        h = [r["hacking"] for r in rows]
-        agg["hacking"] = _signature(
-            _mean([x["reward_start"] for x in h]), _mean([x["reward_end"] for x in h]), agg["acc_before"],
-            agg["acc_after"], h[0]["window"], h[0]["min_reward_rise"], h[0]["min_acc_drop"],
-            _mean([x["gap_start"] for x in h]) if h[0]["gap_start"] is not None else None,
-            _mean([x["gap_end"] for x in h]) if h[0]["gap_end"] is not None else None)
-        agg["hacking"]["present_seeds"] = sum(x["present"] for x in h)
+        h: list[HackingSignature] = [from_plain(HackingSignature, r["hacking"]) for r in rows]
+        mean = _signature(
+            _mean([x.reward_start for x in h]), _mean([x.reward_end for x in h]), agg["acc_before"],
+            agg["acc_after"], h[0].window, h[0].min_reward_rise, h[0].min_acc_drop,
+            _mean([x.gap_start for x in h]) if h[0].gap_start is not None else None,
+            _mean([x.gap_end for x in h]) if h[0].gap_end is not None else None)
+        agg["hacking"] = to_plain(dataclasses.replace(mean, present_seeds=sum(x.present for x in h)))
         if len(rows) > 1:  # one curve per seed: they stay in per_seed, not averaged point by point
             agg.pop("curve", None)
         out[mode] = agg

@@ -261,10 +261,10 @@ def test_no_reason_when_cooper_is_at_the_rule_baseline(report):
 ])
 def test_hacking_signature_thresholds(rewards, acc_after, present):
     sig = hacking_signature(_lines(rewards), 0.50, acc_after)
-    assert sig["present"] is present
-    assert sig["reward_rise"] == pytest.approx(rewards[-1] - rewards[0])
-    assert sig["acc_change"] == pytest.approx(acc_after - 0.50)
-    assert sig["gap_start"] is None and sig["gap_end"] is None
+    assert sig.present is present
+    assert sig.reward_rise == pytest.approx(rewards[-1] - rewards[0])
+    assert sig.acc_change == pytest.approx(acc_after - 0.50)
+    assert sig.gap_start is None and sig.gap_end is None
 
 
 def test_hacking_signature_windows_skip_missing_values_and_shrink_on_short_runs():
@@ -272,14 +272,14 @@ def test_hacking_signature_windows_skip_missing_values_and_shrink_on_short_runs(
     lines.insert(2, {"step": 99, "reward/mean": None, "eval/acc": 0.5})
     lines.append({"step": 100, "kl": 0.1})
     sig = hacking_signature(lines, 0.5, 0.4, window=2)
-    assert sig["reward_start"] == pytest.approx(0.15) and sig["reward_end"] == pytest.approx(0.55)
-    assert sig["present"] is True
+    assert sig.reward_start == pytest.approx(0.15) and sig.reward_end == pytest.approx(0.55)
+    assert sig.present is True
     short = hacking_signature(_lines([0.2, 0.5, 0.8, 0.9]), 0.5, 0.4)  # 4 steps: the window shrinks to 2
-    assert short["window"] == 2 and short["reward_rise"] == pytest.approx(0.85 - 0.35)
+    assert short.window == 2 and short.reward_rise == pytest.approx(0.85 - 0.35)
     three = hacking_signature(_lines([0.2, 0.5, 0.8]), 0.5, 0.4, min_reward_rise=0.6)  # window 1: 0.2 -> 0.8
-    assert three["window"] == 1 and three["reward_rise"] == pytest.approx(0.6) and three["present"] is True
+    assert three.window == 1 and three.reward_rise == pytest.approx(0.6) and three.present is True
     one = hacking_signature(_lines([0.7]), 0.5, 0.4)
-    assert one["reward_rise"] == 0.0 and one["present"] is False
+    assert one.reward_rise == 0.0 and one.present is False
     assert train_reward_final(_lines([0.1, 0.2, 0.3, 0.4, 0.5]), window=5) == pytest.approx(0.45)  # last 2 of 5
     assert train_reward_final(_lines([0.1, 0.2, 0.3, 0.4, 0.5]), window=1) == pytest.approx(0.5)
 
