@@ -62,8 +62,8 @@ from cooper_mcore.redaction import redact
 
 __all__ = [
     "MIN_ACC_DROP", "MIN_REWARD_RISE", "MODE_COLORS", "MODES", "PLOT_FILES", "REWARD_WINDOW", "RULE_MARGIN",
-    "HackExample", "HackingSignature", "RunResult", "hacking_signature", "load_runs", "train_reward_final",
-    "write_report",
+    "HackExample", "HackingSignature", "PairedDifference", "RunResult", "hacking_signature", "load_runs",
+    "train_reward_final", "write_report",
 ]
 
 logger = logging.getLogger(__name__)
@@ -211,6 +211,23 @@ class HackingSignature:
     """Both thresholds met."""
     present_seeds: int | None = omitted_when_none()
     """Over several seeds: in how many it is present on its own."""
+
+
+@dataclass
+class PairedDifference:
+    """Cooper minus rule on the same held-out problems (:func:`paired_difference`); ``summary.json``'s
+    ``paired`` object."""
+
+    mean: float
+    """Mean over the problems of the per-problem accuracy difference (averaged over the seeds)."""
+    se: float
+    """Its standard error (sd / sqrt(problems); NaN for one problem)."""
+    problems: int
+    """Held-out problems."""
+    seeds: int
+    """Seeds averaged."""
+    single_acc_se: float
+    """The standard error of one accuracy on that many problems, for comparison."""
 
 
 def load_runs(root: str) -> dict[str, RunResult]:
@@ -440,7 +457,7 @@ def _checks(s: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
 
 def _verdict(s: Mapping[str, Mapping[str, Any]],
              per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None,
-             paired: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             paired: PairedDifference | None = None) -> dict[str, Any]:
     """Verdict lines and flags from the per-mode summaries (the means over the seeds when
     ``per_seed`` holds more than one), with how many seeds each check holds in, and the paired
     per-problem difference between Cooper and rule (:func:`paired_difference`) when known."""
@@ -461,10 +478,10 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
                  f"{rule['acc_after']:.3f} ({diff:+.3f}){of}: "
                  f"{'at or above' if near_rule else 'below'} the rule baseline minus {RULE_MARGIN}.")
     if paired:
-        lines.append(f"Paired per-problem difference, Cooper - rule: {paired['mean']:+.3f} ± {paired['se']:.3f} "
-                     f"(standard error over {paired['problems']} held-out problems, {paired['seeds']} seed(s)); one "
-                     f"accuracy on {paired['problems']} problems has a standard error of about "
-                     f"{paired['single_acc_se']:.3f}.")
+        lines.append(f"Paired per-problem difference, Cooper - rule: {paired.mean:+.3f} ± {paired.se:.3f} "
+                     f"(standard error over {paired.problems} held-out problems, {paired.seeds} seed(s)); one "
+                     f"accuracy on {paired.problems} problems has a standard error of about "
+                     f"{paired.single_acc_se:.3f}.")
     separation = _rm_separation(coop)
     if not near_rule and separation is not None:
         lines.append(_why_below_rule(coop, rule, separation, of))
@@ -550,7 +567,7 @@ def _moved(a: float, b: float) -> str:
     return f"{'rose' if b > a else 'fell'} from {a:.3f} to {b:.3f}"
 
 
-def paired_difference(results: Mapping[int, Mapping[str, RunResult]]) -> dict[str, Any] | None:
+def paired_difference(results: Mapping[int, Mapping[str, RunResult]]) -> PairedDifference | None:
     """Cooper minus rule on the same held-out problems: per problem the difference of the two trained
     policies' accuracies, averaged over the seeds; its mean and standard error (sd / sqrt(problems)).
 
@@ -570,8 +587,8 @@ def paired_difference(results: Mapping[int, Mapping[str, RunResult]]) -> dict[st
     n = len(diffs)
     se = statistics.stdev(diffs) / n ** 0.5 if n > 1 else float("nan")
     acc = _mean([_mean(runs["rule"].problem_acc) for runs in results.values()])
-    return {"mean": _mean(diffs), "se": se, "problems": n, "seeds": len(per_seed),
-            "single_acc_se": (acc * (1 - acc) / n) ** 0.5}
+    return PairedDifference(mean=_mean(diffs), se=se, problems=n, seeds=len(per_seed),
+                            single_acc_se=(acc * (1 - acc) / n) ** 0.5)
 
 
 def _control_summary(folder: str, out_dir: str) -> dict[str, Any]:
@@ -641,7 +658,7 @@ def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any
     summary["seeds"] = list(seeds)
     summary["per_seed"] = {str(s): per_seed[s] for s in seeds}
     summary["design"] = {str(s): design[s] for s in seeds} if design else None
-    summary["paired"] = paired
+    summary["paired"] = to_plain(paired)
     summary["control"] = _control_summary(control, out_dir) if control else None
     summary["config"] = redact(dict(config)) if config is not None else None
     os.makedirs(out_dir, exist_ok=True)

@@ -599,12 +599,12 @@ def test_paired_difference_by_hand():
     got = paired_difference({0: seed0, 1: seed1})
     # per problem, the mean over seeds: 0.5, 0.5, -0.25, -0.25; mean 0.125; deviations +-0.375:
     # sample sd sqrt(4 * 0.375^2 / 3) = 0.4330, se 0.4330 / sqrt(4) = 0.2165
-    assert got["mean"] == pytest.approx(0.125)
-    assert got["se"] == pytest.approx((4 * 0.375 ** 2 / 3) ** 0.5 / 2)
-    assert (got["problems"], got["seeds"]) == (4, 2)
+    assert got.mean == pytest.approx(0.125)
+    assert got.se == pytest.approx((4 * 0.375 ** 2 / 3) ** 0.5 / 2)
+    assert (got.problems, got.seeds) == (4, 2)
     # the rule's accuracy: (0.625 + 0.375) / 2 = 0.5; sqrt(0.5 * 0.5 / 4) = 0.25
-    assert got["single_acc_se"] == pytest.approx(0.25)
-    assert paired_difference({0: seed0})["mean"] == pytest.approx(0.0)
+    assert got.single_acc_se == pytest.approx(0.25)
+    assert paired_difference({0: seed0}).mean == pytest.approx(0.0)
     assert paired_difference({0: _with_problem_acc([], [])}) is None  # not measured
     assert paired_difference({0: _with_problem_acc([1.0], [])}) is None
     assert paired_difference({0: _with_problem_acc([1.0, 0.0], [1.0])}) is None  # counts differ
