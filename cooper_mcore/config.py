@@ -542,8 +542,9 @@ def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
     return rows
 
 
-def format_settings(cfg: CooperConfig) -> str:
-    """Every setting with its value and doc, one per line (``cooper config --show``)."""
+def format_settings(cfg: Any) -> str:
+    """Every setting of a config of sections (:class:`CooperConfig`, the demo's) with its value and
+    doc, one per line (``cooper config --show``, ``cooper demo --show``)."""
     rows = describe(cfg)
     width = max(len(k) + 2 + len(json.dumps(v)) for k, v, _ in rows)
     return "\n".join(f"{(k + '=' + json.dumps(v)):<{width}}  # {doc}" for k, v, doc in rows)

@@ -96,3 +96,12 @@ def test_every_demo_setting_has_a_one_line_doc_and_choices_are_checked():
     assert "rl.steps" in keys and "cooper.negative_pick" in keys
     with pytest.raises(ValueError, match="rl.kl_kind must be one of"):
         load_demo_config(None, ["rl.kl_kind=k9"])
+
+
+def test_demo_show_lists_every_demo_setting_with_its_doc(capsys):
+    assert cli_main(["demo", "--show", "--full", "rl.steps=7"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split("=", 1)[0] for ln in lines] == [k for k, _, _ in C.describe(DemoConfig())]
+    shown = dict(ln.split("  # ")[0].split("=", 1) for ln in lines)
+    assert shown["rl.steps"].strip() == "7" and shown["seeds"].strip() == "[0, 1, 2]"  # override, --full
+    assert all(ln.split("  # ", 1)[1].strip() for ln in lines)
