@@ -124,6 +124,11 @@ class RolloutConfig:
     sglang_mem_fraction: float = 0.5
     """SGLang's mem_fraction_static: share of the GPU memory for its weights and KV cache."""
 
+    @property
+    def uses_sglang(self) -> bool:
+        """Whether the rollouts come from SGLang (else from the transformers engine)."""
+        return self.engine == "sglang"
+
 
 @dataclass
 class RewardConfig:
@@ -222,6 +227,11 @@ class RMUpdateConfig:
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_steps=0))
     """The reward model's optimizer and schedule."""
 
+    @property
+    def question_as_prompted(self) -> bool:
+        """Whether the RM's ``<question>`` is the question through ``data.template`` (else bare)."""
+        return self.question == "prompt"
+
 
 @dataclass
 class OffloadConfig:
@@ -288,6 +298,11 @@ class EvalConfig:
     """Write each evaluation's completions with both verdicts to <out>/eval_samples/step_<N>.jsonl (one file per
     data-parallel replica: step_<N>.dp<r>.jsonl when dp > 1)."""
 
+    @property
+    def uses_oracle(self) -> bool:
+        """Whether eval/acc is the arithmetic oracle's (else the rule verifier's)."""
+        return self.verifier == "arithmetic_oracle"
+
 
 @dataclass
 class CheckpointConfig:
@@ -351,6 +366,13 @@ class CooperConfig:
     """Training checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and reward-hacking detection."""
+
+    @property
+    def uses_assistant(self) -> bool:
+        """Whether the RM's negatives come from the assistant LLM (cooper mode, ``rm.negatives=assistant``);
+        an invalid ``reward.mode`` (reported by the config checks) counts as not training the RM."""
+        mode = self.reward.mode
+        return isinstance(mode, RewardMode) and mode.trains_rm and self.rm.negatives == "assistant"
 
 
 def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> CooperConfig:

@@ -261,7 +261,7 @@ def launch_check(config: Optional[str], overrides: list[str], nodes: int, gpus_p
     """
     cfg = load_config(config, overrides)
     rm = cfg.rm
-    check = LaunchCheck(cfg.reward.mode.trains_rm and rm.negatives == "assistant", rm.assistant_url,
+    check = LaunchCheck(cfg.uses_assistant, rm.assistant_url,
                         rm.assistant_model, rm.api_key_env or "")
     spec: Any = "auto"
     if assistant_model_path:

@@ -348,7 +348,7 @@ def run_evaluation(run: Run, engine: Optional[RolloutEngine]) -> dict[str, float
     result = evaluate(engine, run.verifier, run.eval_prompts, cfg.eval.k, run.eval_sampling(), oracle=run.oracle,
                       samples_path=path)
     metrics = {K.EVAL_ACC: result.accuracy}
-    if cfg.eval.verifier != "rule":
+    if cfg.eval.uses_oracle:
         metrics[K.EVAL_RULE_ACC] = result.rule_accuracy
     return metrics
 

@@ -30,7 +30,7 @@ def rm_texts(cfg: CooperConfig, items: Sequence[tuple[Prompt, str]]) -> list[str
     """The VerifyRM input of ``(prompt, completion)`` items; its ``<question>`` is the question as
     the policy reads it (``data.template``) or bare, per ``rm.question``. Scoring and the RM update
     use this one function, so the RM is trained on the text it scores."""
-    template = cfg.data.template if cfg.rm.question == "prompt" else None
+    template = cfg.data.template if cfg.rm.question_as_prompted else None
     return [rm_input(p.question, p.answer, c, question_template=template) for p, c in items]
 
 

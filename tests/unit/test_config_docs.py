@@ -83,3 +83,13 @@ def test_reward_mode_from_a_string_in_python():
     assert C.RewardConfig(mode="static_rm").mode is C.RewardMode.static_rm
     with pytest.raises(ValueError, match="reward.mode must be one of"):
         C.RewardConfig(mode="nope")
+
+
+def test_choice_properties_read_the_settings_they_name():
+    cfg = C.load_config(None, ["rollout.engine=sglang", "rm.question=question", "eval.verifier=arithmetic_oracle"])
+    assert cfg.rollout.uses_sglang and not C.RolloutConfig().uses_sglang
+    assert not cfg.rm.question_as_prompted and C.RMUpdateConfig().question_as_prompted
+    assert cfg.eval.uses_oracle and not C.EvalConfig().uses_oracle
+    assert C.CooperConfig().uses_assistant  # the defaults: cooper mode, assistant negatives
+    for overrides in (["reward.mode=static_rm"], ["rm.negatives=policy"], ["reward.mode=cooperative"]):
+        assert not C.load_config(None, overrides).uses_assistant, overrides
