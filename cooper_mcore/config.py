@@ -26,14 +26,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.rewards import RewardTransform
+from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config
-from cooper_mcore.reward.assistant import AssistantPrompt
 
 Dtype = Literal["float32", "bfloat16"]
 #: the KL estimators of :func:`cooper_mcore.algo.kl_penalty` (a test keeps them equal to ``KL_ESTIMATORS``)
 KLKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
-#: the negative generators of :func:`cooper_mcore.reward.negatives.make_negative_generator` (tested equal)
+#: the negative generators of :func:`cooper_mcore.negatives.pairs.make_negative_generator` (tested equal)
 NegativeKind = Literal["assistant", "policy", "rewrite", "perturb", "random"]
 RewriteKind = Literal["step", "copy", "final"]
 FailureAction = Literal["mask", "stop"]
@@ -292,7 +292,7 @@ class EvalConfig:
     max_new_tokens: int = 512
     """Longest evaluation completion in tokens."""
     verifier: EvalVerifier = "rule"
-    """Checker of eval/acc: the rule verifier, or arithmetic_oracle (cooper_mcore.reward.oracle, the arithmetic
+    """Checker of eval/acc: the rule verifier, or arithmetic_oracle (cooper_mcore.verify.oracle, the arithmetic
     task's truth, reads every answer form the task writes; the rule's accuracy is then logged as eval/rule_acc)."""
     save_samples: bool = False
     """Write each evaluation's completions with both verdicts to <out>/eval_samples/step_<N>.jsonl (one file per

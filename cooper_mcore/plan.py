@@ -109,7 +109,7 @@ ASSISTANT_KV_TOKENS = 65_536
 """KV tokens a colocated assistant's pool is sized for: 32 rewrites of 2048 tokens at once (more queue)."""
 ASSISTANT_REQUEST_TOKENS = 2_048
 """One rewrite request: the question and a correct solution (<= 512 + template) plus its length + 500 new
-tokens (reward/assistant.py), rounded up. A pool below one request cannot serve it."""
+tokens (negatives/assistant.py), rounded up. A pool below one request cannot serve it."""
 ASSISTANT_CHUNKED_PREFILL = 2_048  # the launcher's --chunked-prefill-size for the assistant
 ASSISTANT_MAX_RUNNING = 64  # the launcher's --max-running-requests (caps the decode CUDA graphs' batch size)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -104,7 +104,7 @@ check_assistant() {
     "$PYTHON" - "$assistant_url" "$assistant_model" "$api_key_env" "$1" <<'EOF' || exit 2
 import sys
 
-from cooper_mcore.reward.openai_client import check_endpoint
+from cooper_mcore.llm_client import check_endpoint
 
 url, model, key_env, hint = sys.argv[1:]
 try:

@@ -26,19 +26,19 @@ from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
+from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, wrap_for_training
 from cooper_mcore.parallel import init_distributed
-from cooper_mcore.reward.openai_client import OpenAIChatClient
-from cooper_mcore.reward.oracle import ArithmeticOracle
-from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
 from cooper_mcore.types import Prompt
+from cooper_mcore.verify.oracle import ArithmeticOracle
+from cooper_mcore.verify.rule import RuleVerifier
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

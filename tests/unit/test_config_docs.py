@@ -12,8 +12,8 @@ from cooper_mcore import config as C
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
 from cooper_mcore.config_checks import config_problems
-from cooper_mcore.reward.negatives import NEGATIVE_KINDS
-from cooper_mcore.reward.rewrites import REWRITE_KINDS
+from cooper_mcore.negatives.pairs import NEGATIVE_KINDS
+from cooper_mcore.negatives.rewrites import REWRITE_KINDS
 from tests.conftest import ROOT
 
 
