@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
-from cooper_mcore.algo.rewards import RewardTransform
+from cooper_mcore.algo.reward_transforms import RewardTransform
 from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
-from cooper_mcore.algo.rewards import RewardTransform
+from cooper_mcore.algo.reward_transforms import RewardTransform
 from cooper_mcore.config import NegativeKind
 
 BlindSpot = Literal["none", "intermediate", "slip"]

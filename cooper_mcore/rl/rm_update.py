@@ -24,7 +24,7 @@ from cooper_mcore.mcore.reward_model import pairwise_train_step
 from cooper_mcore.negatives.pairs import build_pairs, check_negative_failures, make_negative_generator, pair_stats
 from cooper_mcore.negatives.protocols import ChatBatchClient
 from cooper_mcore.rl.results import PairCounts, RMUpdate
-from cooper_mcore.rl.rewards import rm_batch, rm_texts
+from cooper_mcore.rl.scoring import rm_batch, rm_texts
 from cooper_mcore.types import PreferencePair, RolloutGroup
 from cooper_mcore.verify.protocols import BatchVerifier
 
