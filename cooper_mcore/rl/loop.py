@@ -47,7 +47,7 @@ from cooper_mcore.checkpoint.training import (
 )
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.config import CooperConfig, save_config, to_dict
-from cooper_mcore.hacking import RewardHackingDetector
+from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.mcore.faults import FaultPhaseTimer
 from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
 from cooper_mcore.metric_names import MetricKey as K
