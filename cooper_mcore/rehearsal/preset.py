@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from cooper_mcore.config import CooperConfig
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.plan_report import load_shapes
+from cooper_mcore.planner.report import load_shapes
 
 #: the rehearsal's run: STEPS steps, a stop signal in step STOP_STEP, a checkpoint every CKPT_EVERY
 STEPS = 4

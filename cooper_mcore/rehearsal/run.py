@@ -51,9 +51,9 @@ from cooper_mcore.metrics import METRICS_FILE
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
 from cooper_mcore.parallel import single_process_world
-from cooper_mcore.plan import PHASES, PlanOptions
-from cooper_mcore.plan import plan as plan_memory
-from cooper_mcore.plan_report import load_shapes
+from cooper_mcore.planner.plan import PHASES, PlanOptions
+from cooper_mcore.planner.plan import plan as plan_memory
+from cooper_mcore.planner.report import load_shapes
 from cooper_mcore.rehearsal.assistant import StandInAssistant
 from cooper_mcore.rehearsal.preset import (
     REAL_STEPS,

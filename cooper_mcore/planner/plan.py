@@ -82,7 +82,7 @@ from typing import Literal, Optional, Union
 from cooper_mcore.config import CooperConfig, EngineKind, OffloadConfig
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.plan_sizes import (
+from cooper_mcore.planner.sizes import (
     CUDA_CONTEXT_GIB,
     DTYPE_BYTES,
     GIB,
