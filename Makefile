@@ -79,9 +79,9 @@ gpu-wheels:
 # avx512 where /proc/cpuinfo reports avx512f (torch dies with "Illegal instruction" otherwise).
 # CI and users run other x86 CPUs than the developers': a tolerance must hold on all three.
 ISA_TESTS := tests/unit/test_algo.py tests/unit/test_policy_update.py tests/unit/test_reward_model.py \
-	tests/unit/test_micro_batching.py tests/unit/test_packing.py tests/unit/test_pairs.py \
+	tests/unit/test_micro_batching_runner.py tests/unit/test_micro_batching_packing.py tests/unit/test_pairs.py \
 	tests/unit/test_nonfinite.py tests/multiproc/test_parallel.py tests/multiproc/test_trainer.py \
-	tests/multiproc/test_packing.py tests/multiproc/test_rm_dist.py
+	tests/multiproc/test_micro_batching_packing.py tests/multiproc/test_rm_dist.py
 ISA_LEVELS ?= default avx2 $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
 
 test-isa: $(STAMP)

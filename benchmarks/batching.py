@@ -14,10 +14,10 @@ Three ways to form the micro-batches:
 
 * ``fixed``: as the trainer does today: every row padded to the longest sequence of the
   mini-batch (rounded up to 8), ``--micro-batch-size`` rows per micro-batch, in rollout order;
-* ``token_budget``: :func:`cooper_mcore.algo.plan_micro_batches` with the padded cost and
+* ``token_budget``: :func:`cooper_mcore.micro_batching.planning.plan_micro_batches` with the padded cost and
   ``--max-tokens``; each micro-batch padded to its own longest row (rounded up to 8);
 * ``packing``: the same planner with the packed cost; each micro-batch is one packed row
-  (:func:`cooper_mcore.models.packing.pack_rows`, rounded up to 8) run with ``PackedSeqParams``.
+  (:func:`cooper_mcore.micro_batching.packing.pack_rows`, rounded up to 8) run with ``PackedSeqParams``.
 
 Times: one process, one model; every method's log-probability pass runs once to warm up, then the
 methods are timed in turn, ``--repeats`` rounds (so that a change of machine load hits all of
@@ -93,11 +93,11 @@ class _Setup:
     def __init__(self, args: argparse.Namespace, methods: list[str]) -> None:
         import transformers
 
-        from cooper_mcore.algo import plan_micro_batches
+        from cooper_mcore.micro_batching.packing import pack_rows, round_up
+        from cooper_mcore.micro_batching.planning import plan_micro_batches
         from cooper_mcore.models.arch import ArchSpec
         from cooper_mcore.models.builder import build_model
         from cooper_mcore.models.forward import shifted_labels
-        from cooper_mcore.models.packing import pack_rows, round_up
         from cooper_mcore.parallel import ParallelConfig, device
 
         shape = dict(SHAPES[args.shape], max_position_embeddings=4096)
@@ -145,7 +145,8 @@ class _Setup:
         return Result(method, len(micro), sum(m[4] for m in micro), self.tokens, logprob_s, update_s)
 
     def _logits(self, method: str, x) -> torch.Tensor:
-        from cooper_mcore.models.forward import forward_packed, position_ids_for
+        from cooper_mcore.micro_batching.runner import forward_packed
+        from cooper_mcore.models.forward import position_ids_for
 
         if method == "packing":
             return forward_packed(self.model, x)

@@ -12,7 +12,7 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
     cooper config --show [--config X] [key=value ...]
-    cooper demo [--full] [--out DIR] [key=value ...]
+    cooper demo [--full] [--out DIR] [--show] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
     cooper rehearse --config X [--out DIR] [key=value ...]
 
@@ -291,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="", help="output folder (default runs/demo, runs/demo_full with --full)")
     demo.add_argument("--full", action="store_true", help="the longer, bigger preset (within an hour on 2 cores)")
     demo.add_argument("--preset", choices=["smoke"], default=None, help="smoke: every stage at the smallest size")
+    demo.add_argument("--show", action="store_true", help="print every demo setting with its one-line doc, run nothing")
     demo.add_argument("overrides", nargs="*", help="dotted settings, e.g. rl.steps=60 (cooper_mcore/demo/config.py)")
 
     pl = sub.add_parser("plan", help="predict per-GPU memory per phase and the offload settings a run needs")

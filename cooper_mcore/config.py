@@ -16,9 +16,10 @@ import json
 import os
 import textwrap
 import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
@@ -39,6 +40,7 @@ RewriteKind = Literal["step", "copy", "final"]
 FailureAction = Literal["mask", "stop"]
 EngineKind = Literal["hf", "sglang"]
 RMQuestion = Literal["prompt", "question"]
+T = TypeVar("T")
 #: the checkers of held-out accuracy (``eval.verifier``; :func:`cooper_mcore.rl.setup.build_eval_oracle`)
 EvalVerifier = Literal["rule", "arithmetic_oracle"]
 
@@ -387,11 +389,35 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
             its line, an empty preset, a top level that is not a mapping of sections).
         FileNotFoundError / IsADirectoryError: the preset does not exist / is a folder.
     """
-    cfg = OmegaConf.structured(CooperConfig)
+    return load_sections(CooperConfig, preset, overrides)
+
+
+def load_sections(cls: type[T], preset: Optional[str] = None, overrides: Optional[list[str]] = None,
+                  presets: Optional[Mapping[str, Mapping[str, Any]]] = None) -> T:
+    """A config dataclass of sections (``cls``): defaults <- preset <- dotted overrides, type-checked.
+
+    The loader of :func:`load_config`, for every config of sections (the demo's too). Values
+    outside a setting's choices are kept as given, for the caller's checks to report
+    (:func:`cooper_mcore.config_checks.choice_problems`).
+
+    Args:
+        cls: the config dataclass.
+        preset: a YAML file's path; or, with ``presets``, one of its names.
+        overrides: dotted ``key=value`` settings, applied in order after the preset.
+        presets: named presets (nested mappings of sections) that ``preset`` chooses from.
+
+    Raises:
+        ValueError: an unknown key or preset name, a wrong type, or an unreadable preset.
+        FileNotFoundError / IsADirectoryError: a preset path that does not exist / is a folder.
+    """
+    if presets is not None and preset is not None and preset not in presets:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(presets)}")
+    cfg = OmegaConf.structured(cls)
     items: list[tuple[str, str, Any]] = []
     try:
         if preset:
-            items += [(preset, k, v) for k, v in _leaves(_read_preset(preset))]
+            tree = presets[preset] if presets is not None else _read_preset(preset)
+            items += [(preset, k, v) for k, v in _leaves(tree)]
         for item in overrides or []:
             items += [(f"override {item!r}", k, v) for k, v in _leaves(OmegaConf.to_container(
                 OmegaConf.from_dotlist([item])))]
@@ -403,17 +429,24 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
             cfg = OmegaConf.merge(cfg, _nested(key, value))
             off_choice.pop(key, None)
         except OmegaConfBaseException as e:
-            if not _is_choice(key):
+            if not _is_choice(cls, key):
                 raise ValueError(f"bad config ({source}): {e}") from None
             off_choice[key] = value
-    result: CooperConfig = OmegaConf.to_object(cfg)
-    for key, value in off_choice.items():  # left for validate() to report with the rest
+    result: T = OmegaConf.to_object(cfg)
+    for key, value in off_choice.items():  # left for the caller's checks to report with the rest
         *path, name = key.split(".")
-        obj = result
+        obj: Any = result
         for part in path:
             obj = getattr(obj, part)
         object.__setattr__(obj, name, value)
     return result
+
+
+def dotted(settings: Mapping[str, Any]) -> list[str]:
+    """``{dotted key: value}`` as override strings for :func:`load_sections` (each value written as
+    JSON, which the override parser reads back as the same string, number, boolean or list)."""
+    return [f"{key}={json.dumps(value.value if isinstance(value, Enum) else value)}"
+            for key, value in settings.items()]
 
 
 def _read_preset(path: str) -> dict[str, Any]:
@@ -479,9 +512,9 @@ def _nested(key: str, value: Any) -> Any:
     return OmegaConf.create(value)
 
 
-def _is_choice(key: str) -> bool:
-    """Whether ``key`` names a ``Literal`` or enum setting of :class:`CooperConfig`."""
-    cls: Any = CooperConfig
+def _is_choice(config_cls: type, key: str) -> bool:
+    """Whether ``key`` names a ``Literal`` or enum setting of the config dataclass ``config_cls``."""
+    cls: Any = config_cls
     hint: Any = None
     for part in key.split("."):
         if not is_dataclass(cls):
@@ -531,8 +564,9 @@ def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
     return rows
 
 
-def format_settings(cfg: CooperConfig) -> str:
-    """Every setting with its value and doc, one per line (``cooper config --show``)."""
+def format_settings(cfg: Any) -> str:
+    """Every setting of a config of sections (:class:`CooperConfig`, the demo's) with its value and
+    doc, one per line (``cooper config --show``, ``cooper demo --show``)."""
     rows = describe(cfg)
     width = max(len(k) + 2 + len(json.dumps(v)) for k, v, _ in rows)
     return "\n".join(f"{(k + '=' + json.dumps(v)):<{width}}  # {doc}" for k, v, doc in rows)

@@ -58,7 +58,7 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     """Every problem :func:`validate` reports, in a fixed order (empty when the config is fine)."""
     out: list[str] = []
     t, ro, r = cfg.train, cfg.rollout, cfg.reward
-    out += _choice_problems(cfg)
+    out += choice_problems(cfg)
     if cfg.uses_assistant:
         out += [f"rm.negatives=assistant needs rm.{k} (or choose negatives policy/perturb/random)"
                 for k in ("assistant_url", "assistant_model") if not getattr(cfg.rm, k)]
@@ -97,7 +97,7 @@ def _uses_rm(cfg: CooperConfig) -> bool:
     return not isinstance(cfg.reward.mode, RewardMode) or cfg.reward.mode.uses_rm
 
 
-def _choice_problems(cfg: Any, prefix: str = "") -> list[str]:
+def choice_problems(cfg: Any, prefix: str = "") -> list[str]:
     """Values outside their ``Literal``/enum choices (OmegaConf checks YAML and overrides; this also
     covers configs built in Python)."""
     out = []
@@ -106,7 +106,7 @@ def _choice_problems(cfg: Any, prefix: str = "") -> list[str]:
         value, hint = getattr(cfg, f.name), hints[f.name]
         name = f"{prefix}{f.name}"
         if is_dataclass(value):
-            out += _choice_problems(value, name + ".")
+            out += choice_problems(value, name + ".")
         elif typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
             out.append(f"{name} must be one of {typing.get_args(hint)}, got {value!r}")
         elif isinstance(hint, type) and issubclass(hint, Enum) and not isinstance(value, hint):

@@ -3,7 +3,6 @@ aggregation, entropy, the policy's reward from RM logits, reward-model losses an
 selection."""
 
 from cooper_mcore.algo.advantages import broadcast_to_tokens, group_advantages
-from cooper_mcore.algo.batching import MicroBatchPlan, plan_micro_batches
 from cooper_mcore.algo.losses import (
     PolicyLossStats,
     aggregate,
@@ -28,7 +27,6 @@ from cooper_mcore.algo.pairs import (
 from cooper_mcore.algo.reward_transforms import reward_from_logits, round_to_bf16
 
 __all__ = [
-    "MicroBatchPlan",
     "PairSelection",
     "PolicyLossStats",
     "aggregate",
@@ -40,7 +38,6 @@ __all__ = [
     "kl_penalty",
     "masked_mean",
     "masked_sum",
-    "plan_micro_batches",
     "policy_loss",
     "reward_from_logits",
     "rm_bce_loss",

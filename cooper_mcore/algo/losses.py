@@ -201,17 +201,7 @@ def policy_loss(
     Raises:
         ValueError: shapes do not fit, or clip values out of range.
     """
-    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
-    if advantages.dim() == 1 and logp.dim() == 2 and advantages.shape[0] == logp.shape[0]:
-        advantages = advantages[:, None].expand_as(logp)
-    _check_same_shape(logp=logp, advantages=advantages)
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
-    if clip_high < 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
-
+    advantages = _checked_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high, clip_ratio_c)
     m = mask.bool()
     zero = logp.new_zeros(())
     # Padding is zeroed before any arithmetic, so that NaN/inf there cannot reach the loss or the gradient.
@@ -231,21 +221,43 @@ def policy_loss(
 
     loss = torch.where(m, loss, zero)
 
-    with torch.no_grad():
-        r = ratio.detach().float()
-        fm = m.float()
-        cut = (clip_active | dual_active) & m
-        means = {
-            "clip_frac": masked_mean(cut.float(), fm),
-            "clip_frac_low": masked_mean((clip_active & (r < 1.0 - clip_low)).float(), fm),
-            "clip_frac_high": masked_mean((clip_active & (r > 1.0 + clip_high)).float(), fm),
-            "dual_clip_frac": masked_mean(dual_active.float(), fm),
-            "ratio_mean": masked_mean(r, fm),
-            "ratio_max": _masked_extreme(r, m, largest=True),
-            "ratio_min": _masked_extreme(r, m, largest=False),
-            "approx_kl": masked_mean(-log_ratio.detach().float(), fm),
-        }
-    return loss, PolicyLossStats(ratio=r, clipped=cut, means=means)
+    return loss, _policy_loss_stats(ratio, log_ratio, m, clip_active, dual_active, clip_low, clip_high)
+
+
+def _checked_policy_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                           clip_high: float, clip_ratio_c: float | None) -> Tensor:
+    """Check :func:`policy_loss`'s shapes and clip values; return the advantages as ``[b, t]``."""
+    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    if advantages.dim() == 1 and logp.dim() == 2 and advantages.shape[0] == logp.shape[0]:
+        advantages = advantages[:, None].expand_as(logp)
+    _check_same_shape(logp=logp, advantages=advantages)
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
+    return advantages
+
+
+@torch.no_grad()
+def _policy_loss_stats(ratio: Tensor, log_ratio: Tensor, m: Tensor, clip_active: Tensor, dual_active: Tensor,
+                       clip_low: float, clip_high: float) -> PolicyLossStats:
+    """:func:`policy_loss`'s statistics over the response tokens ``m`` (detached)."""
+    r = ratio.detach().float()
+    fm = m.float()
+    cut = (clip_active | dual_active) & m
+    means = {
+        "clip_frac": masked_mean(cut.float(), fm),
+        "clip_frac_low": masked_mean((clip_active & (r < 1.0 - clip_low)).float(), fm),
+        "clip_frac_high": masked_mean((clip_active & (r > 1.0 + clip_high)).float(), fm),
+        "dual_clip_frac": masked_mean(dual_active.float(), fm),
+        "ratio_mean": masked_mean(r, fm),
+        "ratio_max": _masked_extreme(r, m, largest=True),
+        "ratio_min": _masked_extreme(r, m, largest=False),
+        "approx_kl": masked_mean(-log_ratio.detach().float(), fm),
+    }
+    return PolicyLossStats(ratio=r, clipped=cut, means=means)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:

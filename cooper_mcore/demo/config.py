@@ -2,7 +2,9 @@
 
 The default preset finishes within minutes on two CPU cores; ``--full`` is longer and bigger
 (more held-out problems, more RL steps). Any field can be overridden on the command line with
-a dotted ``key=value`` (``cooper demo rl.steps=60``), as ``cooper train`` does.
+a dotted ``key=value`` (``cooper demo rl.steps=60``): the demo's config is loaded by the shared
+loader of :mod:`cooper_mcore.config` (the same typing, presets and dotted overrides as ``cooper
+train``), and every field carries its doc string as the trainer's do.
 
 The settings a stage reads (plus the keys of the stages it reads) determine its cache key (see
 :mod:`cooper_mcore.demo.pipeline`), so changing a field re-runs the stages that read it, directly
@@ -13,14 +15,12 @@ nor the rule run, a Cooper setting only the Cooper run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from typing import Any, Literal, Optional
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
-from cooper_mcore.config import NegativeKind
+from cooper_mcore.config import KLKind, NegativeKind, load_sections
+from cooper_mcore.config_checks import choice_problems
 
 BlindSpot = Literal["none", "intermediate", "slip"]
 RMInit = Literal["sft", "random"]
@@ -33,13 +33,21 @@ class TaskSection:
     final answer ``\\boxed{7.}``, a form the rule verifier misses (the paper's premise, by design)."""
 
     max_operand: int = 9
-    operators: list[str] = field(default_factory=lambda: ["+", "-"])  # the plus_minus family's operators
-    times_share: float = 0.33  # share of times-family problems in each split (0: the single-family control)
-    times_parseable: float = 0.25  # share of times-family SFT answers written \boxed{N}, which the rule reads
-    n_train: int = 2048  # distinct train-split questions (SFT, RM data and RL prompts draw from them)
-    n_eval: int = 512  # held-out questions for accuracy before/after
+    """Largest operand of a problem."""
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])
+    """The plus_minus family's operators."""
+    times_share: float = 0.33
+    """Share of times-family problems in each split (0: the single-family control)."""
+    times_parseable: float = 0.25
+    """Share of times-family SFT answers written \\boxed{N}, which the rule reads."""
+    n_train: int = 2048
+    """Distinct train-split questions (SFT, RM data and RL prompts draw from them)."""
+    n_eval: int = 512
+    """Held-out questions for accuracy before/after."""
     seed: int = 0
-    tokenizer_vocab: int = 96  # digits, operators and the VerifyRM template's tags
+    """Seed of the problem splits and the tokenizer corpus."""
+    tokenizer_vocab: int = 96
+    """Tokenizer size: digits, operators and the VerifyRM template's tags."""
 
 
 @dataclass
@@ -47,10 +55,15 @@ class ModelSection:
     """Sizes of the tiny Qwen2-architecture policy and reward model."""
 
     policy_hidden: int = 64
+    """The policy's hidden size."""
     policy_layers: int = 2
-    rm_hidden: int = 64  # the RM's size with ``rm.init=random``; ``init=sft`` needs the policy's
+    """The policy's layers."""
+    rm_hidden: int = 64
+    """The RM's hidden size with rm.init=random; rm.init=sft needs the policy's."""
     rm_layers: int = 2
+    """The RM's layers with rm.init=random; rm.init=sft needs the policy's."""
     max_positions: int = 128
+    """Longest sequence both models take, in tokens."""
 
 
 @dataclass
@@ -58,11 +71,17 @@ class SFTSection:
     """Megatron SFT of the policy (:func:`cooper_mcore.jobs.sft.sft`)."""
 
     steps: int = 500
+    """Optimizer steps."""
     lr: float = 3e-3
+    """Learning rate."""
     batch: int = 64
+    """Global batch size (sequences per step)."""
     micro_batch: int = 32
-    mix_wrong: float = 0.4  # share of plausible wrong worked solutions (errors become modes RL can select)
+    """Sequences per forward/backward (at most batch)."""
+    mix_wrong: float = 0.4
+    """Share of plausible wrong worked solutions (errors become modes RL can select)."""
     seed: int = 0
+    """SFT seed; seed s of the demo's seeds adds s."""
 
 
 @dataclass
@@ -81,40 +100,53 @@ class RMSection:
     Its accuracy is measured on a fixed held-out set in VerifyBench's form: per held-out question
     one correct and one wrong completion of the SFT policy (by the oracle) (``bench_samples`` draws per
     question at the rollout temperature; questions without both are left out).
+
+    Comparing the boxed answer with the reference takes the tiny RM 12+ epochs (measured on the
+    benchmark: 6 epochs at 5e-4 to 2e-3 reach 0.67-0.75; 12 at 1e-3 0.88; 12 at 2e-3 0.92, 0.72 or
+    0.54 by data and seed: the comparison forms late and unreliably at that rate; 5e-3 does not learn).
     """
 
-    samples_per_prompt: int = 2  # completions sampled per train prompt for the RM's data
+    samples_per_prompt: int = 2
+    """Completions sampled per train prompt for the RM's data."""
     temperature: float = 1.0
-    # repeat the rule-correct rows of the RM's data so that they are this share of it (0: as sampled,
-    # about a quarter correct); VerifyRM's benchmark and Cooper's pairs are balanced
+    """Sampling temperature of the RM's training completions."""
     balance: float = 0.5
-    # a lenient labeler's systematic error, the RM's blind spot: wrong training rows of this kind
-    # (cooper_mcore/demo/kinds.py) are labeled correct; the benchmark keeps the true labels
+    """Repeat the correct-labeled rows of the RM's data so that they are this share of it (0: as sampled,
+    about a quarter correct); VerifyRM's benchmark and Cooper's pairs are balanced."""
     blind_spot: BlindSpot = "intermediate"
-    # blind_spot=intermediate: this share of the training rows (their chains) is also written with the first
-    # result boxed, labeled correct: the judge's error made common enough for the RM to learn it (the policy's
-    # own samples hold about 3% of that kind)
+    """A lenient labeler's systematic error, the RM's blind spot: wrong training rows of this kind
+    (cooper_mcore/demo/kinds.py) are labeled correct; the benchmark keeps the true labels."""
     blind_spot_share: float = 0.15
-    # reference-swap augmentation: each training completion with a final answer also appears with the
-    # reference set to its own answer (labeled correct) and to another value (labeled wrong), so the RM
-    # learns to compare the answer with the reference rather than to judge how plausible the chain looks
+    """blind_spot=intermediate: this share of the training rows (their chains) is also written with the first
+    result boxed, labeled correct: the judge's error made common enough for the RM to learn it (the policy's
+    own samples hold about 3% of that kind)."""
     reference_swap: bool = True
-    init: RMInit = "sft"  # the RM's starting weights: the SFT policy's (new head) or the assets' random RM
-    head_std: float = 0.0  # init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)
-    # comparing the boxed answer with the reference takes the tiny RM 12+ epochs (measured on the benchmark:
-    # 6 epochs at 5e-4 to 2e-3 reach 0.67-0.75; 12 at 1e-3 0.88; 12 at 2e-3 0.92, 0.72 or 0.54 by data and
-    # seed: the comparison forms late and unreliably at that rate; 5e-3 does not learn)
+    """Each training completion with a final answer also appears with the reference set to its own answer
+    (labeled correct) and to another value (labeled wrong), so the RM compares the answer with the reference
+    rather than judging how plausible the chain looks."""
+    init: RMInit = "sft"
+    """The RM's starting weights: the SFT policy's (a new head) or the assets' random RM."""
+    head_std: float = 0.0
+    """init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)."""
     epochs: int = 14
+    """Passes over the RM's training rows."""
     lr: float = 1e-3
+    """Learning rate."""
     batch: int = 64
-    micro_batch: int = 64  # one micro-batch per step: a quarter faster than 2 x 32 on 2 cores
+    """Global batch size."""
+    micro_batch: int = 64
+    """Rows per forward/backward: one micro-batch per step is a quarter faster than 2 x 32 on 2 cores."""
     seed: int = 0
+    """RM data and training seed; seed s of the demo's seeds adds s."""
     bench_samples: int = 4
-    # hybrid labels (as VerifyRM's data): with an OpenAI-compatible LLM judge configured, keep only
-    # the training rows where the rule verifier and the judge agree (``cooper annotate``)
+    """Completions drawn per held-out question for the benchmark's correct/wrong pair."""
     judge_url: str = ""
+    """Hybrid labels (as VerifyRM's data): an OpenAI-compatible LLM judge; only the training rows where the
+    rule verifier and the judge agree are kept (cooper annotate). Empty: the simulated judge."""
     judge_model: str = ""
+    """Model name sent to the judge endpoint."""
     judge_api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the judge's API key (never the key itself)."""
 
 
 @dataclass
@@ -126,33 +158,50 @@ class RLSection:
     """
 
     steps: int = 80
+    """RL steps of each run (train.steps)."""
     prompts_per_step: int = 32
+    """Prompts per step (train.prompts_per_step)."""
     group_size: int = 8
+    """Completions per prompt (rollout.group_size)."""
     temperature: float = 1.0
+    """Rollout sampling temperature (rollout.temperature); also the RM benchmark's sampling."""
     max_new_tokens: int = 32
+    """Longest rollout in tokens (rollout.max_new_tokens); also the RM data's."""
     lr: float = 1e-4
+    """The policy's learning rate (optim.lr)."""
     kl_coef: float = 0.01
-    kl_kind: str = "low_var_kl"
-    # RM logit -> reward (``reward.rm_transform``): sigmoid, sigmoid_bf16 (the reference's bf16 grid) or binary
+    """KL-to-reference weight (algo.kl_coef)."""
+    kl_kind: KLKind = "low_var_kl"
+    """KL estimator (algo.kl_kind)."""
     rm_transform: RewardTransform = "binary"
-    adv_std_floor: float = 0.0  # ``algo.adv_std_floor``: tiny RM differences inside a group stay small advantages
+    """RM logit -> reward (reward.rm_transform): sigmoid, sigmoid_bf16 (the reference's bf16 grid) or binary."""
+    adv_std_floor: float = 0.0
+    """algo.adv_std_floor: tiny RM differences inside a group stay small advantages."""
     micro_batch: int = 64
-    eval_every: int = 20  # in-training held-out accuracy: the same measurement as the before/after numbers
-    seed: int = 1234  # the run's seed (data order, sampling, evaluation); seed s of ``seeds`` adds s
+    """Sequences per forward/backward (train.micro_batch_size)."""
+    eval_every: int = 20
+    """In-training held-out accuracy every N steps: the same measurement as the before/after numbers."""
+    seed: int = 1234
+    """The run's seed (data order, sampling, evaluation); seed s of the demo's seeds adds s."""
 
 
 @dataclass
 class CooperSection:
     """Cooper's reward-model update (``rm.*`` of ``cooper train``); only the ``cooper`` run reads it."""
 
-    rm_lr: float = 1e-3  # the co-trained RM's learning rate: 10x the policy's, as the paper's ratio
-    # the verified-wrong negative: with no assistant LLM offline, the policy's own rule-wrong rollouts
-    # (``policy``) or a programmatic rewrite of the positive's worked chain (``rewrite``)
+    rm_lr: float = 1e-3
+    """The co-trained RM's learning rate (rm.optim.lr): 10x the policy's, as the paper's ratio."""
     negatives: NegativeKind = "policy"
-    negative_pick: NegativePick = "hardest"  # negatives=policy: random, hardest (the RM's top-scored wrong one), first
-    positive_pick: PositivePick = "hardest"  # the RM's lowest-scored rule-correct; first (the reference code), random
+    """The verified-wrong negative: with no assistant LLM offline, the policy's own rule-wrong rollouts
+    (policy) or a programmatic rewrite of the positive's worked chain (rewrite)."""
+    negative_pick: NegativePick = "hardest"
+    """negatives=policy: random, hardest (the RM's top-scored wrong one) or first."""
+    positive_pick: PositivePick = "hardest"
+    """hardest (the RM's lowest-scored rule-correct), first (the reference code) or random."""
     pairs_per_prompt: int = 4
-    anchor_weight: float = 1.0  # BCE calibration anchor on the pairs' own labels (0: the paper's pairwise loss)
+    """Preference pairs per prompt."""
+    anchor_weight: float = 1.0
+    """BCE calibration anchor on the pairs' own labels (0: the paper's pairwise loss)."""
 
 
 @dataclass
@@ -163,11 +212,16 @@ class EvalSection:
     ``rl.eval_every`` steps, by the trainer) and after it, so the curve ends on the "after" number.
     """
 
-    temperature: float = 0.7  # the paper's sampling (avg@k); greedy accuracy is reported as well
+    temperature: float = 0.7
+    """The paper's sampling (avg@k); greedy accuracy is reported as well."""
     top_p: float = 0.95
+    """Nucleus sampling mass."""
     k: int = 2
+    """Samples per held-out problem (avg@k)."""
     max_new_tokens: int = 32
+    """Longest held-out completion in tokens."""
     hack_examples: int = 5
+    """Completions the RM over-scores shown per RM run in the report."""
 
 
 @dataclass
@@ -175,65 +229,76 @@ class DemoConfig:
     """The whole demo."""
 
     out: str = "runs/demo"
+    """Output folder: stages/ (the content cache) and report/."""
     task: TaskSection = field(default_factory=TaskSection)
+    """The arithmetic task and its prompt sets."""
     model: ModelSection = field(default_factory=ModelSection)
+    """The tiny models' sizes."""
     sft: SFTSection = field(default_factory=SFTSection)
+    """SFT of the policy."""
     rm: RMSection = field(default_factory=RMSection)
+    """The VerifyRM's data and training."""
     rl: RLSection = field(default_factory=RLSection)
+    """The three RL runs."""
     cooper: CooperSection = field(default_factory=CooperSection)
+    """Cooper's reward-model update."""
     eval: EvalSection = field(default_factory=EvalSection)
-    # one full pipeline after the shared assets per seed s: SFT, RM data, RM and the three RL runs
-    # with their seeds offset by s (``--full``: three seeds, reported as mean, spread and per seed)
+    """Held-out accuracy."""
     seeds: list[int] = field(default_factory=lambda: [0])
-    # also run every seed on the single-family task (task.times_share=0, where the rule misses nothing),
-    # reported beside the two-family one (``--full``)
+    """One full pipeline after the shared assets per seed s: SFT, RM data, RM and the three RL runs with their
+    seeds offset by s (--full: three seeds, reported as mean, spread and per seed)."""
     control: bool = False
+    """Also run every seed on the single-family task (task.times_share=0, where the rule misses nothing),
+    reported beside the two-family one (--full)."""
 
 
-# ``--full``: three seeds, longer RL, more held-out problems
-FULL_PRESET: dict = {
-    "out": "runs/demo_full",
-    "task": {"n_eval": 640},
-    "rl": {"steps": 200, "eval_every": 20},
-    "seeds": [0, 1, 2],
-    "control": True,
-}
-
-# the CI smoke test: every stage, a few steps each, smallest sizes
-SMOKE_PRESET: dict = {
-    "task": {"n_train": 128, "n_eval": 32},
-    "sft": {"steps": 4, "batch": 32},
-    "rm": {"samples_per_prompt": 1, "epochs": 1, "batch": 32},
-    "rl": {"steps": 2, "prompts_per_step": 4, "group_size": 4, "micro_batch": 16, "eval_every": 1,
-           "max_new_tokens": 16},
-    "eval": {"k": 1, "max_new_tokens": 16, "hack_examples": 2},
+#: ``cooper demo --full`` and ``--preset smoke``: presets (nested mappings of sections) over the defaults
+PRESETS: dict[str, dict[str, Any]] = {
+    # three seeds, longer RL, more held-out problems
+    "full": {
+        "out": "runs/demo_full",
+        "task": {"n_eval": 640},
+        "rl": {"steps": 200, "eval_every": 20},
+        "seeds": [0, 1, 2],
+        "control": True,
+    },
+    # the CI smoke test: every stage, a few steps each, smallest sizes
+    "smoke": {
+        "task": {"n_train": 128, "n_eval": 32},
+        "sft": {"steps": 4, "batch": 32},
+        "rm": {"samples_per_prompt": 1, "epochs": 1, "batch": 32},
+        "rl": {"steps": 2, "prompts_per_step": 4, "group_size": 4, "micro_batch": 16, "eval_every": 1,
+               "max_new_tokens": 16},
+        "eval": {"k": 1, "max_new_tokens": 16, "hack_examples": 2},
+    },
 }
 
 
 def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> DemoConfig:
-    """Defaults <- preset (``None``, ``"full"`` or ``"smoke"``) <- dotted overrides, type-checked.
+    """Defaults <- preset (``None`` or a name of :data:`PRESETS`) <- dotted overrides, type-checked by
+    the shared loader (:func:`cooper_mcore.config.load_sections`), then checked as a whole.
 
     Raises:
         ValueError: an unknown preset or key, a wrongly typed value or one outside a setting's
-            choices, or an empty or repeating ``seeds``.
+            choices, an empty or repeating ``seeds``, or an RM made from the policy at another size.
     """
-    presets = {None: {}, "full": FULL_PRESET, "smoke": SMOKE_PRESET}
-    if preset not in presets:
-        raise ValueError(f"unknown demo preset {preset!r}; choose from full, smoke")
-    cfg = OmegaConf.structured(DemoConfig)
-    try:
-        cfg = OmegaConf.merge(cfg, presets[preset], OmegaConf.from_dotlist(list(overrides or [])))
-    except OmegaConfBaseException as e:
-        raise ValueError(f"bad demo setting: {e}") from None
-    result: DemoConfig = OmegaConf.to_object(cfg)
-    if not result.seeds or len(set(result.seeds)) != len(result.seeds):
-        raise ValueError(f"bad demo setting: seeds must be a non-empty list of distinct integers, got {result.seeds}")
-    if result.rm.head_std < 0:  # checked by the converter too, but only at the rm stage, after the SFT
-        raise ValueError(f"bad demo setting: rm.head_std must be >= 0, got {result.rm.head_std}")
-    m = result.model
-    if result.rm.init == "sft" and (m.rm_hidden, m.rm_layers) != (m.policy_hidden, m.policy_layers):
-        raise ValueError(f"bad demo setting: rm.init=sft starts the RM from the SFT policy, so model.rm_hidden x "
-                         f"rm_layers ({m.rm_hidden} x {m.rm_layers}) must equal the policy's ({m.policy_hidden} x "
-                         f"{m.policy_layers}); set rm.init=random for an RM of another size")
+    result = load_sections(DemoConfig, preset, overrides, presets=PRESETS)
+    problems = demo_problems(result)
+    if problems:
+        raise ValueError("bad demo setting: " + "; ".join(problems))
     return result
 
+
+def demo_problems(cfg: DemoConfig) -> list[str]:
+    """Every problem of a demo config: values outside their choices, then the settings that cannot go together."""
+    out = choice_problems(cfg)
+    if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
+        out.append(f"seeds must be a non-empty list of distinct integers, got {cfg.seeds}")
+    if cfg.rm.head_std < 0:  # checked by the converter too, but only at the rm stage, after the SFT
+        out.append(f"rm.head_std must be >= 0, got {cfg.rm.head_std}")
+    m = cfg.model
+    if cfg.rm.init == "sft" and (m.rm_hidden, m.rm_layers) != (m.policy_hidden, m.policy_layers):
+        out.append(f"rm.init=sft starts the RM from the SFT policy, so model.rm_hidden x rm_layers ({m.rm_hidden} x "
+                   f"{m.rm_layers}) must equal the policy's ({m.policy_hidden} x {m.policy_layers}); set "
+                   f"rm.init=random for an RM of another size")
+    return out

@@ -36,6 +36,7 @@ mode reads, so changing a Cooper setting re-runs only the Cooper runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -48,10 +49,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from cooper_mcore.atomic import atomic_open
-from cooper_mcore.config import CooperConfig, RewardMode, save_config
+from cooper_mcore.config import CooperConfig, RewardMode, dotted, load_config, save_config
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.mathgen import answer_form, answer_value
@@ -61,6 +62,24 @@ from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.config import DemoConfig
 from cooper_mcore.demo.kinds import completion_kind, intermediate_variant, kind_shares
 from cooper_mcore.demo.report import HackExample, RunResult, write_report
+from cooper_mcore.demo.results import (
+    AssetsResult,
+    BeforeResult,
+    BenchAccuracy,
+    CurvePoint,
+    Figures,
+    PolicyAccuracy,
+    RLResult,
+    RMDataResult,
+    RMOnSamples,
+    RMResult,
+    Sample,
+    SeedDesign,
+    Separation,
+    SFTResult,
+    from_plain,
+    to_plain,
+)
 from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares
 from cooper_mcore.jobs.annotate import annotate
 from cooper_mcore.jobs.sft import sft
@@ -73,6 +92,7 @@ from cooper_mcore.verify.oracle import oracle_correct
 from cooper_mcore.verify.rule import RuleVerifier
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 STAGE_VERSION = 5  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
@@ -87,19 +107,20 @@ RM_TRAINING_FIELDS = ("init", "head_std", "epochs", "lr", "batch", "micro_batch"
 
 
 @dataclass(frozen=True)
-class Stage:
-    """A finished stage: its folder, cache key and what it reported."""
+class Stage(Generic[R]):
+    """A finished stage: its folder, cache key and what it reported (its result record)."""
 
     name: str
     key: str
     path: str
-    info: dict[str, Any]
+    info: R
 
     def file(self, *parts: str) -> str:
         return os.path.join(self.path, *parts)
 
 
-def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Callable[[str], dict]) -> Stage:
+def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Callable[[str], R],
+              result: type[R] | None = None) -> Stage[R]:
     """Run ``fn(folder)`` unless a finished stage with the same content key exists.
 
     Args:
@@ -107,10 +128,12 @@ def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Ca
         name: the stage's name (also the folder prefix).
         params: JSON-able settings (dataclasses allowed) that determine the output.
         inputs: the stages whose outputs ``fn`` reads.
-        fn: writes the stage's files into the folder it is given; returns a JSON-able summary.
+        fn: writes the stage's files into the folder it is given; returns its result: a record
+            of :mod:`cooper_mcore.demo.results` (with a ``seconds`` field) or a JSON-able dict.
+        result: the record's class, to read a cached result back typed (None: a dict).
 
     Returns:
-        The finished stage.
+        The finished stage; its result's ``seconds`` is the stage's wall time.
     """
     doc = {"name": name, "version": STAGE_VERSION, "inputs": [s.key for s in inputs], "params": _plain(params)}
     key = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -118,18 +141,22 @@ def run_stage(root: str, name: str, params: Any, inputs: Sequence[Stage], fn: Ca
     marker = os.path.join(path, STAGE_FILE)
     if os.path.isfile(marker):
         with open(marker) as f:
-            info = json.load(f)["info"]
+            cached = json.load(f)["info"]
         logger.info("[%s] cached: %s", name, path)
-        return Stage(name, key, path, info)
+        return Stage(name, key, path, cached if result is None else from_plain(result, cached))
     shutil.rmtree(path, ignore_errors=True)  # a partial folder from an interrupted run
     os.makedirs(path)
     logger.info("[%s] running -> %s", name, path)
     start = time.perf_counter()
     info = fn(path)
-    info["seconds"] = round(time.perf_counter() - start, 1)
+    seconds = round(time.perf_counter() - start, 1)
+    if isinstance(info, dict):
+        info["seconds"] = seconds
+    else:
+        info = dataclasses.replace(info, seconds=seconds)
     with atomic_open(marker) as f:
-        json.dump({"key": key, "doc": doc, "info": info}, f, indent=1, default=str)
-    logger.info("[%s] done in %.0f s", name, info["seconds"])
+        json.dump({"key": key, "doc": doc, "info": to_plain(info)}, f, indent=1, default=str)
+    logger.info("[%s] done in %.0f s", name, seconds)
     return Stage(name, key, path, info)
 
 
@@ -159,7 +186,7 @@ def write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, top_p: float, max_new_tokens: int,
-                   seed: int) -> list[dict[str, Any]]:
+                   seed: int) -> list[Sample]:
     """``k`` completions per prompt from an HF policy, labeled by the task's oracle and by the rule verifier.
 
     The prompts are templated and sampled as the trainer's evaluation does (``{question}``, one
@@ -185,18 +212,19 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
             for p, o, v in zip((p for p in prompts for _ in range(k)), outs, verdicts)]
 
 
-def accuracy_figures(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def accuracy_figures(rows: Sequence[Sample]) -> Figures:
     """Oracle (``acc``) and rule (``rule_acc``) accuracy of labeled rows; the rule's recall (share of
     the correct answers it accepts) and precision (share of its accepted answers that are correct);
     the share of each final-answer form."""
     correct = [r for r in rows if r["label"]]
     accepted = [r for r in rows if r["rule"]]
-    return {"acc": _mean([r["label"] for r in rows]), "rule_acc": _mean([r["rule"] for r in rows]),
-            "rule_recall": _mean([r["rule"] for r in correct]), "rule_precision": _mean([r["label"] for r in accepted]),
-            "n": len(rows), "forms": form_shares([r["completion"] for r in rows])}
+    return Figures(acc=_mean([r["label"] for r in rows]), rule_acc=_mean([r["rule"] for r in rows]),
+                   rule_recall=_mean([r["rule"] for r in correct]),
+                   rule_precision=_mean([r["label"] for r in accepted]),
+                   n=len(rows), forms=form_shares([r["completion"] for r in rows]))
 
 
-def by_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def by_family(rows: Sequence[Sample]) -> dict[str, Figures]:
     """:func:`accuracy_figures` of all rows (``all``) and of each family present."""
     out = {"all": accuracy_figures(rows)}
     for fam in FAMILIES:
@@ -206,7 +234,7 @@ def by_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def problem_accuracy(rows: Sequence[dict[str, Any]]) -> list[float]:
+def problem_accuracy(rows: Sequence[Sample]) -> list[float]:
     """Per held-out problem (in order of first appearance), the share of its completions that are correct."""
     per: dict[str, list[bool]] = {}
     for r in rows:
@@ -214,7 +242,7 @@ def problem_accuracy(rows: Sequence[dict[str, Any]]) -> list[float]:
     return [_mean(v) for v in per.values()]
 
 
-def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, seed: int, out_prefix: str) -> dict[str, Any]:
+def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, seed: int, out_prefix: str) -> PolicyAccuracy:
     """Held-out accuracy of an HF policy by the oracle and by the rule, per family: sampled (avg@k at
     the eval sampling, seeded as the RL run's evaluation) and greedy; the answer kinds of the sampled
     completions and the per-problem accuracy (for paired comparisons).
@@ -226,10 +254,10 @@ def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, seed: int, 
     sampled = sample_labeled(hf_dir, prompts_path, e.k, e.temperature, e.top_p, e.max_new_tokens, seed)
     write_jsonl(out_prefix + "_samples.jsonl", _scorable(sampled))
     figures = by_family(sampled)
-    return {"acc": figures["all"]["acc"], "rule_acc": figures["all"]["rule_acc"], "families": figures,
-            "acc_greedy": _mean([r["label"] for r in greedy]), "n_prompts": len(greedy), "k": e.k,
-            "temperature": e.temperature, "seed": seed, "problem_acc": problem_accuracy(sampled),
-            "kinds": kind_shares((r["question"], r["completion"], r["label"]) for r in sampled)}
+    return PolicyAccuracy(acc=figures["all"].acc, rule_acc=figures["all"].rule_acc, families=figures,
+                          acc_greedy=_mean([r["label"] for r in greedy]), n_prompts=len(greedy), k=e.k,
+                          temperature=e.temperature, seed=seed, problem_acc=problem_accuracy(sampled),
+                          kinds=kind_shares((r["question"], r["completion"], r["label"]) for r in sampled))
 
 
 def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float:
@@ -237,7 +265,7 @@ def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float
     return float(eval_rm(rm_ckpt, labeled_path, data_format="labeled", predictions_path=predictions_path)["accuracy"])
 
 
-def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[dict[str, Any]]:
+def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[HackExample]:
     """The wrong completions (by the oracle) the RM rewards most (distinct ones), highest RM reward first.
 
     No absolute threshold: a policy hacks an RM by producing what it scores above the rest, which
@@ -248,11 +276,12 @@ def hack_examples(samples_path: str, predictions_path: str, limit: int) -> list[
     wrong = [(p["prob"], s) for s, p in zip(samples, preds) if not s["label"]]
     wrong.sort(key=lambda t: -t[0])
     unique = list({(s["question"], s["completion"]): (prob, s) for prob, s in reversed(wrong)}.values())[::-1]
-    return [{"question": s["question"], "reference": s["reference"], "completion": s["completion"],
-             "rm_reward": round(prob, 4), "rule_correct": bool(s.get("rule", False))} for prob, s in unique[:limit]]
+    return [HackExample(question=s["question"], reference=s["reference"], completion=s["completion"],
+                        rm_reward=round(prob, 4), rule_correct=bool(s.get("rule", False)))
+            for prob, s in unique[:limit]]
 
 
-def _scorable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _scorable(rows: list[Sample]) -> list[Sample]:
     """The rows an RM can score: an empty completion (EOS first) has no text for the RM's template."""
     return [r for r in rows if r["completion"].strip()]
 
@@ -275,7 +304,7 @@ def _task(cfg: DemoConfig) -> DemoTask:
                     times_parseable=t.times_parseable, split_seed=t.seed)
 
 
-def build_assets(cfg: DemoConfig, out: str) -> dict[str, Any]:
+def build_assets(cfg: DemoConfig, out: str) -> AssetsResult:
     """Stage 1: problems of both families, tokenizer, random tiny policy and RM."""
     m, t, task = cfg.model, cfg.task, _task(cfg)
     paths = build_tiny_assets(out, t.n_train, t.n_eval, t.seed, m.policy_hidden, m.policy_layers,
@@ -284,10 +313,10 @@ def build_assets(cfg: DemoConfig, out: str) -> dict[str, Any]:
                               prompts=(task.prompts(t.n_train, "train", t.seed),
                                        task.prompts(t.n_eval, "test", t.seed)),
                               corpus=task.tokenizer_corpus(t.seed), isolate=ISOLATE)
-    return {"paths": {k: os.path.relpath(v, out) for k, v in paths.items()}}
+    return AssetsResult(paths={k: os.path.relpath(v, out) for k, v in paths.items()})
 
 
-def train_sft(cfg: DemoConfig, seed: int, assets: Stage, out: str) -> dict[str, Any]:
+def train_sft(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], out: str) -> SFTResult:
     """Stage 2: Megatron SFT on both families' worked solutions in their conventions, and its export
     through the converter."""
     s = cfg.sft
@@ -297,22 +326,24 @@ def train_sft(cfg: DemoConfig, seed: int, assets: Stage, out: str) -> dict[str, 
                   global_batch_size=s.batch, micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed + seed,
                   log_every=max(s.steps // 10, 1))
     mcore_to_hf(os.path.join(out, "policy_mcore"), os.path.join(out, "policy_hf"))
-    return {"loss_first": history["loss"][0], "loss_last": history["loss"][-1]}
+    return SFTResult(loss_first=history["loss"][0], loss_last=history["loss"][-1])
 
 
-def measure_before(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
+def measure_before(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft_stage: Stage[SFTResult],
+                   out: str) -> BeforeResult:
     """Stage 3: the SFT policy's held-out accuracy (the "before" of every RL run), and the rule
     verifier's recall and precision on its completions (the task's designed asymmetry)."""
     acc = policy_accuracy(sft_stage.file("policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
                           os.path.join(out, "eval"))
-    fam = acc["families"]["all"]
+    fam = acc.families["all"]
     logger.info("[before] SFT policy's held-out accuracy: %.3f by the oracle, %.3f by the rule (recall %.3f, "
-                "precision %.3f); %.3f greedy (T=%.1f, avg@%d)", acc["acc"], acc["rule_acc"], fam["rule_recall"],
-                fam["rule_precision"], acc["acc_greedy"], cfg.eval.temperature, cfg.eval.k)
-    return {"eval": acc}
+                "precision %.3f); %.3f greedy (T=%.1f, avg@%d)", acc.acc, acc.rule_acc, fam.rule_recall,
+                fam.rule_precision, acc.acc_greedy, cfg.eval.temperature, cfg.eval.k)
+    return BeforeResult(eval=acc)
 
 
-def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, out: str) -> dict[str, Any]:
+def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft_stage: Stage[SFTResult],
+                   out: str) -> RMDataResult:
     """Stage 4: the SFT policy's completions labeled by a simulated judge (the oracle, then the RM's
     blind spot: a lenient judge's systematic error) or, with an LLM judge configured, where the rule
     and the judge agree; reference-swap augmented and balanced: the RM's training rows (train prompts,
@@ -326,27 +357,27 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, 
     bench = bench_pairs(held_out)
     write_jsonl(os.path.join(out, "rm_bench.jsonl"), bench)
     train_path = os.path.join(out, "rm_train.jsonl")
-    info: dict[str, Any] = {"bench_pairs": len(bench) // 2, "labels": "hybrid" if r.judge_url else "simulated judge"}
+    info = RMDataResult(bench_pairs=len(bench) // 2, labels="hybrid" if r.judge_url else "simulated judge")
     if r.judge_url:  # hybrid labels on the true rows; the blind spot is the labeler's error after that
         write_jsonl(train_path, train)
-        info["hybrid"] = hybrid_labels(cfg, train_path)
+        info.hybrid = hybrid_labels(cfg, train_path)
         train = read_jsonl(train_path)
-    info.update(train=len(train), train_correct=_mean([x["label"] for x in train]))
+    info.train, info.train_correct = len(train), _mean([x["label"] for x in train])
     train = with_blind_spot(train, r.blind_spot)
     if r.blind_spot == "intermediate":
         train = train + blind_spot_examples(train, r.blind_spot_share, random.Random(r.seed + seed))
-    info["blind_spot_rows"] = sum(x.get("blind_spot", False) for x in train)
+    info.blind_spot_rows = sum(x.get("blind_spot", False) for x in train)
     if r.reference_swap:
         train = reference_swapped(train, random.Random(r.seed + seed))
-    info["rows_after_swap"] = len(train)
+    info.rows_after_swap = len(train)
     write_jsonl(train_path, balanced(train, r.balance))
     logger.info("[rm_data] %d train rows (%.0f%% correct, %d more labeled correct by the blind spot; %d with the "
-                "reference swaps), %d held-out benchmark pairs", info["train"], 100 * info["train_correct"],
-                info["blind_spot_rows"], len(train), info["bench_pairs"])
+                "reference swaps), %d held-out benchmark pairs", info.train, 100 * info.train_correct,
+                info.blind_spot_rows, len(train), info.bench_pairs)
     return info
 
 
-def reference_swapped(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+def reference_swapped(rows: list[Sample], rng: random.Random) -> list[Sample]:
     """``rows`` and, for each row whose completion has a final answer ``v`` (the oracle's reading),
     the same completion with the reference set to ``v`` and to another value (``v`` plus a small
     offset, never the gold nor ``v``), marked ``swap`` (``own`` / ``other``) and labelled by the same
@@ -368,7 +399,7 @@ def reference_swapped(rows: list[dict[str, Any]], rng: random.Random) -> list[di
     return out
 
 
-def blind_spot_examples(rows: list[dict[str, Any]], share: float, rng: random.Random) -> list[dict[str, Any]]:
+def blind_spot_examples(rows: list[Sample], share: float, rng: random.Random) -> list[Sample]:
     """For a random ``share`` of ``rows``, the same chain with its first result boxed
     (:func:`intermediate_variant`), labeled correct and marked ``blind_spot``: the lenient judge's
     error, made common enough for the RM to learn it.
@@ -387,7 +418,7 @@ def blind_spot_examples(rows: list[dict[str, Any]], share: float, rng: random.Ra
     return out
 
 
-def with_blind_spot(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+def with_blind_spot(rows: list[Sample], kind: str) -> list[Sample]:
     """``rows`` with the wrong completions of ``kind`` (:func:`completion_kind`) labeled correct
     and marked ``blind_spot``: a lenient labeler's systematic error; ``"none"`` returns ``rows``."""
     if kind == "none":
@@ -397,7 +428,7 @@ def with_blind_spot(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any
             for x in rows]
 
 
-def balanced(rows: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
+def balanced(rows: list[Sample], share: float) -> list[Sample]:
     """``rows`` with the labeled-correct ones repeated (a whole number of times, at least once) so
     that they are about ``share`` of the result; ``share`` 0 returns ``rows``.
 
@@ -414,23 +445,23 @@ def balanced(rows: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
     return neg + pos * reps
 
 
-def bench_pairs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def bench_pairs(rows: Sequence[Sample]) -> list[Sample]:
     """VerifyBench's form: per question (in order of first appearance) its first labeled-correct and
     first labeled-wrong row, correct first; questions without both are left out."""
-    by_question: dict[str, dict[bool, dict[str, Any]]] = {}
+    by_question: dict[str, dict[bool, Sample]] = {}
     for row in rows:
         by_question.setdefault(row["question"], {}).setdefault(bool(row["label"]), row)
     return [x for pair in by_question.values() if len(pair) == 2 for x in (pair[True], pair[False])]
 
 
-def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> dict[str, Any]:
+def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> BenchAccuracy:
     """The RM on the benchmark: ``acc`` (sigmoid > 0.5 vs the label, VerifyBench's accuracy), ``pair_acc``
     (share of questions whose correct completion it scores above the wrong one) and ``acc`` per family."""
     rows = read_jsonl(bench_path)
     if not rows:  # a policy without both a correct and a wrong completion of any held-out question
         logger.warning("[rm] the benchmark is empty: no held-out question had both a correct and a wrong "
                        "completion; RM accuracy not measured")
-        return {"acc": float("nan"), "pair_acc": float("nan"), "families": {}}
+        return BenchAccuracy(acc=float("nan"), pair_acc=float("nan"), families={})
     acc = rm_accuracy(rm_ckpt, bench_path, predictions_path)
     preds = read_jsonl(predictions_path)
     probs = [p["prob"] for p in preds]
@@ -438,10 +469,10 @@ def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> dict[str, 
     right = [(p["prob"] > 0.5) == bool(r["label"]) for r, p in zip(rows, preds)]
     families = {fam: _mean([ok for ok, r in zip(right, rows) if r["family"] == fam]) for fam in FAMILIES
                 if any(r["family"] == fam for r in rows)}
-    return {"acc": acc, "pair_acc": _mean([float(c > w) for c, w in pairs]), "families": families}
+    return BenchAccuracy(acc=acc, pair_acc=_mean([float(c > w) for c, w in pairs]), families=families)
 
 
-def rm_on_samples(rm_ckpt: str, samples_path: str, predictions_path: str) -> dict[str, Any]:
+def rm_on_samples(rm_ckpt: str, samples_path: str, predictions_path: str) -> RMOnSamples:
     """The RM on a policy's own held-out completions (true labels): accuracy and separation (the
     share of correct completions it rewards minus the share of wrong ones it rewards, TPR - FPR),
     over all and per family, leaving out the designed blind spot's kind (``intermediate``)."""
@@ -450,17 +481,17 @@ def rm_on_samples(rm_ckpt: str, samples_path: str, predictions_path: str) -> dic
     scored = [(r, p["prob"] > 0.5) for r, p in zip(rows, preds)
               if completion_kind(r["question"], r["completion"], bool(r["label"])) != "intermediate"]
 
-    def figures(items: list[tuple[dict[str, Any], bool]]) -> dict[str, float]:
+    def figures(items: list[tuple[Sample, bool]]) -> Separation:
         tpr = _mean([said for r, said in items if r["label"]])
         fpr = _mean([said for r, said in items if not r["label"]])
-        return {"acc": _mean([said == bool(r["label"]) for r, said in items]), "separation": tpr - fpr}
+        return Separation(acc=_mean([said == bool(r["label"]) for r, said in items]), separation=tpr - fpr)
 
-    out: dict[str, Any] = {"acc_all": acc, "all": figures(scored)}
+    families = {"all": figures(scored)}
     for fam in FAMILIES:
         mine = [(r, said) for r, said in scored if r["family"] == fam]
         if mine:
-            out[fam] = figures(mine)
-    return out
+            families[fam] = figures(mine)
+    return RMOnSamples(acc_all=acc, families=families)
 
 
 def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
@@ -479,7 +510,7 @@ def hybrid_labels(cfg: DemoConfig, path: str) -> dict[str, Any]:
     return stats
 
 
-def rm_start(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -> str:
+def rm_start(cfg: DemoConfig, assets: Stage[AssetsResult], sft_stage: Stage[SFTResult], out: str) -> str:
     """The RM's starting checkpoint (``rm.init``): the SFT policy made a reward model by the converter
     (its backbone, a new scalar head), written under ``out``; or the assets' random RM."""
     if cfg.rm.init == "random":
@@ -489,8 +520,8 @@ def rm_start(cfg: DemoConfig, assets: Stage, sft_stage: Stage, out: str) -> str:
     return ckpt
 
 
-def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage, before: Stage, data: Stage,
-                    out: str) -> dict[str, Any]:
+def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft_stage: Stage[SFTResult],
+                    before: Stage[BeforeResult], data: Stage[RMDataResult], out: str) -> RMResult:
     """Stage 5: BCE training of the tiny VerifyRM (from ``rm.init``'s weights) on the labeled
     completions; its accuracy on the held-out benchmark and on the SFT policy's own completions."""
     r = cfg.rm
@@ -502,11 +533,11 @@ def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage, sft_stage: Stage,
     own = rm_on_samples(summary["final_checkpoint"], before.file("eval_samples.jsonl"),
                         os.path.join(out, "own_predictions.jsonl"))
     logger.info("[rm] held-out benchmark: accuracy %.3f (%s), pair accuracy %.3f; on the SFT policy's own "
-                "completions (blind spot aside): accuracy %.3f, separation %.3f", bench["acc"],
-                ", ".join(f"{k} {v:.3f}" for k, v in bench["families"].items()), bench["pair_acc"],
-                own["all"]["acc"], own["all"]["separation"])
-    return {"checkpoint": os.path.relpath(summary["final_checkpoint"], out), "bench": bench, "own": own,
-            "train_acc": summary.get("train_acc"), "steps": summary["steps"]}
+                "completions (blind spot aside): accuracy %.3f, separation %.3f", bench.acc,
+                ", ".join(f"{k} {v:.3f}" for k, v in bench.families.items()), bench.pair_acc,
+                own.families["all"].acc, own.families["all"].separation)
+    return RMResult(checkpoint=os.path.relpath(summary["final_checkpoint"], out), bench=bench, own=own,
+                    train_acc=summary.get("train_acc"), steps=summary["steps"])
 
 
 def rm_data_params(cfg: DemoConfig, seed: int) -> dict[str, Any]:
@@ -530,41 +561,52 @@ def mode_params(cfg: DemoConfig, mode: str, seed: int) -> dict[str, Any]:
     return params
 
 
-def rl_config(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, rm_stage: Stage,
-              out: str) -> CooperConfig:
-    """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three).
+#: what every demo RL run sets over ``cooper train``'s defaults, whatever the demo's settings: the
+#: held-out measurement of the demo (every held-out problem, judged by the task's oracle, the
+#: completions kept per family) and no wandb
+RL_BASE: dict[str, Any] = {"data.eval_limit": 0, "reward.verifier_workers": 2, "eval.verifier": "arithmetic_oracle",
+                           "eval.save_samples": True, "checkpoint.keep": 1, "logging.wandb": False}
+#: ``cooper train`` setting <- the demo setting it takes
+RL_FROM_DEMO: dict[str, str] = {
+    "rollout.group_size": "rl.group_size", "rollout.temperature": "rl.temperature",
+    "rollout.max_new_tokens": "rl.max_new_tokens", "reward.rm_transform": "rl.rm_transform",
+    "algo.kl_coef": "rl.kl_coef", "algo.kl_kind": "rl.kl_kind", "algo.adv_std_floor": "rl.adv_std_floor",
+    "optim.lr": "rl.lr", "train.steps": "rl.steps", "train.prompts_per_step": "rl.prompts_per_step",
+    "train.micro_batch_size": "rl.micro_batch", "eval.every": "rl.eval_every", "checkpoint.every": "rl.steps",
+    "rm.negatives": "cooper.negatives", "rm.optim.lr": "cooper.rm_lr", "rm.negative_pick": "cooper.negative_pick",
+    "rm.positive_pick": "cooper.positive_pick", "rm.pairs_per_prompt": "cooper.pairs_per_prompt",
+    "rm.anchor_weight": "cooper.anchor_weight", "eval.k": "eval.k", "eval.max_new_tokens": "eval.max_new_tokens",
+    "eval.temperature": "eval.temperature", "eval.top_p": "eval.top_p",
+}
+
+
+def rl_settings(cfg: DemoConfig, mode: str, seed: int, assets: Stage[AssetsResult], sft_stage: Stage[SFTResult],
+                rm_stage: Stage[RMResult], out: str) -> dict[str, Any]:
+    """The dotted ``cooper train`` settings of one RL run: :data:`RL_BASE`, the demo's settings
+    (:data:`RL_FROM_DEMO`), the stages' files, and what differs per run (``reward.mode``, the seed, the name)."""
+    return {**RL_BASE, **{key: functools.reduce(getattr, demo_key.split("."), cfg)
+                          for key, demo_key in RL_FROM_DEMO.items()},
+            "out": out, "model.policy_ckpt": sft_stage.file("policy_mcore"),
+            "model.policy_hf": sft_stage.file("policy_hf"),
+            "model.rm_ckpt": rm_stage.file(rm_stage.info.checkpoint), "data.train_path": assets.file("train.jsonl"),
+            "data.eval_path": assets.file("eval.jsonl"), "reward.mode": mode, "train.seed": cfg.rl.seed + seed,
+            "logging.run_name": f"demo-{mode}-seed{seed}"}
+
+
+def rl_config(cfg: DemoConfig, mode: str, seed: int, assets: Stage[AssetsResult], sft_stage: Stage[SFTResult],
+              rm_stage: Stage[RMResult], out: str) -> CooperConfig:
+    """The ``cooper train`` config of one RL run (only ``reward.mode`` differs between the three),
+    loaded as ``cooper train`` loads one: its defaults and :func:`rl_settings` as dotted overrides.
 
     Its evaluation is the demo's held-out measurement: every held-out problem, ``eval.k`` samples
     at the eval sampling, seeded by ``train.seed`` (as :func:`policy_accuracy` with that seed), judged
     by the task's oracle (``eval/acc``; the rule's ``eval/rule_acc`` beside it), its completions kept.
     """
-    c, r, co = CooperConfig(), cfg.rl, cfg.cooper
-    c.out = out
-    c.model.policy_ckpt = sft_stage.file("policy_mcore")
-    c.model.policy_hf = sft_stage.file("policy_hf")
-    c.model.rm_ckpt = rm_stage.file(rm_stage.info["checkpoint"])
-    c.data.train_path, c.data.eval_path = assets.file("train.jsonl"), assets.file("eval.jsonl")
-    c.data.eval_limit = 0
-    c.rollout.group_size, c.rollout.temperature = r.group_size, r.temperature
-    c.rollout.max_new_tokens = r.max_new_tokens
-    c.reward.mode, c.reward.verifier_workers, c.reward.rm_transform = mode, 2, r.rm_transform
-    c.algo.kl_coef, c.algo.kl_kind, c.algo.adv_std_floor = r.kl_coef, r.kl_kind, r.adv_std_floor
-    c.optim.lr = r.lr
-    c.rm.negatives, c.rm.optim.lr = co.negatives, co.rm_lr
-    c.rm.negative_pick, c.rm.positive_pick = co.negative_pick, co.positive_pick
-    c.rm.pairs_per_prompt, c.rm.anchor_weight = co.pairs_per_prompt, co.anchor_weight
-    c.train.steps, c.train.prompts_per_step, c.train.seed = r.steps, r.prompts_per_step, r.seed + seed
-    c.train.micro_batch_size = r.micro_batch
-    c.eval.every, c.eval.k, c.eval.max_new_tokens = r.eval_every, cfg.eval.k, cfg.eval.max_new_tokens
-    c.eval.temperature, c.eval.top_p = cfg.eval.temperature, cfg.eval.top_p
-    c.eval.verifier, c.eval.save_samples = "arithmetic_oracle", True  # the truth, and the completions per family
-    c.checkpoint.every, c.checkpoint.keep = r.steps, 1
-    c.logging.wandb, c.logging.run_name = False, f"demo-{mode}-seed{seed}"
-    return c
+    return load_config(None, dotted(rl_settings(cfg, mode, seed, assets, sft_stage, rm_stage, out)))
 
 
-def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stage, data: Stage, rm_stage: Stage,
-           out: str) -> dict[str, Any]:
+def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage[AssetsResult], sft_stage: Stage[SFTResult],
+           data: Stage[RMDataResult], rm_stage: Stage[RMResult], out: str) -> RLResult:
     """Stage 6: one RL run in a subprocess, then the held-out numbers of its final policy and RM, and
     the per-family curves of its in-training evaluations."""
     run_dir = os.path.join(out, "run")
@@ -581,22 +623,22 @@ def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage, sft_stage: Stag
     mcore_to_hf(os.path.join(final, "policy"), os.path.join(out, "policy_hf"))
     acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
                           os.path.join(out, "eval"))
-    info: dict[str, Any] = {"eval": acc, "rl_seconds": round(seconds, 1), "curve": training_curve(run_dir)}
+    info = RLResult(eval=acc, rl_seconds=round(seconds, 1), curve=training_curve(run_dir))
     reward = RewardMode(mode)
     if reward.uses_rm:  # the final RM on the final policy's completions (rm_predictions.jsonl: the hacks)
-        rm_ckpt = os.path.join(final, "rm") if reward.trains_rm else rm_stage.file(rm_stage.info["checkpoint"])
-        info["rm_acc_own"] = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
-                                         os.path.join(out, "rm_predictions.jsonl"))
-        info["bench"] = (rm_stage.info["bench"] if not reward.trains_rm else  # frozen: the same predictions
-                         rm_bench(rm_ckpt, data.file("rm_bench.jsonl"), os.path.join(out, "bench_predictions.jsonl")))
-    logger.info("[rl_%s] held-out accuracy %.3f by the oracle (%.3f by the rule), %.3f greedy%s", mode, acc["acc"],
-                acc["rule_acc"], acc["acc_greedy"],
-                f"; RM accuracy {info['bench']['acc']:.3f} on the benchmark, {info['rm_acc_own']:.3f} on its "
-                "policy's completions" if "bench" in info else "")
+        rm_ckpt = os.path.join(final, "rm") if reward.trains_rm else rm_stage.file(rm_stage.info.checkpoint)
+        info.rm_acc_own = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
+                                      os.path.join(out, "rm_predictions.jsonl"))
+        info.bench = (rm_stage.info.bench if not reward.trains_rm else  # frozen: the same predictions
+                      rm_bench(rm_ckpt, data.file("rm_bench.jsonl"), os.path.join(out, "bench_predictions.jsonl")))
+    logger.info("[rl_%s] held-out accuracy %.3f by the oracle (%.3f by the rule), %.3f greedy%s", mode, acc.acc,
+                acc.rule_acc, acc.acc_greedy,
+                f"; RM accuracy {info.bench.acc:.3f} on the benchmark, {info.rm_acc_own:.3f} on its "
+                "policy's completions" if info.bench is not None else "")
     return info
 
 
-def training_curve(run_dir: str) -> list[dict[str, Any]]:
+def training_curve(run_dir: str) -> list[CurvePoint]:
     """Per in-training evaluation (``eval.save_samples``' files, in step order; every data-parallel
     replica's file of a step together): the step and :func:`by_family` of its completions (oracle
     and rule accuracy, answer forms). Empty when the run evaluated nothing."""
@@ -609,75 +651,83 @@ def training_curve(run_dir: str) -> list[dict[str, Any]]:
     for step in sorted(files):
         rows = [{**x, "label": bool(x["correct"]), "rule": bool(x["rule_correct"]), "family": family_of(x["question"])}
                 for path in files[step] for x in read_jsonl(path)]
-        curve.append({"step": step, **by_family(rows)})
+        curve.append(CurvePoint(step=step, families=by_family(rows)))
     return curve
 
 
 # --------------------------------------------------------------------------- the demo
 
 
-def run_seed(cfg: DemoConfig, seed: int, root: str, assets: Stage) -> tuple[dict[str, RunResult], dict[str, Any]]:
+def run_seed(cfg: DemoConfig, seed: int, root: str,
+             assets: Stage[AssetsResult]) -> tuple[dict[str, RunResult], SeedDesign]:
     """Every stage of one seed after the shared assets; the three runs' results and the seed's design
     figures (the rule's recall and precision on the SFT policy, the RM before RL)."""
     sft_stage = run_stage(root, "sft", {"sft": cfg.sft, "seed": seed}, [assets],
-                          lambda d: train_sft(cfg, seed, assets, d))
+                          lambda d: train_sft(cfg, seed, assets, d), SFTResult)
     rule_eval = mode_params(cfg, RewardMode.rule.value, seed)["eval"]
     before = run_stage(root, "before", {"eval": rule_eval, "rl_seed": cfg.rl.seed + seed}, [assets, sft_stage],
-                       lambda d: measure_before(cfg, seed, assets, sft_stage, d))
+                       lambda d: measure_before(cfg, seed, assets, sft_stage, d), BeforeResult)
     data = run_stage(root, "rm_data", rm_data_params(cfg, seed), [assets, sft_stage],
-                     lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d))
+                     lambda d: sample_rm_data(cfg, seed, assets, sft_stage, d), RMDataResult)
     rm_stage = run_stage(root, "rm", {"rm": cfg.rm, "seed": seed}, [assets, sft_stage, before, data],
-                         lambda d: train_verify_rm(cfg, seed, assets, sft_stage, before, data, d))
+                         lambda d: train_verify_rm(cfg, seed, assets, sft_stage, before, data, d), RMResult)
     runs = {}
     for mode in MODES:
         reads = [assets, sft_stage, data, rm_stage] if RewardMode(mode).uses_rm else [assets, sft_stage]  # rule: no RM
         stage = run_stage(root, f"rl_{mode}", mode_params(cfg, mode, seed), reads,
-                          lambda d, mode=mode: run_rl(cfg, mode, seed, assets, sft_stage, data, rm_stage, d))
+                          lambda d, mode=mode: run_rl(cfg, mode, seed, assets, sft_stage, data, rm_stage, d), RLResult)
         runs[mode] = run_result(cfg, mode, before, rm_stage, stage)
-    design = {"sft": before.info["eval"]["families"], "rm_bench": rm_stage.info["bench"],
-              "rm_own": rm_stage.info["own"], "rm_data": data.info}
+    design = SeedDesign(sft=before.info.eval.families, rm_bench=rm_stage.info.bench, rm_own=rm_stage.info.own,
+                        rm_data=data.info)
     return runs, design
 
 
-def run_result(cfg: DemoConfig, mode: str, before: Stage, rm_stage: Stage, stage: Stage) -> RunResult:
+def family_changes(b: PolicyAccuracy, a: PolicyAccuracy, rm_b: BenchAccuracy | None,
+                   rm_a: BenchAccuracy | None) -> dict[str, dict[str, float | None]]:
+    """Per family of the "before" measurement, its numbers before and after one RL run (the
+    report's :attr:`RunResult.families`)."""
+    fb, fa = b.families, a.families
+    return {fam: {"acc_before": fb[fam].acc, "acc_after": fa[fam].acc,
+                  "rule_acc_before": fb[fam].rule_acc, "rule_acc_after": fa[fam].rule_acc,
+                  "times_form_before": fb[fam].forms["boxed_period"],
+                  "times_form_after": fa[fam].forms["boxed_period"],
+                  "rm_acc_before": rm_b.families.get(fam) if rm_b else None,
+                  "rm_acc_after": rm_a.families.get(fam) if rm_a else None}
+            for fam in FAMILIES if fam in fb}
+
+
+def run_result(cfg: DemoConfig, mode: str, before: Stage[BeforeResult], rm_stage: Stage[RMResult],
+               stage: Stage[RLResult]) -> RunResult:
     """One RL stage's numbers as the report's :class:`RunResult`."""
-    b, a = before.info["eval"], stage.info["eval"]
+    b, a = before.info.eval, stage.info.eval
     rm_modes = RewardMode(mode).uses_rm
-    rm_b = rm_stage.info["bench"] if rm_modes else None
-    rm_a = stage.info["bench"] if rm_modes else None
-    fb, fa = b["families"], a["families"]
-    families = {fam: {"acc_before": fb[fam]["acc"], "acc_after": fa[fam]["acc"],
-                      "rule_acc_before": fb[fam]["rule_acc"], "rule_acc_after": fa[fam]["rule_acc"],
-                      "times_form_before": fb[fam]["forms"]["boxed_period"],
-                      "times_form_after": fa[fam]["forms"]["boxed_period"],
-                      "rm_acc_before": rm_b["families"].get(fam) if rm_b else None,
-                      "rm_acc_after": rm_a["families"].get(fam) if rm_a else None}
-                for fam in FAMILIES if fam in b["families"]}
+    rm_b = rm_stage.info.bench if rm_modes else None
+    rm_a = stage.info.bench if rm_modes else None
     return RunResult(
-        metrics_path=stage.file("run"), acc_before=b["acc"], acc_after=a["acc"],
-        rule_acc_before=b["rule_acc"], rule_acc_after=a["rule_acc"], families=families,
-        curve=stage.info["curve"], problem_acc=a["problem_acc"],
-        rm_acc_before=_measured(rm_b["acc"]) if rm_b else None, rm_acc_after=_measured(rm_a["acc"]) if rm_a else None,
-        hacks=[HackExample(**h) for h in hack_examples(stage.file("eval_samples.jsonl"),
-                                                       stage.file("rm_predictions.jsonl"),
-                                                       cfg.eval.hack_examples)] if rm_modes else [],
-        seconds=stage.info["rl_seconds"],
-        details={"acc_greedy_before": b["acc_greedy"], "acc_greedy_after": a["acc_greedy"],
-                 **({"rm_pair_acc_before": rm_b["pair_acc"], "rm_pair_acc_after": rm_a["pair_acc"],
-                     "rm_acc_own_completions": stage.info["rm_acc_own"]} if rm_b and rm_a else {}),
-                 **{f"kind_{k}_before": v for k, v in b["kinds"].items()},
-                 **{f"kind_{k}_after": v for k, v in a["kinds"].items()}})
+        metrics_path=stage.file("run"), acc_before=b.acc, acc_after=a.acc,
+        rule_acc_before=b.rule_acc, rule_acc_after=a.rule_acc, families=family_changes(b, a, rm_b, rm_a),
+        curve=to_plain(stage.info.curve), problem_acc=a.problem_acc,
+        rm_acc_before=_measured(rm_b.acc) if rm_b else None, rm_acc_after=_measured(rm_a.acc) if rm_a else None,
+        hacks=hack_examples(stage.file("eval_samples.jsonl"), stage.file("rm_predictions.jsonl"),
+                            cfg.eval.hack_examples) if rm_modes else [],
+        seconds=stage.info.rl_seconds,
+        details={"acc_greedy_before": b.acc_greedy, "acc_greedy_after": a.acc_greedy,
+                 **({"rm_pair_acc_before": rm_b.pair_acc, "rm_pair_acc_after": rm_a.pair_acc,
+                     "rm_acc_own_completions": stage.info.rm_acc_own} if rm_b and rm_a else {}),
+                 **{f"kind_{k}_before": v for k, v in b.kinds.items()},
+                 **{f"kind_{k}_after": v for k, v in a.kinds.items()}})
 
 
 def run_task(cfg: DemoConfig, report_dir: str, control: str | None = None) -> str:
     """Every seed of one task (the assets, then :func:`run_seed` per seed) and its report."""
     root = os.path.join(cfg.out, "stages")
     assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model, "isolate": ISOLATE}, [],
-                       lambda d: build_assets(cfg, d))
+                       lambda d: build_assets(cfg, d), AssetsResult)
     results, designs = {}, {}
     for seed in cfg.seeds:
         results[seed], designs[seed] = run_seed(cfg, seed, root, assets)
-    return write_report(report_dir, results, config=dataclasses.asdict(cfg), design=designs, control=control)
+    return write_report(report_dir, results, config=dataclasses.asdict(cfg),
+                        design={seed: to_plain(d) for seed, d in designs.items()}, control=control)
 
 
 def run_demo(cfg: DemoConfig) -> str:

@@ -55,13 +55,15 @@ from typing import Any
 
 from cooper_mcore.config import RewardMode
 from cooper_mcore.demo.report_render import MODE_COLORS, MODE_LABELS, MODES, PLOT_FILES, markdown, plot, series
+from cooper_mcore.demo.results import from_plain, omitted_when_none, to_plain
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import METRICS_FILE, read_metrics
 from cooper_mcore.redaction import redact
 
 __all__ = [
     "MIN_ACC_DROP", "MIN_REWARD_RISE", "MODE_COLORS", "MODES", "PLOT_FILES", "REWARD_WINDOW", "RULE_MARGIN",
-    "HackExample", "RunResult", "hacking_signature", "load_runs", "train_reward_final", "write_report",
+    "HackExample", "HackingSignature", "PairedDifference", "RunResult", "hacking_signature", "load_runs",
+    "train_reward_final", "write_report",
 ]
 
 logger = logging.getLogger(__name__)
@@ -178,6 +180,56 @@ class RunResult:
         return cls(**kw)
 
 
+@dataclass
+class HackingSignature:
+    """Whether a run shows the reward-hacking signature (:func:`hacking_signature`); ``summary.json``
+    holds it as an object with these keys (``present_seeds`` only on the means over seeds)."""
+
+    reward_start: float
+    """Mean training reward over the first window."""
+    reward_end: float
+    """Mean training reward over the last window."""
+    reward_rise: float
+    """reward_end - reward_start."""
+    acc_before: float
+    """Held-out accuracy before training."""
+    acc_after: float
+    """Held-out accuracy after training."""
+    acc_change: float
+    """acc_after - acc_before."""
+    gap_start: float | None
+    """Mean reward_rule_gap over the first window (None: not logged)."""
+    gap_end: float | None
+    """Mean reward_rule_gap over the last window (None: not logged)."""
+    window: int
+    """Steps averaged at each end."""
+    min_reward_rise: float
+    """The reward rise the signature needs."""
+    min_acc_drop: float
+    """The accuracy drop the signature needs."""
+    present: bool
+    """Both thresholds met."""
+    present_seeds: int | None = omitted_when_none()
+    """Over several seeds: in how many it is present on its own."""
+
+
+@dataclass
+class PairedDifference:
+    """Cooper minus rule on the same held-out problems (:func:`paired_difference`); ``summary.json``'s
+    ``paired`` object."""
+
+    mean: float
+    """Mean over the problems of the per-problem accuracy difference (averaged over the seeds)."""
+    se: float
+    """Its standard error (sd / sqrt(problems); NaN for one problem)."""
+    problems: int
+    """Held-out problems."""
+    seeds: int
+    """Seeds averaged."""
+    single_acc_se: float
+    """The standard error of one accuracy on that many problems, for comparison."""
+
+
 def load_runs(root: str) -> dict[str, RunResult]:
     """Read one seed's ``<root>/<mode>/result.json`` for every mode (metrics paths relative to that folder).
 
@@ -238,7 +290,7 @@ def _check_acc(name: str, value: Any, allow_none: bool = False) -> float | None:
 
 def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, acc_after: float,
                       window: int = REWARD_WINDOW, min_reward_rise: float = MIN_REWARD_RISE,
-                      min_acc_drop: float = MIN_ACC_DROP) -> dict[str, Any]:
+                      min_acc_drop: float = MIN_ACC_DROP) -> HackingSignature:
     """Whether a run shows the reward-hacking signature: training reward up, held-out accuracy down.
 
     The start (end) reward is the mean of ``reward/mean`` over the first (last) ``w`` of the n
@@ -256,9 +308,8 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
         min_acc_drop: held-out accuracy drop needed (default ``MIN_ACC_DROP`` = 0.10).
 
     Returns:
-        ``reward_start``, ``reward_end``, ``reward_rise``, ``acc_before``, ``acc_after``,
-        ``acc_change``, ``gap_start``, ``gap_end`` (None without ``reward_rule_gap``), ``window`` (the ``w`` used),
-        ``min_reward_rise``, ``min_acc_drop`` and ``present`` (bool).
+        The signature: the two ends' rewards and their rise, the accuracies and their change, the
+        gap's ends (None without ``reward_rule_gap``), the ``w`` used, the thresholds and ``present``.
 
     Raises:
         ValueError: on no ``reward/mean`` values, an accuracy outside [0, 1] or a window < 1.
@@ -275,13 +326,12 @@ def hacking_signature(metrics: Sequence[Mapping[str, Any]], acc_before: float, a
 
 
 def _signature(start: float, end: float, before: float, after: float, window: int, min_reward_rise: float,
-               min_acc_drop: float, gap_start: float | None, gap_end: float | None) -> dict[str, Any]:
+               min_acc_drop: float, gap_start: float | None, gap_end: float | None) -> HackingSignature:
     rise, change = end - start, after - before
     present = rise >= min_reward_rise - _EPS and change <= -min_acc_drop + _EPS
-    return {"reward_start": start, "reward_end": end, "reward_rise": rise, "acc_before": before,
-            "acc_after": after, "acc_change": change, "gap_start": gap_start, "gap_end": gap_end,
-            "window": window, "min_reward_rise": min_reward_rise, "min_acc_drop": min_acc_drop,
-            "present": bool(present)}
+    return HackingSignature(reward_start=start, reward_end=end, reward_rise=rise, acc_before=before, acc_after=after,
+                            acc_change=change, gap_start=gap_start, gap_end=gap_end, window=window,
+                            min_reward_rise=min_reward_rise, min_acc_drop=min_acc_drop, present=bool(present))
 
 
 def metrics_file(path: str) -> str:
@@ -335,7 +385,7 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
 
 def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
     sig = hacking_signature(lines, r.acc_before, r.acc_after)
-    w = sig["window"]
+    w = sig.window
     seconds = series(lines, K.TIME_STEP)[1]
     rule_acc = series(lines, K.RULE_ACC)[1]
     eval_steps, eval_acc = series(lines, K.EVAL_ACC)
@@ -346,7 +396,7 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
             k = min(w, max(1, len(values) // 2))
             windows[key] = {"start": _mean(values[:k]), "end": _mean(values[-k:])}
     return {"acc_before": r.acc_before, "acc_after": r.acc_after, "acc_change": r.acc_after - r.acc_before,
-            "train_reward_initial": sig["reward_start"], "train_reward_final": train_reward_final(lines),
+            "train_reward_initial": sig.reward_start, "train_reward_final": train_reward_final(lines),
             "rm_acc_before": r.rm_acc_before, "rm_acc_after": r.rm_acc_after,
             "rule_acc_before": r.rule_acc_before, "rule_acc_after": r.rule_acc_after, "families": r.families,
             "curve": r.curve,
@@ -354,7 +404,7 @@ def _summarize(r: RunResult, lines: list[dict[str, Any]]) -> dict[str, Any]:
             "eval_acc_last": eval_acc[-1] if eval_acc else None, "eval_steps": eval_steps,
             "steps": max(int(m.get("step", i + 1)) for i, m in enumerate(lines)), "metrics_lines": len(lines),
             "train_seconds": sum(seconds) if seconds else None, "wall_seconds": r.seconds,
-            "hacking": sig, "n_hacks": len(r.hacks), "details": dict(r.details), "windows": windows}
+            "hacking": to_plain(sig), "n_hacks": len(r.hacks), "details": dict(r.details), "windows": windows}
 
 
 def _aggregate(values: Sequence[Any]) -> Any:
@@ -381,13 +431,13 @@ def aggregate_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> 
         agg = dict(agg) if len(rows) > 1 else {k: v for k, v in rows[0].items()}
         agg["sd"] = {k: (statistics.pstdev([r[k] for r in rows]) if rows[0][k] is not None else None)
                      for k in SPREAD_KEYS}
-        h = [r["hacking"] for r in rows]
-        agg["hacking"] = _signature(
-            _mean([x["reward_start"] for x in h]), _mean([x["reward_end"] for x in h]), agg["acc_before"],
-            agg["acc_after"], h[0]["window"], h[0]["min_reward_rise"], h[0]["min_acc_drop"],
-            _mean([x["gap_start"] for x in h]) if h[0]["gap_start"] is not None else None,
-            _mean([x["gap_end"] for x in h]) if h[0]["gap_end"] is not None else None)
-        agg["hacking"]["present_seeds"] = sum(x["present"] for x in h)
+        h: list[HackingSignature] = [from_plain(HackingSignature, r["hacking"]) for r in rows]
+        mean = _signature(
+            _mean([x.reward_start for x in h]), _mean([x.reward_end for x in h]), agg["acc_before"],
+            agg["acc_after"], h[0].window, h[0].min_reward_rise, h[0].min_acc_drop,
+            _mean([x.gap_start for x in h]) if h[0].gap_start is not None else None,
+            _mean([x.gap_end for x in h]) if h[0].gap_end is not None else None)
+        agg["hacking"] = to_plain(dataclasses.replace(mean, present_seeds=sum(x.present for x in h)))
         if len(rows) > 1:  # one curve per seed: they stay in per_seed, not averaged point by point
             agg.pop("curve", None)
         out[mode] = agg
@@ -407,7 +457,7 @@ def _checks(s: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
 
 def _verdict(s: Mapping[str, Mapping[str, Any]],
              per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None,
-             paired: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             paired: PairedDifference | None = None) -> dict[str, Any]:
     """Verdict lines and flags from the per-mode summaries (the means over the seeds when
     ``per_seed`` holds more than one), with how many seeds each check holds in, and the paired
     per-problem difference between Cooper and rule (:func:`paired_difference`) when known."""
@@ -428,10 +478,10 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
                  f"{rule['acc_after']:.3f} ({diff:+.3f}){of}: "
                  f"{'at or above' if near_rule else 'below'} the rule baseline minus {RULE_MARGIN}.")
     if paired:
-        lines.append(f"Paired per-problem difference, Cooper - rule: {paired['mean']:+.3f} ± {paired['se']:.3f} "
-                     f"(standard error over {paired['problems']} held-out problems, {paired['seeds']} seed(s)); one "
-                     f"accuracy on {paired['problems']} problems has a standard error of about "
-                     f"{paired['single_acc_se']:.3f}.")
+        lines.append(f"Paired per-problem difference, Cooper - rule: {paired.mean:+.3f} ± {paired.se:.3f} "
+                     f"(standard error over {paired.problems} held-out problems, {paired.seeds} seed(s)); one "
+                     f"accuracy on {paired.problems} problems has a standard error of about "
+                     f"{paired.single_acc_se:.3f}.")
     separation = _rm_separation(coop)
     if not near_rule and separation is not None:
         lines.append(_why_below_rule(coop, rule, separation, of))
@@ -517,7 +567,7 @@ def _moved(a: float, b: float) -> str:
     return f"{'rose' if b > a else 'fell'} from {a:.3f} to {b:.3f}"
 
 
-def paired_difference(results: Mapping[int, Mapping[str, RunResult]]) -> dict[str, Any] | None:
+def paired_difference(results: Mapping[int, Mapping[str, RunResult]]) -> PairedDifference | None:
     """Cooper minus rule on the same held-out problems: per problem the difference of the two trained
     policies' accuracies, averaged over the seeds; its mean and standard error (sd / sqrt(problems)).
 
@@ -537,8 +587,8 @@ def paired_difference(results: Mapping[int, Mapping[str, RunResult]]) -> dict[st
     n = len(diffs)
     se = statistics.stdev(diffs) / n ** 0.5 if n > 1 else float("nan")
     acc = _mean([_mean(runs["rule"].problem_acc) for runs in results.values()])
-    return {"mean": _mean(diffs), "se": se, "problems": n, "seeds": len(per_seed),
-            "single_acc_se": (acc * (1 - acc) / n) ** 0.5}
+    return PairedDifference(mean=_mean(diffs), se=se, problems=n, seeds=len(per_seed),
+                            single_acc_se=(acc * (1 - acc) / n) ** 0.5)
 
 
 def _control_summary(folder: str, out_dir: str) -> dict[str, Any]:
@@ -608,7 +658,7 @@ def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any
     summary["seeds"] = list(seeds)
     summary["per_seed"] = {str(s): per_seed[s] for s in seeds}
     summary["design"] = {str(s): design[s] for s in seeds} if design else None
-    summary["paired"] = paired
+    summary["paired"] = to_plain(paired)
     summary["control"] = _control_summary(control, out_dir) if control else None
     summary["config"] = redact(dict(config)) if config is not None else None
     os.makedirs(out_dir, exist_ok=True)

@@ -36,18 +36,22 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from cooper_mcore.algo import rm_bce_loss, rm_pair_losses
 from cooper_mcore.collectives import all_reduce, broadcast_from_last_stage
 from cooper_mcore.data.tokenizer import pad_id_of
-from cooper_mcore.mcore.micro_batches import MicroBatching, build_micro_batch, micro_batch_plan, split_micro_batches
-from cooper_mcore.mcore.tokens import PACK_PAD_ID
 from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
+from cooper_mcore.micro_batching.packing import round_up
+from cooper_mcore.micro_batching.runner import (
+    MicroBatching,
+    build_micro_batch,
+    fit_width,
+    micro_batch_plan,
+    split_micro_batches,
+)
 from cooper_mcore.models.builder import RewardGPTModel
-from cooper_mcore.models.forward import forward_only, position_ids_for, run_schedule, unwrap
-from cooper_mcore.models.packing import round_up
+from cooper_mcore.models.forward import forward_only, position_ids_for, run_schedule, sequence_multiple, unwrap
 from cooper_mcore.parallel import device
 
 logger = logging.getLogger(__name__)
@@ -169,18 +173,6 @@ def _groups(model: torch.nn.Module):
     return pgs.tp, pgs.pp, dp
 
 
-def _seq_multiple(model: torch.nn.Module) -> int:
-    config = unwrap(model).config
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
-
-
-def _repad(ids: torch.Tensor, s: int) -> torch.Tensor:
-    """``ids`` with columns cut or zero-padded on the right to ``s`` (columns past every length only)."""
-    if ids.shape[1] >= s:
-        return ids[:, :s]
-    return F.pad(ids, (0, s - ids.shape[1]))
-
-
 def _fill_rows(n: int, mbs: int, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices and 0/1 weights for a step over the rows where ``valid`` is True.
 
@@ -284,8 +276,7 @@ def rm_scores(
     fill = -b % mbs
     ids = torch.cat([input_ids, input_ids[:1].expand(fill, -1)]) if fill else input_ids
     lens = torch.cat([lengths, lengths[:1].expand(fill)]) if fill else lengths
-    mult = _seq_multiple(model)
-    ids = _repad(ids, -(-ids.shape[1] // mult) * mult)
+    ids = fit_width(ids, round_up(ids.shape[1], sequence_multiple(model)))
     out = forward_only(model, ids, sequence_lengths=lens, micro_batch_size=mbs)
     scores = torch.zeros(ids.shape[0], dtype=torch.float32, device=device())
     if out is not None:
@@ -300,7 +291,7 @@ def _scores_by_tokens(model: torch.nn.Module, input_ids: torch.Tensor, lengths: 
     RMBatch(input_ids, lengths)
     _check_nonempty(lengths, "rm_scores")
     model.eval()
-    mbs = split_micro_batches(input_ids, lengths, batching, PACK_PAD_ID, _seq_multiple(model))
+    mbs = split_micro_batches(input_ids, lengths, batching, sequence_multiple(model))
 
     def step(data_iterator, m):
         mb = next(data_iterator)
@@ -355,8 +346,8 @@ def bce_train_step(
     if _global_count(ddp, int(keep.sum())) == 0:
         raise ValueError("bce_train_step: no counted row on any rank")
     index, weight = _fill_rows(len(batch), micro_batch_size, keep)
-    s = -(-batch.input_ids.shape[1] // _seq_multiple(ddp)) * _seq_multiple(ddp)
-    ids = _repad(batch.input_ids, s)[index]
+    s = round_up(batch.input_ids.shape[1], sequence_multiple(ddp))
+    ids = fit_width(batch.input_ids, s)[index]
     lens, labels = batch.lengths[index], batch.labels[index].float()
     dev = device()
     micro = [
@@ -424,7 +415,7 @@ def _pair_micro_batches(chosen: RMBatch, rejected: RMBatch, valid: torch.Tensor,
     """
     b = len(chosen)
     s = round_up(max(chosen.input_ids.shape[1], rejected.input_ids.shape[1]), mult)
-    ids = torch.cat([_repad(chosen.input_ids, s), _repad(rejected.input_ids, s)])
+    ids = torch.cat([fit_width(chosen.input_ids, s), fit_width(rejected.input_ids, s)])
     lens = torch.cat([chosen.lengths, rejected.lengths]).clamp(1, s)
     if not batching.by_tokens:
         index, weight = _fill_rows(b, micro_batch_size, valid)
@@ -437,8 +428,8 @@ def _pair_micro_batches(chosen: RMBatch, rejected: RMBatch, valid: torch.Tensor,
         groups = [(kept[p], torch.ones(len(p))) if p else (filler, torch.zeros(1)) for p in plan]
     out = []
     for idx, w in groups:
-        rows = torch.cat([idx, idx + b]).tolist()
-        out.append({"micro": build_micro_batch(ids, lens, rows, batching, PACK_PAD_ID, mult), "pairs": idx.numel(),
+        rows = torch.cat([idx, idx + b])
+        out.append({"micro": build_micro_batch(ids, lens, rows, batching, mult), "pairs": idx.numel(),
                     "weight": w.to(device())})
     return out
 
@@ -496,7 +487,7 @@ def pairwise_train_step(
                 "num_valid": 0, "mean_chosen": nan, "mean_rejected": nan, "grad_norm": None, "skipped": True,
                 "nonfinite": False}
     micro = _pair_micro_batches(chosen, rejected, valid, micro_batch_size, batching or MicroBatching(micro_batch_size),
-                                _seq_multiple(ddp), _groups(ddp)[2])
+                                sequence_multiple(ddp), _groups(ddp)[2])
 
     shapes = [mb["micro"].shape for mb in micro]
     result = train_step(ddp, optimizer, _pair_forward_step(anchor_weight), iter(micro), len(micro),

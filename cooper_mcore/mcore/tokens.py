@@ -17,12 +17,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from cooper_mcore.collectives import all_reduce, broadcast_from_last_stage
-from cooper_mcore.mcore.micro_batches import MicroBatch, MicroBatching, split_micro_batches
+from cooper_mcore.micro_batching.packing import round_up
+from cooper_mcore.micro_batching.runner import MicroBatch, MicroBatching, split_micro_batches
 from cooper_mcore.models.forward import run_schedule, sequence_multiple, shifted_labels
 from cooper_mcore.parallel import device
-
-#: the token that fills a packed row after its sequences (its own segment: never read)
-PACK_PAD_ID = 0
 
 
 @dataclass
@@ -69,12 +67,13 @@ class TokenBatch:
         """This rank's micro-batches (fixed, by tokens, or packed), every tensor on the device."""
         assert self.lengths is not None, "a TokenBatch from build_token_batch knows its lengths"
         dev = device()
+        labels = self.labels
         out = []
-        for mb in split_micro_batches(self.input_ids, self.lengths, batching, PACK_PAD_ID, multiple, dp_group):
+        for mb in split_micro_batches(self.input_ids, self.lengths, batching, multiple, dp_group):
             old, ref = (None if t is None else mb.layout(t).to(dev) for t in (self.old_logp, self.ref_logp))
             adv = None if self.advantages is None else mb.per_row(self.advantages).to(dev)
             out.append(TokenBatch(mb.input_ids.to(dev), mb.layout(self.loss_mask).to(dev), adv, old, ref,
-                                  mb.lengths, mb.layout(self.labels).to(dev), mb))
+                                  mb.lengths, mb.layout(labels).to(dev), mb))
         return out
 
 
@@ -90,7 +89,7 @@ def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequ
     if any(len(p) == 0 for p in prompts):
         raise ValueError("build_token_batch: a prompt has no tokens")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    width = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    width = round_up(max(lengths), pad_to_multiple)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompts, responses)):

@@ -1,20 +1,13 @@
 """Forward passes through a TP/PP-parallel model with megatron-core's pipeline schedules.
 
-Two layouts of a micro-batch:
-
-* right-padded rows ``[b, s]`` (:func:`forward_only`, ``position_ids_for``), the default;
-* one packed row (:class:`~cooper_mcore.models.packing.PackedBatch`, megatron's ``thd`` format):
-  :func:`forward_packed` calls the model with ``PackedSeqParams``, so attention stays within each
-  sequence and rotary positions restart per sequence. megatron-core 0.16's ``GPTModel`` does not
-  use ``position_ids`` for rotary embeddings (it builds positions ``0..max_seqlen-1`` and
-  ``Attention`` applies them per ``cu_seqlens`` segment); the packed ``position_ids`` are passed
-  for completeness only.
+Right-padded rows ``[b, s]`` (:func:`forward_only`, :func:`position_ids_for`). Packed rows
+(megatron's ``thd`` layout) are micro-batching's: :mod:`cooper_mcore.micro_batching.runner` calls
+the model with ``PackedSeqParams``; this module knows nothing of packs.
 
 :func:`run_schedule` runs a list of micro-batches whose shapes may differ (token-budget
 micro-batches, packs of different widths) through megatron's schedule: with pipeline parallelism it
 turns on ``config.variable_seq_lengths`` for the call, so stages exchange each activation's shape
-first. :func:`packed_logprobs` and :func:`packed_rm_scores` are the two forward-only passes
-(log-probabilities of the policy or reference model, reward-model scores) on packed micro-batches.
+first.
 """
 
 from __future__ import annotations
@@ -25,10 +18,8 @@ from typing import Any, Optional
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from cooper_mcore.models.packing import PackedBatch
 from cooper_mcore.parallel import device
 
 
@@ -48,35 +39,6 @@ def sequence_multiple(model: torch.nn.Module) -> int:
     """What a row length must be a multiple of: the TP size with sequence parallelism, else 1."""
     config = unwrap(model).config
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
-
-
-def packed_seq_params(pack: PackedBatch, dev: Optional[torch.device] = None) -> PackedSeqParams:
-    """megatron-core's ``PackedSeqParams`` of a pack (``thd``, int32 ``cu_seqlens`` on ``dev``).
-
-    The padding at the end of a pack is its own segment, so no ``cu_seqlens_*_padded`` are set.
-    """
-    cu = pack.cu_seqlens.to(device=dev or device(), dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=pack.max_seqlen, max_seqlen_kv=pack.max_seqlen)
-
-
-def forward_packed(model: torch.nn.Module, pack: PackedBatch, **kwargs: Any) -> torch.Tensor:
-    """Call this rank's stage on one packed row.
-
-    Args:
-        model: this rank's stage (inside a megatron forward step).
-        pack: the packed micro-batch (on any device; moved to this rank's device).
-        kwargs: passed to the model, e.g. ``score_positions=pack.last_token_positions`` for a
-            reward model.
-
-    Returns:
-        What the stage returns: the hidden states on inner stages; on the last stage the logits
-        ``[1, T, vocab / tp]`` (policy), per-token scores ``[1, T]`` or the scores at
-        ``score_positions`` (reward model).
-    """
-    dev = device()
-    return model(pack.input_ids.to(dev), pack.position_ids.to(dev), None,
-                 packed_seq_params=packed_seq_params(pack, dev), **kwargs)
 
 
 @contextlib.contextmanager

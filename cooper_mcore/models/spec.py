@@ -7,7 +7,7 @@ exact math on CPU). Both specs write the same dist-checkpoint keys (megatron-cor
 spec's norm names onto TE's fused names), so checkpoints move between them.
 
 Packed sequences (megatron's ``thd`` format, ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=...)``,
-see :mod:`cooper_mcore.models.packing`): megatron's ``Attention`` squeezes the batch dimension of
+see :mod:`cooper_mcore.micro_batching.packing`): megatron's ``Attention`` squeezes the batch dimension of
 one packed row, applies the rotary embedding per segment (positions restart at 0 in each,
 ``rope_utils._apply_rotary_pos_emb_thd``) and hands ``[t, heads, head_dim]`` tensors to the core
 attention. :class:`SDPAttention` then attends within each segment only: on CUDA in half precision

@@ -21,9 +21,9 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from cooper_mcore.algo import kl_penalty, masked_sum, policy_loss
 from cooper_mcore.collectives import broadcast_from_last_stage
-from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
 from cooper_mcore.mcore.training import train_step
+from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import sequence_multiple
 from cooper_mcore.rl.results import GRPOUpdate
 

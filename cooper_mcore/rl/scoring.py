@@ -17,9 +17,9 @@ import torch
 
 from cooper_mcore.config import CooperConfig
 from cooper_mcore.data.templates import rm_input
-from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.reward_model import RMBatch, make_batch, rm_scores
+from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.types import Prompt, RolloutGroup
 
 

@@ -27,10 +27,10 @@ from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.llm_client import OpenAIChatClient
-from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, wrap_for_training
+from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams

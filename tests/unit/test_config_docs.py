@@ -12,6 +12,7 @@ from cooper_mcore import config as C
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
 from cooper_mcore.config_checks import config_problems
+from cooper_mcore.demo.config import DemoConfig, load_demo_config
 from cooper_mcore.negatives.pairs import NEGATIVE_KINDS
 from cooper_mcore.negatives.rewrites import REWRITE_KINDS
 from tests.conftest import ROOT
@@ -93,3 +94,24 @@ def test_choice_properties_read_the_settings_they_name():
     assert C.CooperConfig().uses_assistant  # the defaults: cooper mode, assistant negatives
     for overrides in (["reward.mode=static_rm"], ["rm.negatives=policy"], ["reward.mode=cooperative"]):
         assert not C.load_config(None, overrides).uses_assistant, overrides
+
+
+def test_every_demo_setting_has_a_one_line_doc_and_choices_are_checked():
+    """The demo's config is a config of sections like the trainer's: documented fields, checked choices."""
+    for cls in _sections(DemoConfig):
+        docs = C.field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__}: fields without a doc: {missing}"
+    keys = [k for k, _, doc in C.describe(load_demo_config(None, ["rl.steps=3"])) if doc]
+    assert "rl.steps" in keys and "cooper.negative_pick" in keys
+    with pytest.raises(ValueError, match="rl.kl_kind must be one of"):
+        load_demo_config(None, ["rl.kl_kind=k9"])
+
+
+def test_demo_show_lists_every_demo_setting_with_its_doc(capsys):
+    assert cli_main(["demo", "--show", "--full", "rl.steps=7"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split("=", 1)[0] for ln in lines] == [k for k, _, _ in C.describe(DemoConfig())]
+    shown = dict(ln.split("  # ")[0].split("=", 1) for ln in lines)
+    assert shown["rl.steps"].strip() == "7" and shown["seeds"].strip() == "[0, 1, 2]"  # override, --full
+    assert all(ln.split("  # ", 1)[1].strip() for ln in lines)

@@ -36,6 +36,7 @@ from cooper_mcore.demo.pipeline import (
     with_blind_spot,
     write_jsonl,
 )
+from cooper_mcore.demo.results import to_plain
 from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,9 +82,9 @@ def test_hack_examples_are_the_distinct_rule_wrong_ones_the_rm_rewards_most(tmp_
     write_jsonl(str(tmp_path / "s.jsonl"), rows)
     write_jsonl(str(tmp_path / "p.jsonl"), preds)
     hacks = hack_examples(str(tmp_path / "s.jsonl"), str(tmp_path / "p.jsonl"), limit=5)
-    assert [h["completion"] for h in hacks] == ["d", "b", "c"]  # rule-wrong only, highest RM reward first
-    assert [h["rm_reward"] for h in hacks] == [0.9, 0.7, 0.2]
-    assert [h["completion"] for h in hack_examples(str(tmp_path / "s.jsonl"), str(tmp_path / "p.jsonl"), 1)] == ["d"]
+    assert [h.completion for h in hacks] == ["d", "b", "c"]  # rule-wrong only, highest RM reward first
+    assert [h.rm_reward for h in hacks] == [0.9, 0.7, 0.2]
+    assert [h.completion for h in hack_examples(str(tmp_path / "s.jsonl"), str(tmp_path / "p.jsonl"), 1)] == ["d"]
 
 
 def test_demo_config_presets_and_overrides():
@@ -207,14 +208,14 @@ FIGURE_ROWS = [
 
 def test_accuracy_figures_recall_precision_and_forms():
     f = accuracy_figures(FIGURE_ROWS)
-    assert f["n"] == 7
-    assert f["acc"] == pytest.approx(3 / 7)  # rows 1, 4, 5
-    assert f["rule_acc"] == pytest.approx(3 / 7)  # rows 1, 3, 5
-    assert f["rule_recall"] == pytest.approx(2 / 3)  # of the correct 1, 4, 5 the rule accepts 1, 5
-    assert f["rule_precision"] == pytest.approx(2 / 3)  # of the accepted 1, 3, 5 correct are 1, 5
-    assert f["forms"] == pytest.approx({"boxed": 3 / 7, "boxed_period": 2 / 7, "none": 2 / 7})
+    assert f.n == 7
+    assert f.acc == pytest.approx(3 / 7)  # rows 1, 4, 5
+    assert f.rule_acc == pytest.approx(3 / 7)  # rows 1, 3, 5
+    assert f.rule_recall == pytest.approx(2 / 3)  # of the correct 1, 4, 5 the rule accepts 1, 5
+    assert f.rule_precision == pytest.approx(2 / 3)  # of the accepted 1, 3, 5 correct are 1, 5
+    assert f.forms == pytest.approx({"boxed": 3 / 7, "boxed_period": 2 / 7, "none": 2 / 7})
     nothing_accepted = accuracy_figures([FIGURE_ROWS[3], FIGURE_ROWS[5]])
-    assert nothing_accepted["rule_recall"] == 0.0 and math.isnan(nothing_accepted["rule_precision"])
+    assert nothing_accepted.rule_recall == 0.0 and math.isnan(nothing_accepted.rule_precision)
 
 
 def test_by_family_splits_the_figures():
@@ -222,12 +223,12 @@ def test_by_family_splits_the_figures():
     assert set(fams) == {"all", "plus_minus", "times"}
     assert fams["all"] == accuracy_figures(FIGURE_ROWS)
     pm, times = fams["plus_minus"], fams["times"]  # rows 1-3 and 4-7
-    assert (pm["n"], pm["acc"], pm["rule_acc"]) == (3, pytest.approx(1 / 3), pytest.approx(2 / 3))
-    assert (pm["rule_recall"], pm["rule_precision"]) == (1.0, 0.5)
-    assert pm["forms"] == pytest.approx({"boxed": 2 / 3, "boxed_period": 0.0, "none": 1 / 3})
-    assert (times["n"], times["acc"], times["rule_acc"]) == (4, 0.5, 0.25)
-    assert (times["rule_recall"], times["rule_precision"]) == (0.5, 1.0)
-    assert times["forms"] == {"boxed": 0.25, "boxed_period": 0.5, "none": 0.25}
+    assert (pm.n, pm.acc, pm.rule_acc) == (3, pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert (pm.rule_recall, pm.rule_precision) == (1.0, 0.5)
+    assert pm.forms == pytest.approx({"boxed": 2 / 3, "boxed_period": 0.0, "none": 1 / 3})
+    assert (times.n, times.acc, times.rule_acc) == (4, 0.5, 0.25)
+    assert (times.rule_recall, times.rule_precision) == (0.5, 1.0)
+    assert times.forms == {"boxed": 0.25, "boxed_period": 0.5, "none": 0.25}
     assert set(by_family(FIGURE_ROWS[:3])) == {"all", "plus_minus"}  # a family without rows is left out
 
 
@@ -254,15 +255,15 @@ def test_training_curve_reads_the_saved_evaluations_in_step_order(tmp_path):
         ("3*4-5=", "7", "3*4=12,12-5=7 \\boxed{7.}", False, True),
         ("3*4-5=", "7", "3*4=12,12-5=8 \\boxed{8.}", False, False)))
     curve = training_curve(str(tmp_path))
-    assert [p["step"] for p in curve] == [5, 10]
+    assert [p.step for p in curve] == [5, 10]
     first, last = curve
-    assert (first["all"]["acc"], first["all"]["rule_acc"]) == (pytest.approx(2 / 3), pytest.approx(1 / 3))
-    assert (first["times"]["acc"], first["times"]["rule_acc"]) == (0.5, 0.0)
-    assert first["times"]["forms"]["boxed_period"] == 1.0 and first["plus_minus"]["acc"] == 1.0
-    assert (last["all"]["acc"], last["all"]["rule_acc"]) == (1.0, pytest.approx(2 / 3))
-    assert last["all"]["rule_recall"] == pytest.approx(2 / 3)
-    assert (last["times"]["acc"], last["times"]["rule_acc"]) == (1.0, 0.5)
-    assert last["times"]["forms"] == {"boxed": 0.5, "boxed_period": 0.5, "none": 0.0}
+    assert (first.families["all"].acc, first.families["all"].rule_acc) == (pytest.approx(2 / 3), pytest.approx(1 / 3))
+    assert (first.families["times"].acc, first.families["times"].rule_acc) == (0.5, 0.0)
+    assert first.families["times"].forms["boxed_period"] == 1.0 and first.families["plus_minus"].acc == 1.0
+    assert (last.families["all"].acc, last.families["all"].rule_acc) == (1.0, pytest.approx(2 / 3))
+    assert last.families["all"].rule_recall == pytest.approx(2 / 3)
+    assert (last.families["times"].acc, last.families["times"].rule_acc) == (1.0, 0.5)
+    assert last.families["times"].forms == {"boxed": 0.5, "boxed_period": 0.5, "none": 0.0}
 
 
 # --------------------------------------------------------------------------- reference swap
@@ -335,9 +336,9 @@ def test_rm_bench_pairs_and_families(tmp_path, monkeypatch):
     # right by the 0.5 threshold: T T | F T | T F; pairs: 0.9 > 0.2, 0.4 > 0.3, 0.6 < 0.7
     _fake_rm(monkeypatch, [0.9, 0.2, 0.4, 0.3, 0.6, 0.7])
     got = rm_bench("ckpt", str(tmp_path / "bench.jsonl"), str(tmp_path / "preds.jsonl"))
-    assert got["acc"] == 0.123  # eval_rm's own accuracy, passed through
-    assert got["pair_acc"] == pytest.approx(2 / 3)
-    assert got["families"] == {"plus_minus": 1.0, "times": 0.5}
+    assert got.acc == 0.123  # eval_rm's own accuracy, passed through
+    assert got.pair_acc == pytest.approx(2 / 3)
+    assert got.families == {"plus_minus": 1.0, "times": 0.5}
 
 
 def test_rm_on_samples_leaves_the_blind_spot_out(tmp_path, monkeypatch):
@@ -353,11 +354,12 @@ def test_rm_on_samples_leaves_the_blind_spot_out(tmp_path, monkeypatch):
     write_jsonl(str(tmp_path / "samples.jsonl"), rows)
     _fake_rm(monkeypatch, [0.8, 0.9, 0.6, 0.3, 0.7, 0.2, 0.95])
     got = rm_on_samples("ckpt", str(tmp_path / "samples.jsonl"), str(tmp_path / "preds.jsonl"))
-    assert got["acc_all"] == 0.123
+    assert got.acc_all == 0.123
+    fams = to_plain(got.families)
     # all (a, c, d, e, f): TPR 2/3 (a, e of a, d, e), FPR 1/2 (c of c, f); right a, e, f
-    assert got["all"] == {"acc": pytest.approx(3 / 5), "separation": pytest.approx(2 / 3 - 1 / 2)}
-    assert got["plus_minus"] == {"acc": 0.5, "separation": 0.0}  # a, c: TPR 1, FPR 1
-    assert got["times"] == {"acc": pytest.approx(2 / 3), "separation": 0.5}  # d, e, f: TPR 1/2, FPR 0
+    assert fams["all"] == {"acc": pytest.approx(3 / 5), "separation": pytest.approx(2 / 3 - 1 / 2)}
+    assert fams["plus_minus"] == {"acc": 0.5, "separation": 0.0}  # a, c: TPR 1, FPR 1
+    assert fams["times"] == {"acc": pytest.approx(2 / 3), "separation": 0.5}  # d, e, f: TPR 1/2, FPR 0
 
 
 def _demo(out, *extra):

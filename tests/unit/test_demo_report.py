@@ -261,10 +261,10 @@ def test_no_reason_when_cooper_is_at_the_rule_baseline(report):
 ])
 def test_hacking_signature_thresholds(rewards, acc_after, present):
     sig = hacking_signature(_lines(rewards), 0.50, acc_after)
-    assert sig["present"] is present
-    assert sig["reward_rise"] == pytest.approx(rewards[-1] - rewards[0])
-    assert sig["acc_change"] == pytest.approx(acc_after - 0.50)
-    assert sig["gap_start"] is None and sig["gap_end"] is None
+    assert sig.present is present
+    assert sig.reward_rise == pytest.approx(rewards[-1] - rewards[0])
+    assert sig.acc_change == pytest.approx(acc_after - 0.50)
+    assert sig.gap_start is None and sig.gap_end is None
 
 
 def test_hacking_signature_windows_skip_missing_values_and_shrink_on_short_runs():
@@ -272,14 +272,14 @@ def test_hacking_signature_windows_skip_missing_values_and_shrink_on_short_runs(
     lines.insert(2, {"step": 99, "reward/mean": None, "eval/acc": 0.5})
     lines.append({"step": 100, "kl": 0.1})
     sig = hacking_signature(lines, 0.5, 0.4, window=2)
-    assert sig["reward_start"] == pytest.approx(0.15) and sig["reward_end"] == pytest.approx(0.55)
-    assert sig["present"] is True
+    assert sig.reward_start == pytest.approx(0.15) and sig.reward_end == pytest.approx(0.55)
+    assert sig.present is True
     short = hacking_signature(_lines([0.2, 0.5, 0.8, 0.9]), 0.5, 0.4)  # 4 steps: the window shrinks to 2
-    assert short["window"] == 2 and short["reward_rise"] == pytest.approx(0.85 - 0.35)
+    assert short.window == 2 and short.reward_rise == pytest.approx(0.85 - 0.35)
     three = hacking_signature(_lines([0.2, 0.5, 0.8]), 0.5, 0.4, min_reward_rise=0.6)  # window 1: 0.2 -> 0.8
-    assert three["window"] == 1 and three["reward_rise"] == pytest.approx(0.6) and three["present"] is True
+    assert three.window == 1 and three.reward_rise == pytest.approx(0.6) and three.present is True
     one = hacking_signature(_lines([0.7]), 0.5, 0.4)
-    assert one["reward_rise"] == 0.0 and one["present"] is False
+    assert one.reward_rise == 0.0 and one.present is False
     assert train_reward_final(_lines([0.1, 0.2, 0.3, 0.4, 0.5]), window=5) == pytest.approx(0.45)  # last 2 of 5
     assert train_reward_final(_lines([0.1, 0.2, 0.3, 0.4, 0.5]), window=1) == pytest.approx(0.5)
 
@@ -599,12 +599,12 @@ def test_paired_difference_by_hand():
     got = paired_difference({0: seed0, 1: seed1})
     # per problem, the mean over seeds: 0.5, 0.5, -0.25, -0.25; mean 0.125; deviations +-0.375:
     # sample sd sqrt(4 * 0.375^2 / 3) = 0.4330, se 0.4330 / sqrt(4) = 0.2165
-    assert got["mean"] == pytest.approx(0.125)
-    assert got["se"] == pytest.approx((4 * 0.375 ** 2 / 3) ** 0.5 / 2)
-    assert (got["problems"], got["seeds"]) == (4, 2)
+    assert got.mean == pytest.approx(0.125)
+    assert got.se == pytest.approx((4 * 0.375 ** 2 / 3) ** 0.5 / 2)
+    assert (got.problems, got.seeds) == (4, 2)
     # the rule's accuracy: (0.625 + 0.375) / 2 = 0.5; sqrt(0.5 * 0.5 / 4) = 0.25
-    assert got["single_acc_se"] == pytest.approx(0.25)
-    assert paired_difference({0: seed0})["mean"] == pytest.approx(0.0)
+    assert got.single_acc_se == pytest.approx(0.25)
+    assert paired_difference({0: seed0}).mean == pytest.approx(0.0)
     assert paired_difference({0: _with_problem_acc([], [])}) is None  # not measured
     assert paired_difference({0: _with_problem_acc([1.0], [])}) is None
     assert paired_difference({0: _with_problem_acc([1.0, 0.0], [1.0])}) is None  # counts differ

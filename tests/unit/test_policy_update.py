@@ -18,9 +18,9 @@ import transformers
 
 from cooper_mcore.algo import kl_penalty
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
 from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
+from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.hf_mapping import canonical_mcore_name, param_mappings, to_hf
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 from cooper_mcore.rl.policy import GRPOLoss, policy_update

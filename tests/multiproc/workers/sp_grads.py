@@ -9,10 +9,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import RMBatch, pairwise_train_step, wrap_reward_model
 from cooper_mcore.mcore.tokens import build_token_batch, compute_logprobs
 from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
+from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.hf_mapping import canonical_mcore_name
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rl.policy import GRPOLoss, policy_update

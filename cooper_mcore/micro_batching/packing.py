@@ -3,8 +3,8 @@
 A :class:`PackedBatch` is megatron-core's ``thd`` layout with a batch of one: the token ids of
 ``n`` sequences concatenated into one row ``[1, T]``, described by ``cu_seqlens`` (the cumulative
 segment boundaries ``[0, L_0, L_0 + L_1, ...]``). Attention stays inside each segment and rotary
-positions restart at 0 in each (:mod:`cooper_mcore.models.forward` turns a pack into megatron's
-``PackedSeqParams``; :class:`~cooper_mcore.models.spec.SDPAttention` and Transformer Engine read
+positions restart at 0 in each (:func:`cooper_mcore.micro_batching.runner.forward_packed` turns a pack
+into megatron's ``PackedSeqParams``; :class:`~cooper_mcore.models.spec.SDPAttention` and Transformer Engine read
 it). When the row must be longer than its tokens (sequence parallelism needs ``T`` to be a
 multiple of the TP size), the padding is appended as one extra segment of pad tokens, so it
 attends only to itself and never changes a real token's output (megatron-LM and slime pad the
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -81,8 +82,9 @@ class PackedBatch:
         """``[n]`` position of each sequence's last token in the row (where an RM score is read)."""
         return self.starts + self.lengths - 1
 
+    @cached_property
     def _token_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence i, column j) of every real token, in row order."""
+        """(sequence i, column j) of every real token, in row order (computed once per pack)."""
         seq = torch.repeat_interleave(torch.arange(self.num_sequences), self.lengths)
         col = torch.arange(self.num_tokens) - torch.repeat_interleave(self.starts, self.lengths)
         return seq, col
@@ -103,7 +105,7 @@ class PackedBatch:
         if self.num_sequences and int(self.lengths.max()) > values.shape[1]:
             raise ValueError(f"pack: values have {values.shape[1]} columns, a packed sequence has "
                              f"{int(self.lengths.max())} tokens")
-        seq, col = self._token_index()
+        seq, col = self._token_index
         out = values.new_full((self.width, *values.shape[2:]), fill)
         dev = values.device
         out[: self.num_tokens] = values[self.rows[seq].to(dev), col.to(dev)]
@@ -111,7 +113,7 @@ class PackedBatch:
 
     def pack_per_sequence(self, values: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
         """Broadcast one value per source row (e.g. an advantage) to its tokens: ``[N]`` -> ``[1, T]``."""
-        seq, _ = self._token_index()
+        seq, _ = self._token_index
         out = values.new_full((self.width,), fill)
         out[: self.num_tokens] = values[self.rows[seq].to(values.device)]
         return out.unsqueeze(0)
@@ -129,7 +131,7 @@ class PackedBatch:
         """
         packed = self._flat(packed)
         width = int(self.lengths.max()) if width is None else width
-        seq, col = self._token_index()
+        seq, col = self._token_index
         out = packed.new_full((self.num_sequences, width, *packed.shape[1:]), fill)
         dev = packed.device
         out[seq.to(dev), col.to(dev)] = packed[: self.num_tokens]
@@ -143,7 +145,7 @@ class PackedBatch:
             packed: ``[1, T, ...]`` or ``[T, ...]``.
         """
         packed = self._flat(packed)
-        seq, col = self._token_index()
+        seq, col = self._token_index
         dev = out.device
         out[self.rows[seq].to(dev), col.to(dev)] = packed[: self.num_tokens].to(out.dtype).to(dev)
         return out
@@ -175,7 +177,7 @@ def pack_rows(
         input_ids: ``[N, s]`` right-padded token ids.
         lengths: ``[N]`` real lengths.
         rows: the rows to pack, in the order they are laid out (e.g. one micro-batch of
-            :func:`cooper_mcore.algo.batching.plan_micro_batches`).
+            :func:`cooper_mcore.micro_batching.planning.plan_micro_batches`).
         pad_id: token id of the padding.
         multiple_of: round the row length up to a multiple of this (the TP size under sequence
             parallelism).
@@ -208,7 +210,7 @@ def pack_rows(
         lengths=lens,
         rows=rows,
     )
-    seq, col = pack._token_index()
+    seq, col = pack._token_index
     pack.input_ids[0, :total] = input_ids.cpu()[rows[seq], col]
     seg_len = (cu[1:] - cu[:-1]).long()
     pack.position_ids[0] = torch.arange(width) - torch.repeat_interleave(cu[:-1].long(), seg_len)
@@ -256,7 +258,7 @@ def pack_micro_batches(
     Args:
         input_ids / lengths: the right-padded source batch.
         micro_batches: row indices of each micro-batch (one rank's list from
-            :class:`cooper_mcore.algo.batching.MicroBatchPlan`).
+            :class:`cooper_mcore.micro_batching.planning.MicroBatchPlan`).
         pad_id / multiple_of: as in :func:`pack_rows`.
         same_width: pad every pack to the widest one (fixed pipeline shapes without
             ``variable_seq_lengths``).

@@ -16,16 +16,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from cooper_mcore.mcore.micro_batches import MicroBatching
+from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.mcore.reward_model import rm_scores
 from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs
-from cooper_mcore.models.forward import (
-    forward_only,
-    forward_packed,
-    position_ids_for,
-    shifted_labels,
-)
-from cooper_mcore.models.packing import pack_micro_batches, pack_rows, pack_sequences, right_pad
+from cooper_mcore.micro_batching.packing import pack_micro_batches, pack_rows, pack_sequences, right_pad
+from cooper_mcore.micro_batching.runner import MicroBatching, forward_packed
+from cooper_mcore.models import spec
+from cooper_mcore.models.forward import forward_only, position_ids_for, shifted_labels
 from cooper_mcore.models.spec import SDPAttention
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 
@@ -140,8 +137,6 @@ def test_sdpa_packed_rejects_other_layouts():
 def test_varlen_kwargs_follow_torch_signature(monkeypatch):
     """torch's varlen_attn changed its signature between releases; the CUDA path adapts (the call
     itself needs a GPU: measured on an H100 with torch 2.11, see docs/measurements.md)."""
-    import cooper_mcore.models.spec as spec
-
     def v29(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
         """torch 2.9-2.10"""
 
@@ -184,8 +179,6 @@ def world():
 
 
 def _load(tiny_models, family, model_type="causal_lm"):
-    from cooper_mcore.checkpoint.model import load_checkpoint_model
-
     model, arch = load_checkpoint_model(tiny_models[(family, model_type)][1], ParallelConfig())
     return model.eval(), arch
 

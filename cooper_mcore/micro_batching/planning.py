@@ -8,7 +8,7 @@ pipeline schedule and the gradient reduction expect it) with token totals as eve
 What a micro-batch costs depends on its layout:
 
 * ``"packed"``: the sequences are packed end to end into one row
-  (:mod:`cooper_mcore.models.packing`): the sum of their lengths;
+  (:mod:`cooper_mcore.micro_batching.packing`): the sum of their lengths;
 * ``"padded"``: right-padded rows: number of rows x the longest row.
 
 Method: samples are taken longest first (ties: lower index first) and each goes to the micro-batch

@@ -1,20 +1,26 @@
-"""Micro-batches of a mini-batch: a fixed number of right-padded rows, or rows binned by a token
-budget, padded or packed end to end into one row (megatron-core's ``thd`` layout).
+"""Micro-batches of a mini-batch as forward passes take them: a fixed number of right-padded rows,
+or rows binned by a token budget, padded or packed end to end into one row (megatron-core's ``thd``
+layout).
 
 GRPO batches are ragged: responses run from a few tokens to the length limit. Fixed micro-batches
 pad every row to the longest of the micro-batch; a token budget
-(:func:`cooper_mcore.algo.batching.plan_micro_batches`, longest first into the emptiest bin) puts
-similar lengths together and fills each micro-batch up to the budget; packing removes the padding
-(attention stays inside each sequence and rotary positions restart per sequence:
-:mod:`cooper_mcore.models.packing`). The four passes of a Cooper step (old/reference
-log-probabilities, the policy update, RM scoring, the RM update) take a :class:`MicroBatching` and
-go through :class:`MicroBatch`, so each pass has one code path for the three modes.
+(:func:`~cooper_mcore.micro_batching.planning.plan_micro_batches`, longest first into the emptiest
+bin) puts similar lengths together and fills each micro-batch up to the budget; packing removes the
+padding (attention stays inside each sequence and rotary positions restart per sequence:
+:mod:`cooper_mcore.micro_batching.packing`, run here with megatron's ``PackedSeqParams`` by
+:func:`forward_packed`). The four passes of a Cooper step (old/reference log-probabilities, the
+policy update, RM scoring, the RM update) take a :class:`MicroBatching` and go through
+:class:`MicroBatch`, so each pass has one code path for the three modes.
 
 Every data-parallel rank bins its own rows and runs as many micro-batches as the rank with the
 most (:func:`micro_batch_plan`); ranks do not exchange rows, so their token counts are balanced
 only as far as their mini-batches are. The loss stays exactly the token (or pair) mean over the
 whole mini-batch across micro-batches and ranks: losses return sums and counts and megatron
 divides once (per-token loss mode), whatever the micro-batches.
+
+megatron-core 0.16's ``GPTModel`` does not use ``position_ids`` for rotary embeddings (it builds
+positions ``0..max_seqlen-1`` and ``Attention`` applies them per ``cu_seqlens`` segment); a pack's
+``position_ids`` are passed for completeness only.
 """
 
 from __future__ import annotations
@@ -25,12 +31,46 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 
-from cooper_mcore.algo.batching import plan_micro_batches
 from cooper_mcore.collectives import all_reduce
-from cooper_mcore.models.forward import forward_packed, position_ids_for
-from cooper_mcore.models.packing import PackedBatch, pack_rows, round_up
+from cooper_mcore.micro_batching.packing import PackedBatch, pack_rows, round_up
+from cooper_mcore.micro_batching.planning import plan_micro_batches
+from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import device
+
+#: the token that fills a micro-batch's row past its sequences: a pack's last segment, or the columns
+#: past every length of padded rows (never read)
+PACK_PAD_ID = 0
+
+
+def packed_seq_params(pack: PackedBatch, dev: Optional[torch.device] = None) -> PackedSeqParams:
+    """megatron-core's ``PackedSeqParams`` of a pack (``thd``, int32 ``cu_seqlens`` on ``dev``).
+
+    The padding at the end of a pack is its own segment, so no ``cu_seqlens_*_padded`` are set.
+    """
+    cu = pack.cu_seqlens.to(device=dev or device(), dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=pack.max_seqlen, max_seqlen_kv=pack.max_seqlen)
+
+
+def forward_packed(model: torch.nn.Module, pack: PackedBatch, **kwargs: Any) -> torch.Tensor:
+    """Call this rank's stage on one packed row.
+
+    Args:
+        model: this rank's stage (inside a megatron forward step).
+        pack: the packed micro-batch (on any device; moved to this rank's device).
+        kwargs: passed to the model, e.g. ``score_positions=pack.last_token_positions`` for a
+            reward model.
+
+    Returns:
+        What the stage returns: the hidden states on inner stages; on the last stage the logits
+        ``[1, T, vocab / tp]`` (policy), per-token scores ``[1, T]`` or the scores at
+        ``score_positions`` (reward model).
+    """
+    dev = device()
+    return model(pack.input_ids.to(dev), pack.position_ids.to(dev), None,
+                 packed_seq_params=packed_seq_params(pack, dev), **kwargs)
 
 
 @dataclass(frozen=True)
@@ -85,11 +125,7 @@ class MicroBatch:
         """Per-token values of the mini-batch (``[N, S, ...]``) in this micro-batch's layout ``[b, s, ...]``."""
         if self.pack is not None:
             return self.pack.pack(values, fill)
-        out = values[self.rows][:, :self.shape[1]]
-        if out.shape[1] < self.shape[1]:
-            pad = out.new_full((out.shape[0], self.shape[1] - out.shape[1], *out.shape[2:]), fill)
-            out = torch.cat([out, pad], dim=1)
-        return out
+        return fit_width(values[self.rows], self.shape[1], fill)
 
     def per_row(self, values: torch.Tensor) -> torch.Tensor:
         """One value per row of the mini-batch (``[N]``): ``[b]`` padded, every token's ``[1, T]`` packed."""
@@ -144,28 +180,32 @@ def micro_batch_plan(lengths: Sequence[int], batching: MicroBatching, dp_group: 
     return plan.for_rank(0)
 
 
-def build_micro_batch(input_ids: torch.Tensor, lengths: torch.Tensor, rows: Sequence[int], batching: MicroBatching,
-                      pad_id: int, multiple: int = 1) -> MicroBatch:
+def fit_width(values: torch.Tensor, width: int, fill: float | int = 0) -> torch.Tensor:
+    """Right-padded rows ``[b, s, ...]`` cut, or filled with ``fill`` on the right, to ``[b, width, ...]``."""
+    if values.shape[1] >= width:
+        return values[:, :width]
+    pad = values.new_full((values.shape[0], width - values.shape[1], *values.shape[2:]), fill)
+    return torch.cat([values, pad], dim=1)
+
+
+def build_micro_batch(input_ids: torch.Tensor, lengths: torch.Tensor, rows: Sequence[int] | torch.Tensor,
+                      batching: MicroBatching, multiple: int = 1) -> MicroBatch:
     """The micro-batch of ``rows`` of a right-padded mini-batch (widths rounded to ``multiple``).
 
     Fixed micro-batches keep the mini-batch's full width (as megatron's schedule wants one shape);
-    by-token ones are cut to their longest row or packed.
+    by-token ones are cut to their longest row or packed. Rows are filled with :data:`PACK_PAD_ID`.
     """
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    idx = torch.as_tensor(rows, dtype=torch.long)
     lens = lengths[idx]
     if batching.pack:
-        pack = pack_rows(input_ids, lengths, idx, pad_id, multiple_of=multiple)
+        pack = pack_rows(input_ids, lengths, idx, PACK_PAD_ID, multiple_of=multiple)
         return MicroBatch(idx, pack.input_ids, lens, pack)
     width = input_ids.shape[1] if not batching.by_tokens else int(lens.max())
-    width = round_up(width, multiple)
-    ids = input_ids[idx][:, :width]
-    if ids.shape[1] < width:
-        ids = torch.cat([ids, ids.new_full((ids.shape[0], width - ids.shape[1]), pad_id)], dim=1)
-    return MicroBatch(idx, ids, lens)
+    return MicroBatch(idx, fit_width(input_ids[idx], round_up(width, multiple), PACK_PAD_ID), lens)
 
 
-def split_micro_batches(input_ids: torch.Tensor, lengths: torch.Tensor, batching: MicroBatching, pad_id: int,
+def split_micro_batches(input_ids: torch.Tensor, lengths: torch.Tensor, batching: MicroBatching,
                         multiple: int = 1, dp_group: Optional[Any] = None) -> list[MicroBatch]:
     """Every row of a right-padded mini-batch, in this rank's micro-batches."""
-    return [build_micro_batch(input_ids, lengths, rows, batching, pad_id, multiple)
+    return [build_micro_batch(input_ids, lengths, rows, batching, multiple)
             for rows in micro_batch_plan(lengths.tolist(), batching, dp_group)]

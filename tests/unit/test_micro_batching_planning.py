@@ -1,10 +1,31 @@
-"""Micro-batches by a token budget (cooper_mcore.algo.batching): hand-checked plans and properties."""
+"""Micro-batches by a token budget (cooper_mcore.micro_batching.planning): hand-checked plans and properties."""
+
+import ast
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cooper_mcore.algo import MicroBatchPlan, plan_micro_batches
+import cooper_mcore.micro_batching as micro_batching
+from cooper_mcore.micro_batching import planning
+from cooper_mcore.micro_batching.planning import MicroBatchPlan, plan_micro_batches
+
+
+def _imported_roots(path: str) -> set[str]:
+    """The top-level names of every module a source file imports."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {name.split(".")[0] for name in names}
+
+
+def test_planning_is_pure_python():
+    """The planner imports the standard library only (no torch, torch.distributed or megatron), and
+    the package imports nothing itself, so importing the planner loads nothing else."""
+    assert _imported_roots(planning.__file__) <= set(sys.stdlib_module_names) | {"__future__"}
+    assert _imported_roots(micro_batching.__file__) == set()
 
 
 def test_packed_worst_fit_by_hand():

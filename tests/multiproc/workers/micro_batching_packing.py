@@ -1,12 +1,12 @@
 """Worker: packed rows against the same sequences unpacked, at one TP/PP layout.
 
-Compares, on every rank, the packed path (cooper_mcore.models.forward: PackedSeqParams, one packed
-row per micro-batch, micro-batches of different widths so that pipeline stages exchange shapes)
+Compares, on every rank, the packed path (cooper_mcore.micro_batching.runner: PackedSeqParams, one
+packed row per micro-batch, micro-batches of different widths so that pipeline stages exchange shapes)
 with the right-padded path at the same layout:
 
 * ``logits``: full-vocabulary logits (TP-gathered) of every real token;
-* ``logprobs``: :func:`packed_logprobs` against a log-softmax of the unpacked logits;
-* ``scores``: :func:`packed_rm_scores` of the reward model against ``forward_only`` scores;
+* ``logprobs``: :func:`compute_logprobs` on packed micro-batches against a log-softmax of the unpacked logits;
+* ``scores``: :func:`rm_scores` of the reward model on packed micro-batches against ``forward_only`` scores;
 * ``grads``: gradients of a token-mean loss through megatron's training schedule (2 micro-batches
   either way), relative to the largest gradient entry (``grad_scale``).
 
@@ -21,18 +21,17 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.micro_batches import MicroBatching
 from cooper_mcore.mcore.reward_model import rm_scores
 from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs
+from cooper_mcore.micro_batching.packing import pack_micro_batches, right_pad, round_up
+from cooper_mcore.micro_batching.runner import MicroBatching, forward_packed
 from cooper_mcore.models.forward import (
     forward_only,
-    forward_packed,
     position_ids_for,
     run_schedule,
     sequence_multiple,
     shifted_labels,
 )
-from cooper_mcore.models.packing import pack_micro_batches, right_pad, round_up
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, device, init_distributed
 
 LENGTHS = [9, 3, 16, 1, 12, 5]
