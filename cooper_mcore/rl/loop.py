@@ -47,7 +47,7 @@ from cooper_mcore.checkpoint.training import (
 )
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.config import CooperConfig, save_config, to_dict
-from cooper_mcore.hacking import RewardHackingDetector
+from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.mcore.faults import FaultPhaseTimer
 from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
 from cooper_mcore.metric_names import MetricKey as K
@@ -348,7 +348,7 @@ def run_evaluation(run: Run, engine: Optional[RolloutEngine]) -> dict[str, float
     result = evaluate(engine, run.verifier, run.eval_prompts, cfg.eval.k, run.eval_sampling(), oracle=run.oracle,
                       samples_path=path)
     metrics = {K.EVAL_ACC: result.accuracy}
-    if cfg.eval.verifier != "rule":
+    if cfg.eval.uses_oracle:
         metrics[K.EVAL_RULE_ACC] = result.rule_accuracy
     return metrics
 
