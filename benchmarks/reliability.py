@@ -360,7 +360,7 @@ ADVERSARIAL: list[tuple[str, str, str]] = [
 
 def verifier_cases(timeout_s: float, workers: int) -> tuple[list[Outcome], float]:
     """Each adversarial item alone through the verifier; handled = a verdict within timeout + 1 s."""
-    from cooper_mcore.reward.verifier import RuleVerifier
+    from cooper_mcore.verify.rule import RuleVerifier
 
     out, worst = [], 0.0
     with RuleVerifier(timeout_s=timeout_s, num_workers=workers) as verifier:

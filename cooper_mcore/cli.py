@@ -73,8 +73,8 @@ HANDLERS = {
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
 #: The library's own user errors, by "module.Class": importing them would import megatron-core.
 USER_ERROR_NAMES = frozenset({"cooper_mcore.job.TrainingStopped",
-                              "cooper_mcore.reward.negatives.AssistantUnavailable",
-                              "cooper_mcore.reward.annotate.JudgeUnavailable",
+                              "cooper_mcore.negatives.pairs.AssistantUnavailable",
+                              "cooper_mcore.jobs.annotate.JudgeUnavailable",
                               "cooper_mcore.parallel.CollectiveTimeout"})
 #: Exit code of a user or environment error.
 EXIT_USER_ERROR = 2

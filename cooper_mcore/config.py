@@ -30,16 +30,16 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
-from cooper_mcore.algo.rewards import RewardTransform
+from cooper_mcore.algo.reward_transforms import RewardTransform
+from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config
-from cooper_mcore.reward.assistant import AssistantPrompt
 
 T = TypeVar("T")
 Dtype = Literal["float32", "bfloat16"]
 #: the KL estimators of :func:`cooper_mcore.algo.kl_penalty` (a test keeps them equal to ``KL_ESTIMATORS``)
 KLKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
-#: the negative generators of :func:`cooper_mcore.reward.negatives.make_negative_generator` (tested equal)
+#: the negative generators of :func:`cooper_mcore.negatives.pairs.make_negative_generator` (tested equal)
 NegativeKind = Literal["assistant", "policy", "rewrite", "perturb", "random"]
 RewriteKind = Literal["step", "copy", "final"]
 FailureAction = Literal["mask", "stop"]
@@ -133,6 +133,11 @@ class RolloutConfig:
     """Size of the weight-sync buckets pushed into the engine, in MiB."""
     sglang_mem_fraction: float = 0.5
     """SGLang's mem_fraction_static: share of the GPU memory for its weights and KV cache."""
+
+    @property
+    def uses_sglang(self) -> bool:
+        """Whether the rollouts come from SGLang (else from the transformers engine)."""
+        return self.engine == "sglang"
 
 
 @dataclass
@@ -232,6 +237,11 @@ class RMUpdateConfig:
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_steps=0))
     """The reward model's optimizer and schedule."""
 
+    @property
+    def question_as_prompted(self) -> bool:
+        """Whether the RM's ``<question>`` is the question through ``data.template`` (else bare)."""
+        return self.question == "prompt"
+
 
 @dataclass
 class OffloadConfig:
@@ -292,11 +302,16 @@ class EvalConfig:
     max_new_tokens: int = 512
     """Longest evaluation completion in tokens."""
     verifier: EvalVerifier = "rule"
-    """Checker of eval/acc: the rule verifier, or arithmetic_oracle (cooper_mcore.reward.oracle, the arithmetic
+    """Checker of eval/acc: the rule verifier, or arithmetic_oracle (cooper_mcore.verify.oracle, the arithmetic
     task's truth, reads every answer form the task writes; the rule's accuracy is then logged as eval/rule_acc)."""
     save_samples: bool = False
     """Write each evaluation's completions with both verdicts to <out>/eval_samples/step_<N>.jsonl (one file per
     data-parallel replica: step_<N>.dp<r>.jsonl when dp > 1)."""
+
+    @property
+    def uses_oracle(self) -> bool:
+        """Whether eval/acc is the arithmetic oracle's (else the rule verifier's)."""
+        return self.verifier == "arithmetic_oracle"
 
 
 @dataclass
@@ -361,6 +376,13 @@ class CooperConfig:
     """Training checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and reward-hacking detection."""
+
+    @property
+    def uses_assistant(self) -> bool:
+        """Whether the RM's negatives come from the assistant LLM (cooper mode, ``rm.negatives=assistant``);
+        an invalid ``reward.mode`` (reported by the config checks) counts as not training the RM."""
+        mode = self.reward.mode
+        return isinstance(mode, RewardMode) and mode.trains_rm and self.rm.negatives == "assistant"
 
 
 @dataclass

@@ -59,7 +59,7 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     out: list[str] = []
     t, ro, r = cfg.train, cfg.rollout, cfg.reward
     out += choice_problems(cfg)
-    if _trains_rm(cfg) and cfg.rm.negatives == "assistant":
+    if cfg.uses_assistant:
         out += [f"rm.negatives=assistant needs rm.{k} (or choose negatives policy/perturb/random)"
                 for k in ("assistant_url", "assistant_model") if not getattr(cfg.rm, k)]
     if t.pack_sequences and not t.max_tokens_per_micro_batch:
@@ -95,11 +95,6 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
 def _uses_rm(cfg: CooperConfig) -> bool:
     """For the other checks: an invalid mode (reported on its own) counts as reading the RM."""
     return not isinstance(cfg.reward.mode, RewardMode) or cfg.reward.mode.uses_rm
-
-
-def _trains_rm(cfg: CooperConfig) -> bool:
-    """For the other checks: an invalid mode (reported on its own) counts as not training the RM."""
-    return isinstance(cfg.reward.mode, RewardMode) and cfg.reward.mode.trains_rm
 
 
 def choice_problems(cfg: Any, prefix: str = "") -> list[str]:

@@ -87,7 +87,7 @@ class MetricKey:
     RULE_UNVERIFIABLE = _define("rule/unverifiable", "rollouts", _EVERY,
                                 "share of the rollouts math-verify could not verify")
     REWARD_RULE_GAP = _define("reward_rule_gap", "rollouts", _EVERY,
-                              "`reward/mean - rule/acc` (`hacking.reward_rule_gap`); it grows "
+                              "`reward/mean - rule/acc` (`hacking_detector.reward_rule_gap`); it grows "
                               "when the policy hacks the reward model")
     RESPONSE_LENGTH = _define("response/length", "rollouts", _EVERY, "tokens per completion")
     RM_REWARD_CORRECT = _define("rm/reward_correct", "rollouts", _RM,

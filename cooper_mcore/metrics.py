@@ -1,5 +1,5 @@
 """Training observability: a JSONL + wandb metrics logger, phase timers, a progress bar,
-cross-rank metric reduction and (re-exported from :mod:`cooper_mcore.hacking`) the
+cross-rank metric reduction and (re-exported from :mod:`cooper_mcore.hacking_detector`) the
 reward-hacking detector.
 
 The trainer writes one flat ``dict[str, float]`` per step; its keys are named once, with their
@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from cooper_mcore import atomic
 from cooper_mcore.collectives import all_reduce
-from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
+from cooper_mcore.hacking_detector import RewardHackingDetector, reward_rule_gap
 from cooper_mcore.metric_names import MetricKey, memory_key, time_key
 from cooper_mcore.redaction import scrub, scrub_config
 

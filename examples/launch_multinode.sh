@@ -22,7 +22,7 @@
 #                            ASSISTANT_TP GPUs per replica and GPUS_PER_NODE/ASSISTANT_TP replicas (one
 #                            per GPU group, behind SGLang's data-parallel router)
 #   ASSISTANT_MEM_FRACTION   its --mem-fraction-static [derived from the model's size and the GPU
-#                            memory by cooper_mcore.plan: weights + a 65,536-token KV cache]; a given
+#                            memory by cooper_mcore.planner.plan: weights + a 65,536-token KV cache]; a given
 #                            value that leaves no KV cache is refused before anything starts
 #   ASSISTANT_READY_TIMEOUT [900] seconds to wait for it
 #   ASSISTANT_CHECK [1]      0: do not ask the assistant endpoint once before training
@@ -52,7 +52,7 @@ ASSISTANT_READY_TIMEOUT=${ASSISTANT_READY_TIMEOUT:-900}
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-$((ASSISTANT_READY_TIMEOUT + 600))}
 ASSISTANT_CHECK=${ASSISTANT_CHECK:-1}
 DRY_RUN=${DRY_RUN:-0}
-# the colocated server's prefill chunk and concurrency, which bound its workspace (cooper_mcore.plan)
+# the colocated server's prefill chunk and concurrency, which bound its workspace (cooper_mcore.planner.plan)
 ASSISTANT_CHUNKED_PREFILL=2048
 ASSISTANT_MAX_RUNNING=64
 
@@ -83,7 +83,7 @@ if not gib:
     import torch
     if torch.cuda.is_available():
         gib = str(torch.cuda.mem_get_info(0)[1] / 2**30)
-from cooper_mcore.plan_report import launch_check
+from cooper_mcore.planner.report import launch_check
 try:
     c = launch_check(config, overrides, int(nodes), int(gpus), float(gib) if gib else None, model_path,
                      int(tp) if tp else None, float(fraction) if fraction else None)
@@ -104,7 +104,7 @@ check_assistant() {
     "$PYTHON" - "$assistant_url" "$assistant_model" "$api_key_env" "$1" <<'EOF' || exit 2
 import sys
 
-from cooper_mcore.reward.openai_client import check_endpoint
+from cooper_mcore.llm_client import check_endpoint
 
 url, model, key_env, hint = sys.argv[1:]
 try:

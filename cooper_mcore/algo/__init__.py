@@ -24,7 +24,7 @@ from cooper_mcore.algo.pairs import (
     select_positives,
     verdict_codes,
 )
-from cooper_mcore.algo.rewards import reward_from_logits, round_to_bf16
+from cooper_mcore.algo.reward_transforms import reward_from_logits, round_to_bf16
 
 __all__ = [
     "PairSelection",

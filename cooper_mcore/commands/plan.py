@@ -8,9 +8,9 @@ import os
 
 from cooper_mcore.config import load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
-from cooper_mcore.plan import AssistantSpec, PlanOptions
-from cooper_mcore.plan import plan as plan_memory
-from cooper_mcore.plan_report import format_plan, load_shapes, plan_to_dict
+from cooper_mcore.planner.plan import AssistantSpec, PlanOptions
+from cooper_mcore.planner.plan import plan as plan_memory
+from cooper_mcore.planner.report import format_plan, load_shapes, plan_to_dict
 
 
 def plan(args: argparse.Namespace) -> None:

@@ -6,10 +6,10 @@ import argparse
 import json
 
 from cooper_mcore.commands import check_output_file
+from cooper_mcore.jobs.annotate import annotate as annotate_file
+from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.redaction import install_log_filter
-from cooper_mcore.reward.annotate import annotate as annotate_file
-from cooper_mcore.reward.openai_client import OpenAIChatClient
-from cooper_mcore.reward.verifier import RuleVerifier, verify_jsonl
+from cooper_mcore.verify.rule import RuleVerifier, verify_jsonl
 
 
 def verify(args: argparse.Namespace) -> None:

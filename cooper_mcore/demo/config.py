@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
-from cooper_mcore.algo.rewards import RewardTransform
+from cooper_mcore.algo.reward_transforms import RewardTransform
 from cooper_mcore.config import KLKind, NegativeKind, load_sections
 from cooper_mcore.config_checks import choice_problems
 

@@ -93,15 +93,15 @@ from cooper_mcore.demo.results import (
     to_plain,
 )
 from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares
+from cooper_mcore.jobs.annotate import annotate
 from cooper_mcore.jobs.sft import sft
 from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
-from cooper_mcore.reward.annotate import annotate
-from cooper_mcore.reward.openai_client import OpenAIChatClient
-from cooper_mcore.reward.oracle import oracle_correct
-from cooper_mcore.reward.verifier import RuleVerifier
+from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR
 from cooper_mcore.rollout.base import SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
+from cooper_mcore.verify.oracle import oracle_correct
+from cooper_mcore.verify.rule import RuleVerifier
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -230,7 +230,7 @@ class RMDataResult:
     labels: str
     """Who labeled the training rows: ``simulated judge`` or ``hybrid``."""
     hybrid: Optional[dict[str, Any]] = omitted_when_none()
-    """With an LLM judge: the annotation's statistics (:func:`cooper_mcore.reward.annotate.annotate`)."""
+    """With an LLM judge: the annotation's statistics (:func:`cooper_mcore.jobs.annotate.annotate`)."""
     train: int = 0
     """Training rows as sampled (after the judge)."""
     train_correct: float = 0.0

@@ -18,9 +18,9 @@ from cooper_mcore.convert.hf import mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
-from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rollout.base import SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
+from cooper_mcore.verify.rule import RuleVerifier
 
 logger = logging.getLogger(__name__)
 

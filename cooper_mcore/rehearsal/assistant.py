@@ -1,6 +1,6 @@
 """A stand-in for the assistant LLM in a rehearsal: an OpenAI-compatible server on 127.0.0.1.
 
-It answers the trainer's rewrite requests (:func:`cooper_mcore.reward.assistant.rewrite_messages`) as
+It answers the trainer's rewrite requests (:func:`cooper_mcore.negatives.assistant.rewrite_messages`) as
 an instruct model would, with the mix of outcomes a real one produces, so that every branch of the
 negatives' path runs: a convincing wrong rewrite (the final answer changed), a rewrite that is still
 correct (rejected by the rule verifier and asked again), an unparseable answer (no final answer at
@@ -19,7 +19,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
-from cooper_mcore.reward.rewrites import final_answer_span
+from cooper_mcore.negatives.rewrites import final_answer_span
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from cooper_mcore.config import CooperConfig
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.plan_report import load_shapes
+from cooper_mcore.planner.report import load_shapes
 
 #: the rehearsal's run: STEPS steps, a stop signal in step STOP_STEP, a checkpoint every CKPT_EVERY
 STEPS = 4
@@ -207,7 +207,7 @@ def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optiona
     _set(cfg, subs, "data.template", "{question}", tiny)
     _set(cfg, subs, "data.use_chat_template", False, "the tiny tokenizer has no chat template")
     _set(cfg, subs, "data.eval_limit", EVAL_PROMPTS, "a short evaluation")
-    if cfg.rollout.engine == "sglang" and not sglang_available:
+    if cfg.rollout.uses_sglang and not sglang_available:
         _set(cfg, subs, "rollout.engine", "hf", "SGLang is not installed here; the transformers engine models its "
                                                "release and weight-push semantics")
     if at_real_shape:
@@ -215,7 +215,7 @@ def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optiona
     else:
         _sizes_tiny(cfg, subs, dp)
     _set(cfg, subs, "logging.wandb", False, "no metrics service in a rehearsal")
-    assistant = cfg.reward.mode.trains_rm and cfg.rm.negatives == "assistant"
+    assistant = cfg.uses_assistant
     if assistant:
         subs.append(Substitution("rm.assistant_url", cfg.rm.assistant_url or "(none)", "a local stand-in",
                                  "answers as an assistant would: wrong, still correct, unparseable or slow"))

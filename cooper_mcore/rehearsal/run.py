@@ -51,9 +51,9 @@ from cooper_mcore.metrics import METRICS_FILE
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
 from cooper_mcore.parallel import single_process_world
-from cooper_mcore.plan import PHASES, PlanOptions
-from cooper_mcore.plan import plan as plan_memory
-from cooper_mcore.plan_report import load_shapes
+from cooper_mcore.planner.plan import PHASES, PlanOptions
+from cooper_mcore.planner.plan import plan as plan_memory
+from cooper_mcore.planner.report import load_shapes
 from cooper_mcore.rehearsal.assistant import StandInAssistant
 from cooper_mcore.rehearsal.preset import (
     REAL_STEPS,
@@ -390,7 +390,7 @@ def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: Ru
         return False, f"exit {resumed.rc}, resumed from step {resumed.resumed_from} (step {STOP_STEP} expected)"
     if len(ref.steps) != STEPS or len(resumed.steps) != STEPS:
         return False, f"{len(resumed.steps)} steps logged, {STEPS} expected"
-    if cfg.rollout.engine != "hf":
+    if cfg.rollout.uses_sglang:
         return True, (f"resumed from step {STOP_STEP} and finished; not compared with the reference: SGLang's CPU "
                       "backend does not honour per-request seeds, so two runs sample different rollouts")
     diffs = [f"step {a[K.STEP]}: {d}" for a, b in zip(ref.steps, resumed.steps) if (d := _same_metrics(a, b))]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from cooper_mcore.checkpoint.training import CheckpointWriteError, load_training_checkpoint, save_training_checkpoint
 from cooper_mcore.config import CooperConfig, save_config, to_dict
-from cooper_mcore.hacking import RewardHackingDetector
+from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.job import (
     CHECKPOINTS_DIR,
     EXIT_CHECKPOINT_FAILED,
@@ -286,7 +286,7 @@ def run_evaluation(run: Run, engine: Optional[RolloutEngine]) -> dict[str, float
     result = evaluate(engine, run.verifier, run.eval_prompts, cfg.eval.k, run.eval_sampling(), oracle=run.oracle,
                       samples_path=path)
     metrics = {K.EVAL_ACC: result.accuracy}
-    if cfg.eval.verifier != "rule":
+    if cfg.eval.uses_oracle:
         metrics[K.EVAL_RULE_ACC] = result.rule_accuracy
     return metrics
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from cooper_mcore.hacking import reward_rule_gap
+from cooper_mcore.hacking_detector import reward_rule_gap
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.types import PreferencePair
 
@@ -40,7 +40,7 @@ class RolloutStats:
 
     @property
     def reward_rule_gap(self) -> float:
-        """:func:`cooper_mcore.hacking.reward_rule_gap` of this step's reward and rule accuracy."""
+        """:func:`cooper_mcore.hacking_detector.reward_rule_gap` of this step's reward and rule accuracy."""
         return reward_rule_gap(self.reward_mean, self.rule_acc)
 
     def to_metrics(self) -> dict[str, float]:

@@ -21,11 +21,12 @@ from cooper_mcore.config import CooperConfig, RMUpdateConfig
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.reward_model import pairwise_train_step
 from cooper_mcore.micro_batching.runner import MicroBatching
-from cooper_mcore.reward.negatives import build_pairs, check_negative_failures, make_negative_generator, pair_stats
-from cooper_mcore.reward.protocols import BatchVerifier, ChatBatchClient
+from cooper_mcore.negatives.pairs import build_pairs, check_negative_failures, make_negative_generator, pair_stats
+from cooper_mcore.negatives.protocols import ChatBatchClient
 from cooper_mcore.rl.results import PairCounts, RMUpdate
-from cooper_mcore.rl.rewards import rm_batch, rm_texts
+from cooper_mcore.rl.scoring import rm_batch, rm_texts
 from cooper_mcore.types import PreferencePair, RolloutGroup
+from cooper_mcore.verify.protocols import BatchVerifier
 
 
 def make_pairs(groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: RMUpdateConfig,
@@ -36,7 +37,7 @@ def make_pairs(groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: RMUpda
     run stops).
 
     Raises:
-        cooper_mcore.reward.negatives.AssistantUnavailable: an assistant request failed after its
+        cooper_mcore.negatives.pairs.AssistantUnavailable: an assistant request failed after its
             retries and ``rm.on_assistant_failure`` is ``stop``.
     """
     pairs = None

@@ -21,9 +21,9 @@ from megatron.core import parallel_state
 
 from cooper_mcore.atomic import atomic_open
 from cooper_mcore.collectives import all_reduce, broadcast_object_in_model_parallel_group, is_group_leader
-from cooper_mcore.reward.protocols import BatchVerifier, VerdictLike
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
+from cooper_mcore.verify.protocols import BatchVerifier, VerdictLike
 
 
 def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVerifier], prompts: Sequence[Prompt],

@@ -26,19 +26,19 @@ from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
+from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, wrap_for_training
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.parallel import init_distributed
-from cooper_mcore.reward.openai_client import OpenAIChatClient
-from cooper_mcore.reward.oracle import ArithmeticOracle
-from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
 from cooper_mcore.types import Prompt
+from cooper_mcore.verify.oracle import ArithmeticOracle
+from cooper_mcore.verify.rule import RuleVerifier
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -155,7 +155,7 @@ def sglang_config(cfg: CooperConfig) -> SGLangConfig:
 
 def build_engine(cfg: CooperConfig) -> RolloutEngine:
     """This model-parallel group's rollout engine, started from the policy's HF folder."""
-    if cfg.rollout.engine == "sglang":
+    if cfg.rollout.uses_sglang:
         return SGLangEngine.offline(sglang_config(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return HFEngine.from_pretrained(cfg.model.policy_hf, dtype=DTYPES[cfg.model.dtype], device=device,
@@ -170,7 +170,7 @@ def connect_assistant(cfg: CooperConfig) -> Optional[OpenAIChatClient]:
     Raises:
         ValueError: the endpoint did not answer on some leader (the message names the URL).
     """
-    if not (cfg.reward.mode.trains_rm and cfg.rm.negatives == "assistant"):
+    if not cfg.uses_assistant:
         return None
     client, problem = None, None
     if is_group_leader():
@@ -248,7 +248,7 @@ def build_eval_oracle(cfg: CooperConfig, eval_prompts: list[Prompt]) -> Optional
         ValueError: ``arithmetic_oracle`` with a held-out gold answer that is not an integer (the
             oracle knows only the arithmetic task; checked on every rank, before any step).
     """
-    if cfg.eval.verifier != "arithmetic_oracle" or not cfg.eval.every:
+    if not cfg.eval.uses_oracle or not cfg.eval.every:
         return None
     for p in eval_prompts:
         try:
@@ -287,7 +287,7 @@ def build_run(cfg: CooperConfig) -> Run:
         engine = build_engine(cfg)
         verifier = RuleVerifier(timeout_s=cfg.reward.verifier_timeout_s, num_workers=cfg.reward.verifier_workers)
     # A GPU SGLang engine has the policy's TP size on the same GPUs: each TP rank feeds its own SGLang rank.
-    per_tp_rank = cfg.rollout.engine == "sglang" and torch.cuda.is_available()
+    per_tp_rank = cfg.rollout.uses_sglang and torch.cuda.is_available()
     colocation = Colocation(engine, policy, rm, cfg.offload, bucket_bytes=cfg.rollout.bucket_mb * 2**20,
                             per_tp_rank=per_tp_rank)
     data, eval_prompts, too_long = read_data(cfg, tokenizer, policy.arch.max_position_embeddings)

@@ -24,9 +24,9 @@ from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.rl.results import PolicyUpdate, RolloutStats, StepResult
-from cooper_mcore.rl.rewards import rollout_logits, rule_verdicts
 from cooper_mcore.rl.rm_update import make_pairs, update_reward_model
 from cooper_mcore.rl.rollouts import generate_groups
+from cooper_mcore.rl.scoring import rollout_logits, rule_verdicts
 from cooper_mcore.rl.setup import Run
 from cooper_mcore.types import Prompt, RolloutGroup
 

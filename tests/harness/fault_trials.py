@@ -317,9 +317,9 @@ def _preload() -> None:
 
     import cooper_mcore.cli  # noqa: F401
     import cooper_mcore.compat.cpu  # noqa: F401
-    import cooper_mcore.reward.verifier  # noqa: F401
     import cooper_mcore.rl.loop  # noqa: F401
     import cooper_mcore.rollout.hf_engine  # noqa: F401
+    import cooper_mcore.verify.rule  # noqa: F401
 
 
 def _flip_byte(path: str) -> None:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.plan_sizes import stage_numel, training_state
+from cooper_mcore.planner.sizes import stage_numel, training_state
 from tests.conftest import last_json, torchrun
 
 pytestmark = pytest.mark.multiproc

@@ -16,12 +16,12 @@ import sys
 
 import pytest
 
-from cooper_mcore.reward.annotate import judge_messages, parse_judgement
-from cooper_mcore.reward.assistant import LLMAssistant, clean_assistant_output, rewrite_messages
-from cooper_mcore.reward.openai_client import OpenAIChatClient
-from cooper_mcore.reward.verifier import RuleVerifier
+from cooper_mcore.jobs.annotate import judge_messages, parse_judgement
+from cooper_mcore.llm_client import OpenAIChatClient
+from cooper_mcore.negatives.assistant import LLMAssistant, clean_assistant_output, rewrite_messages
 from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
 from cooper_mcore.types import Prompt
+from cooper_mcore.verify.rule import RuleVerifier
 from tests.sglang.conftest import ROOT
 
 pytestmark = pytest.mark.sglang

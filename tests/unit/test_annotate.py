@@ -9,8 +9,8 @@ from typing import Optional
 import pytest
 
 from cooper_mcore.data.templates import RM_HEAD_CHARS, RM_TAIL_CHARS
-from cooper_mcore.reward.annotate import JUDGE_SYSTEM_PROMPT, annotate, judge_messages, parse_judgement
-from cooper_mcore.reward.openai_client import OpenAIChatClient
+from cooper_mcore.jobs.annotate import JUDGE_SYSTEM_PROMPT, annotate, judge_messages, parse_judgement
+from cooper_mcore.llm_client import OpenAIChatClient
 from tests.chat_server import ChatServer
 
 
@@ -122,7 +122,7 @@ def test_annotate_real_verifier_parquet_and_failed_requests(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cooper_mcore.reward.verifier import RuleVerifier
+    from cooper_mcore.verify.rule import RuleVerifier
 
     src = tmp_path / "in.parquet"
     rows = [{"question": "1+1=", "reference": "2", "completion": "1+1=2 \\boxed{2}"},

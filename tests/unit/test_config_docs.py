@@ -14,8 +14,8 @@ from cooper_mcore.cli import main as cli_main
 from cooper_mcore.config_checks import config_problems
 from cooper_mcore.data.mathgen import STYLES
 from cooper_mcore.demo.config import DemoConfig, load_demo_config
-from cooper_mcore.reward.negatives import NEGATIVE_KINDS
-from cooper_mcore.reward.rewrites import REWRITE_KINDS
+from cooper_mcore.negatives.pairs import NEGATIVE_KINDS
+from cooper_mcore.negatives.rewrites import REWRITE_KINDS
 from tests.conftest import ROOT
 
 
@@ -86,6 +86,16 @@ def test_reward_mode_from_a_string_in_python():
     assert C.RewardConfig(mode="static_rm").mode is C.RewardMode.static_rm
     with pytest.raises(ValueError, match="reward.mode must be one of"):
         C.RewardConfig(mode="nope")
+
+
+def test_choice_properties_read_the_settings_they_name():
+    cfg = C.load_config(None, ["rollout.engine=sglang", "rm.question=question", "eval.verifier=arithmetic_oracle"])
+    assert cfg.rollout.uses_sglang and not C.RolloutConfig().uses_sglang
+    assert not cfg.rm.question_as_prompted and C.RMUpdateConfig().question_as_prompted
+    assert cfg.eval.uses_oracle and not C.EvalConfig().uses_oracle
+    assert C.CooperConfig().uses_assistant  # the defaults: cooper mode, assistant negatives
+    for overrides in (["reward.mode=static_rm"], ["rm.negatives=policy"], ["reward.mode=cooperative"]):
+        assert not C.load_config(None, overrides).uses_assistant, overrides
 
 
 def test_every_demo_setting_has_a_one_line_doc_and_choices_are_checked():

@@ -1,5 +1,5 @@
 """The demo's two-family task and the pieces it stands on: the task's oracle (``answer_value``,
-``reward/oracle.py``), math-verify's miss of ``\\boxed{N.}`` (the premise), per-step operators,
+``verify/oracle.py``), math-verify's miss of ``\\boxed{N.}`` (the premise), per-step operators,
 :class:`~cooper_mcore.demo.task.DemoTask` and the tokenizer's isolated characters.
 
 Expected values are worked out by hand in the comments.
@@ -25,8 +25,8 @@ from cooper_mcore.data.mathgen import (
 )
 from cooper_mcore.data.tokenizer import train_tiny_tokenizer
 from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares
-from cooper_mcore.reward.oracle import ArithmeticOracle, oracle_correct
-from cooper_mcore.reward.verifier import check_pair
+from cooper_mcore.verify.oracle import ArithmeticOracle, oracle_correct
+from cooper_mcore.verify.rule import check_pair
 
 TIMES = MathTaskConfig(num_steps=2, max_operand=9, step_operators=(("*",), ("+", "-")))
 #: 3*4-5= worked in each form: 3*4=12,12-5=7

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cooper_mcore.reward.openai_client import check_endpoint, models_url
+from cooper_mcore.llm_client import check_endpoint, models_url
 from tests.chat_server import ChatServer
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,15 +18,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from cooper_mcore.reward.annotate import JudgeUnavailable, annotate
-from cooper_mcore.reward.assistant import LLMAssistant
-from cooper_mcore.reward.negatives import (
+from cooper_mcore.jobs.annotate import JudgeUnavailable, annotate
+from cooper_mcore.llm_client import OpenAIChatClient
+from cooper_mcore.negatives.assistant import LLMAssistant
+from cooper_mcore.negatives.pairs import (
     AssistantUnavailable,
     build_pairs,
     check_negative_failures,
     pair_stats,
 )
-from cooper_mcore.reward.openai_client import OpenAIChatClient
 from cooper_mcore.rollout.base import SamplingParams
 from cooper_mcore.rollout.sglang_engine import SGLangEngine
 from cooper_mcore.rollout.sglang_http import SGLangHTTPClient

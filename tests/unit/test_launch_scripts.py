@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cooper_mcore.plan import ASSISTANT_CHUNKED_PREFILL, ASSISTANT_MAX_RUNNING
+from cooper_mcore.planner.plan import ASSISTANT_CHUNKED_PREFILL, ASSISTANT_MAX_RUNNING
 from tests.chat_server import ChatServer
 
 ROOT = Path(__file__).resolve().parents[2]

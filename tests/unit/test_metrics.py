@@ -1,5 +1,5 @@
 """Tests for cooper_mcore.metrics (JSONL/wandb logger, timers, progress bar, reduction) and the
-reward-hacking detector in cooper_mcore.hacking. wandb runs offline in a tmp dir, never online."""
+reward-hacking detector in cooper_mcore.hacking_detector. wandb runs offline in a tmp dir, never online."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cooper_mcore import metrics as M
-from cooper_mcore.hacking import RewardHackingDetector, reward_rule_gap
+from cooper_mcore.hacking_detector import RewardHackingDetector, reward_rule_gap
 from cooper_mcore.metrics import (
     MetricsLogger,
     PhaseTimer,
@@ -371,7 +371,7 @@ def test_clean_rising_accuracy_run_never_fires():
 def test_paper_static_rm_collapse_fires_within_window(caplog):
     rng, det = random.Random(1), RewardHackingDetector(window=10)
     start, msgs = 40, []
-    with caplog.at_level(logging.WARNING, logger="cooper_mcore.hacking"):
+    with caplog.at_level(logging.WARNING, logger="cooper_mcore.hacking_detector"):
         for s in range(100):
             k = min(max(s - start, 0), 9) / 9  # 0 before the collapse, 1 after 10 steps of it
             msg = det.update(s, 0.45 + 0.48 * k + _noise(rng, 0.005), 0.58 - 0.08 * k + _noise(rng, 0.005))

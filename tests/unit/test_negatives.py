@@ -11,8 +11,9 @@ from typing import Optional
 import pytest
 import torch
 
-from cooper_mcore.reward.assistant import LLMAssistant, clean_assistant_output, rewrite_messages
-from cooper_mcore.reward.negatives import (
+from cooper_mcore.llm_client import OpenAIChatClient
+from cooper_mcore.negatives.assistant import LLMAssistant, clean_assistant_output, rewrite_messages
+from cooper_mcore.negatives.pairs import (
     NEGATIVE_KINDS,
     AnswerPerturbation,
     PolicyWrongNegatives,
@@ -25,7 +26,6 @@ from cooper_mcore.reward.negatives import (
     number_variants,
     pair_stats,
 )
-from cooper_mcore.reward.openai_client import OpenAIChatClient
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
 from tests.chat_server import ChatServer
 
@@ -537,7 +537,7 @@ def test_make_negative_generator():
 
 @pytest.fixture(scope="module")
 def rule_verifier():
-    from cooper_mcore.reward.verifier import RuleVerifier
+    from cooper_mcore.verify.rule import RuleVerifier
 
     with RuleVerifier(timeout_s=5.0, num_workers=1) as v:
         yield v

@@ -14,7 +14,7 @@ import pytest
 
 from cooper_mcore.config import CooperConfig, OffloadConfig, load_config
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.plan import (
+from cooper_mcore.planner.plan import (
     ASSISTANT_KV_TOKENS,
     AssistantSpec,
     Layout,
@@ -27,7 +27,7 @@ from cooper_mcore.plan import (
     sglang_workspace_bytes,
     training_activation_bytes,
 )
-from cooper_mcore.plan_sizes import (
+from cooper_mcore.planner.sizes import (
     GIB,
     kv_bytes_per_token,
     layer_activation_bytes,

@@ -148,7 +148,7 @@ def test_paper_preset_has_the_paper_settings():
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if launch_worlds(p) != [1]], ids=lambda p: p.name)
 def test_assistant_colocated_by_default_and_separate_by_override(preset, tmp_path):
-    from cooper_mcore.reward.openai_client import chat_completions_url
+    from cooper_mcore.llm_client import chat_completions_url
 
     cfg = load_config(str(preset))
     assert cfg.rm.negatives == "assistant" and cfg.rm.assistant_model

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cooper_mcore.reward.verifier import RuleVerifier
+from cooper_mcore.verify.rule import RuleVerifier
 
 TIMEOUT_S = 0.5
 WORKERS = 2

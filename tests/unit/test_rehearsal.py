@@ -10,8 +10,10 @@ import os
 import pytest
 
 from cooper_mcore.config import load_config
+from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
+from cooper_mcore.negatives.assistant import rewrite_messages
 from cooper_mcore.rehearsal.assistant import OUTCOME_WEIGHTS, StandInAssistant, answer, outcome_of, wrong_rewrite
 from cooper_mcore.rehearsal.preset import (
     MAX_WORLD,
@@ -21,9 +23,7 @@ from cooper_mcore.rehearsal.preset import (
     tiny_shape,
 )
 from cooper_mcore.rehearsal.run import _RANK_EXIT, _where
-from cooper_mcore.reward.assistant import rewrite_messages
-from cooper_mcore.reward.openai_client import OpenAIChatClient
-from cooper_mcore.reward.verifier import check_pair
+from cooper_mcore.verify.rule import check_pair
 from tests.conftest import ROOT
 
 PRESETS = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))

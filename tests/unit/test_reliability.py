@@ -99,7 +99,7 @@ def test_a_failed_atomic_write_leaves_the_target_and_no_temporary_file(tmp_path)
 
 
 def test_verify_refuses_a_special_output_before_any_work(specials, tmp_path):
-    from cooper_mcore.reward.verifier import verify_jsonl
+    from cooper_mcore.verify.rule import verify_jsonl
 
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"gold": "1", "pred": "1"}) + "\n")
@@ -110,8 +110,8 @@ def test_verify_refuses_a_special_output_before_any_work(specials, tmp_path):
 
 
 def test_annotate_and_eval_rm_refuse_special_outputs_before_any_work(specials, tmp_path):
+    from cooper_mcore.jobs.annotate import annotate
     from cooper_mcore.jobs.verify_rm import eval_rm
-    from cooper_mcore.reward.annotate import annotate
 
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"question": "1+1?", "reference": "2", "completion": "2"}) + "\n")
@@ -154,7 +154,7 @@ def test_run_files_manifests_and_demo_files_refuse_special_targets(specials, tmp
 
 
 def test_verify_on_an_input_without_rows_is_an_error_not_a_zero_score(tmp_path):
-    from cooper_mcore.reward.verifier import verify_jsonl
+    from cooper_mcore.verify.rule import verify_jsonl
 
     out = tmp_path / "out.jsonl"
     for text in ("", "\n  \n"):
@@ -182,7 +182,7 @@ class _AllRight:
 
 
 def test_annotate_without_rows_or_without_a_readable_judge_answer_is_an_error(tmp_path):
-    from cooper_mcore.reward.annotate import JudgeUnavailable, annotate
+    from cooper_mcore.jobs.annotate import JudgeUnavailable, annotate
 
     out = tmp_path / "out.jsonl"
     empty = tmp_path / "empty.jsonl"
@@ -209,8 +209,8 @@ def test_annotate_without_rows_or_without_a_readable_judge_answer_is_an_error(tm
 
 def test_the_cli_reports_judge_and_collective_failures_in_one_line():
     from cooper_mcore import cli
+    from cooper_mcore.jobs.annotate import JudgeUnavailable
     from cooper_mcore.parallel import CollectiveTimeout, collective_timeout
-    from cooper_mcore.reward.annotate import JudgeUnavailable
 
     assert cli.user_error(JudgeUnavailable("the judge is down")) == "the judge is down"
     e = CollectiveTimeout("rank 1 of 2: torch.distributed.barrier timed out", 1, "barrier", [0, 1])

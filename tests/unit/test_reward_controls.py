@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cooper_mcore.algo import group_advantages, reward_from_logits, rm_bce_loss, rm_pair_losses, rm_pairwise_loss
-from cooper_mcore.algo.rewards import round_to_bf16
+from cooper_mcore.algo.reward_transforms import round_to_bf16
 
 NAN = float("nan")
 # a near-certain group of RM rewards: differences of 1e-4 that plain GRPO blows up to full size

@@ -48,7 +48,7 @@ def _triples(n, seed=3):
     """Mathgen triples labeled by the rule verifier: a bare correct boxed answer, and the worked steps
     ending in a wrong boxed answer. (The fixture's random model happens to score the long wrong
     completions higher, so training has to reverse its initial ranking.)"""
-    from cooper_mcore.reward.verifier import check_pair
+    from cooper_mcore.verify.rule import check_pair
 
     rng = random.Random(seed)
     rows = []

@@ -10,8 +10,8 @@ from typing import Optional
 import pytest
 
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_problems, worked_solution
-from cooper_mcore.reward.negatives import make_negative_generator
-from cooper_mcore.reward.rewrites import STEP_SLIPS, ChainRewrite, parse_chain
+from cooper_mcore.negatives.pairs import make_negative_generator
+from cooper_mcore.negatives.rewrites import STEP_SLIPS, ChainRewrite, parse_chain
 from cooper_mcore.types import Prompt
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,7 +118,7 @@ def test_bad_arguments():
 
 @pytest.fixture(scope="module")
 def rule_verifier():
-    from cooper_mcore.reward.verifier import RuleVerifier
+    from cooper_mcore.verify.rule import RuleVerifier
 
     with RuleVerifier(timeout_s=5.0, num_workers=1) as v:
         yield v

@@ -12,11 +12,11 @@ import pytest
 
 from cooper_mcore.config import load_config
 from cooper_mcore.config_checks import config_problems, validate
-from cooper_mcore.reward.oracle import ArithmeticOracle
-from cooper_mcore.reward.verifier import RuleVerifier
 from cooper_mcore.rl.rollouts import EvalResult, eval_samples_path, evaluate, generate_groups
 from cooper_mcore.rollout.base import GenerateOutput, SamplingParams
 from cooper_mcore.types import Prompt
+from cooper_mcore.verify.oracle import ArithmeticOracle
+from cooper_mcore.verify.rule import RuleVerifier
 
 pytestmark = pytest.mark.timeout(180)
 

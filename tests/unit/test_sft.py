@@ -175,9 +175,9 @@ def test_torchrun_data_parallel_equals_one_process(assets, tok, tmp_path):
 
 def test_sft_learns_single_digit_copy(assets, tok, tmp_path):
     from cooper_mcore.convert.hf import mcore_to_hf
-    from cooper_mcore.reward.verifier import RuleVerifier
     from cooper_mcore.rollout.base import SamplingParams
     from cooper_mcore.rollout.hf_engine import HFEngine
+    from cooper_mcore.verify.rule import RuleVerifier
 
     prompts = [tok(f"{d}+0=", add_special_tokens=False)["input_ids"] for d in range(10)]
     examples = [(p, tok(str(d), add_special_tokens=False)["input_ids"] + [tok.eos_token_id])

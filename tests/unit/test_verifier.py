@@ -1,4 +1,4 @@
-"""Rule verifier (cooper_mcore.reward.verifier): answer extraction, verdicts on hand-known pairs and
+"""Rule verifier (cooper_mcore.verify.rule): answer extraction, verdicts on hand-known pairs and
 against math-verify itself, hard timeouts on adversarial inputs, worker crashes, batches and JSONL."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import pytest
 from math_verify import parse, verify
 
-from cooper_mcore.reward.verifier import RuleVerifier, VerifyOutcome, check_pair, extract_answer, verify_jsonl
+from cooper_mcore.verify.rule import RuleVerifier, VerifyOutcome, check_pair, extract_answer, verify_jsonl
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,8 +1,8 @@
-"""Sizes for the memory planner (:mod:`cooper_mcore.plan`): parameters of a model or of one
+"""Sizes for the memory planner (:mod:`cooper_mcore.planner.plan`): parameters of a model or of one
 TP/PP rank as megatron-core lays them out, training state, KV cache, activations and logits.
 
 Pure arithmetic on :class:`~cooper_mcore.models.arch.ArchSpec`; the conventions (what autograd
-keeps, which copies the loss makes) are documented in :mod:`cooper_mcore.plan`.
+keeps, which copies the loss makes) are documented in :mod:`cooper_mcore.planner.plan`.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Optional
 
-from cooper_mcore.reward.protocols import BatchVerifier
 from cooper_mcore.types import Prompt
+from cooper_mcore.verify.protocols import BatchVerifier
 
 __all__ = ["REWRITE_KINDS", "AnswerPerturbation", "ChainRewrite", "final_answer_span", "number_variants"]
 

@@ -1,6 +1,6 @@
 """The ``cooper plan`` command's input and output: model shapes from config files, the human
-table and the JSON document of a :class:`~cooper_mcore.plan.Plan`; and :func:`launch_check`, the
-planner as ``examples/launch_multinode.sh`` asks it before it starts anything.
+table and the JSON document of a :class:`~cooper_mcore.planner.plan.Plan`; and :func:`launch_check`,
+the planner as ``examples/launch_multinode.sh`` asks it before it starts anything.
 
 Model shapes come from (first found): ``--policy-config`` / ``--rm-config`` (a ``config.json``
 or a folder holding one), ``model.policy_hf/config.json``, the converted checkpoint's metadata
@@ -19,7 +19,7 @@ from typing import Any, Optional
 from cooper_mcore.checkpoint.model import checkpoint_arch
 from cooper_mcore.config import CooperConfig, load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
-from cooper_mcore.plan import (
+from cooper_mcore.planner.plan import (
     COMPONENTS,
     OFFLOAD_FLAGS,
     AssistantInfo,
@@ -31,7 +31,7 @@ from cooper_mcore.plan import (
     assistant_problem,
     plan,
 )
-from cooper_mcore.plan_sizes import GIB, model_numel, stage_numel
+from cooper_mcore.planner.sizes import GIB, model_numel, stage_numel
 
 _SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer": "pol.opt", "rm_params": "rm.p",
           "rm_grads": "rm.g", "rm_optimizer": "rm.opt", "engine_weights": "eng.w", "engine_kv": "eng.kv",
@@ -216,7 +216,7 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
     lines.append(f"host memory per node (reference copy, offloaded state): "
                  f"{ev.host_per_gpu * o.gpus_per_node / GIB:.1f} GiB")
     lines += [f"note: {n}" for n in plan.notes + list(notes or [])]
-    lines.append("note: estimates, not compared with measured GPU peak memory (see cooper_mcore/plan.py)")
+    lines.append("note: estimates, not compared with measured GPU peak memory (see cooper_mcore/planner/plan.py)")
     return "\n".join(lines)
 
 
@@ -249,7 +249,7 @@ def launch_check(config: Optional[str], overrides: list[str], nodes: int, gpus_p
 
     With ``assistant_model_path`` (a colocated assistant the launcher will serve): its TP
     defaults to ``parallel.tp`` and its ``--mem-fraction-static`` is derived from the model's
-    ``config.json`` and the GPU memory (:func:`~cooper_mcore.plan.assistant_mem_fraction`), or,
+    ``config.json`` and the GPU memory (:func:`~cooper_mcore.planner.plan.assistant_mem_fraction`), or,
     when given, checked to leave SGLang a KV cache. When the GPU memory and the models' shapes are
     known, the whole run is planned too and the verdict reported (estimates: a run predicted not
     to fit is reported, not refused).
@@ -261,7 +261,7 @@ def launch_check(config: Optional[str], overrides: list[str], nodes: int, gpus_p
     """
     cfg = load_config(config, overrides)
     rm = cfg.rm
-    check = LaunchCheck(cfg.reward.mode.trains_rm and rm.negatives == "assistant", rm.assistant_url,
+    check = LaunchCheck(cfg.uses_assistant, rm.assistant_url,
                         rm.assistant_model, rm.api_key_env or "")
     spec: Any = "auto"
     if assistant_model_path:

@@ -1,10 +1,10 @@
 """Cooper's assistant LLM: it rewrites a verified-correct solution into a convincing wrong one.
 
-An instruct model behind an OpenAI-compatible API (:class:`~cooper_mcore.reward.protocols.ChatBatchClient`)
+An instruct model behind an OpenAI-compatible API (:class:`~cooper_mcore.negatives.protocols.ChatBatchClient`)
 is asked, as in the reference implementation, with the problem and the correct response and no gold
 answer (``prompt="reference"``; ``"with_gold"`` also states the answer to avoid), up to ``rounds``
 times per item; a rewrite is kept only when the rule verifier, gold first, says it is wrong.
-:mod:`cooper_mcore.reward.negatives` builds the reward model's pairs from these and the CPU
+:mod:`cooper_mcore.negatives.pairs` builds the reward model's pairs from these and the CPU
 alternatives.
 """
 
@@ -14,8 +14,9 @@ import logging
 import re
 from typing import Literal, Optional
 
-from cooper_mcore.reward.protocols import BatchVerifier, ChatBatchClient
+from cooper_mcore.negatives.protocols import ChatBatchClient
 from cooper_mcore.types import Prompt
+from cooper_mcore.verify.protocols import BatchVerifier
 
 __all__ = ["ASSISTANT_PROMPTS", "AssistantPrompt", "LLMAssistant", "clean_assistant_output", "rewrite_messages"]
 

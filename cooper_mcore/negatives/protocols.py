@@ -1,5 +1,6 @@
-"""The interfaces the negative generators are written against: the rule verifier, the assistant's
-chat client and the generators themselves (structural protocols, so test doubles need no base class)."""
+"""The interfaces the negative generators are written against: the assistant's chat client and the
+generators themselves (structural protocols, so test doubles need no base class). The verifier's is
+:mod:`cooper_mcore.verify.protocols`."""
 
 from __future__ import annotations
 
@@ -10,26 +11,11 @@ import torch
 
 from cooper_mcore.types import Prompt, RolloutGroup
 
-__all__ = ["BatchVerifier", "ChatBatchClient", "GroupAware", "NegativeGenerator", "RolloutNegatives", "VerdictLike"]
-
-
-class VerdictLike(Protocol):
-    """What a verifier returns per item: ``correct`` is True, False or None (unverifiable)."""
-
-    @property
-    def correct(self) -> Optional[bool]: ...
-
-
-class BatchVerifier(Protocol):
-    """The part of ``cooper_mcore.reward.verifier.RuleVerifier`` used here."""
-
-    def verify_batch(self, golds: Sequence[str], preds: Sequence[str]) -> Sequence[VerdictLike]:
-        """One verdict per (gold answer, full completion text), gold first."""
-        ...
+__all__ = ["ChatBatchClient", "GroupAware", "NegativeGenerator", "RolloutNegatives"]
 
 
 class ChatBatchClient(Protocol):
-    """The part of :class:`cooper_mcore.reward.openai_client.OpenAIChatClient` used here."""
+    """The part of :class:`cooper_mcore.llm_client.OpenAIChatClient` used here."""
 
     def chat_batch(self, batch: Sequence[Sequence[dict[str, str]]], temperature: float = 0.7,
                    max_tokens: int | Sequence[int] = 512) -> list[Optional[str]]:

@@ -4,7 +4,7 @@ The rule verifier (math-verify) is precise but brittle: it misses correct answer
 it does not parse, such as ``\\boxed{14.}``. On the arithmetic task of
 :mod:`cooper_mcore.data.mathgen` the truth is known exactly: :func:`~cooper_mcore.data.mathgen.answer_value`
 reads the final answer in each form the task's conventions produce. :class:`ArithmeticOracle` wraps
-it in the rule verifier's interface (:class:`~cooper_mcore.reward.protocols.BatchVerifier`), so that
+it in the rule verifier's interface (:class:`~cooper_mcore.verify.protocols.BatchVerifier`), so that
 the trainer's evaluation (``eval.verifier=arithmetic_oracle``) and the CPU demo measure held-out
 accuracy by the truth while the rule verifier still gives the rule reward and picks the positives.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cooper_mcore.data.mathgen import answer_value
-from cooper_mcore.reward.verifier import VerifyOutcome
+from cooper_mcore.verify.rule import VerifyOutcome
 
 __all__ = ["ArithmeticOracle", "oracle_correct"]
 

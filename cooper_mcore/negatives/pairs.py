@@ -4,14 +4,14 @@ Per prompt, the chosen side is a rollout the rule verifier marked correct (the f
 default, as the reference implementation; see :func:`build_pairs` for the other picks); the
 rejected side is a verified-wrong solution from a :class:`NegativeGenerator`:
 
-* :class:`~cooper_mcore.reward.assistant.LLMAssistant` (Cooper's method): an instruct model
+* :class:`~cooper_mcore.negatives.assistant.LLMAssistant` (Cooper's method): an instruct model
   behind an OpenAI-compatible API rewrites the correct solution into a wrong but convincing one,
   asked up to 3 times; a rewrite is kept only if the rule verifier says it is *not* equivalent to
   the gold answer.
 * CPU alternatives for runs without an assistant LLM: :class:`PolicyWrongNegatives` (rollouts of
   the same prompt the verifier marked wrong after reading their answer, the hardest or a random one),
-  :class:`~cooper_mcore.reward.rewrites.ChainRewrite` (an offline assistant-like rewrite of an
-  arithmetic chain), :class:`~cooper_mcore.reward.rewrites.AnswerPerturbation` (the positive with
+  :class:`~cooper_mcore.negatives.rewrites.ChainRewrite` (an offline assistant-like rewrite of an
+  arithmetic chain), :class:`~cooper_mcore.negatives.rewrites.AnswerPerturbation` (the positive with
   its final answer changed to a nearby wrong number) and :class:`RandomOtherResponse` (the paper's
   ablation: a response to another prompt).
 
@@ -42,16 +42,9 @@ from cooper_mcore.algo.pairs import (
     select_positives,
     verdict_codes,
 )
-from cooper_mcore.reward.assistant import AssistantPrompt, LLMAssistant
-from cooper_mcore.reward.protocols import (
-    BatchVerifier,
-    ChatBatchClient,
-    GroupAware,
-    NegativeGenerator,
-    RolloutNegatives,
-    VerdictLike,
-)
-from cooper_mcore.reward.rewrites import (
+from cooper_mcore.negatives.assistant import AssistantPrompt, LLMAssistant
+from cooper_mcore.negatives.protocols import ChatBatchClient, GroupAware, NegativeGenerator, RolloutNegatives
+from cooper_mcore.negatives.rewrites import (
     REWRITE_KINDS,
     AnswerPerturbation,
     ChainRewrite,
@@ -59,6 +52,7 @@ from cooper_mcore.reward.rewrites import (
     number_variants,
 )
 from cooper_mcore.types import PreferencePair, Prompt, RolloutGroup, Sample
+from cooper_mcore.verify.protocols import BatchVerifier, VerdictLike
 
 __all__ = [
     "NEGATIVE_KINDS",
@@ -341,7 +335,7 @@ def build_pairs(
     (``positive_pick``: "first" as the reference, "hardest" the lowest-scored, "random"); when a
     group has fewer positives than slots they repeat. Negatives:
 
-    * a :class:`~cooper_mcore.reward.protocols.RolloutNegatives` generator
+    * a :class:`~cooper_mcore.negatives.protocols.RolloutNegatives` generator
       (:class:`PolicyWrongNegatives`) picks distinct wrong rollouts of the same group per slot
       (``select``), so a group gets ``min(pairs_per_prompt, #wrong)`` valid pairs;
     * any other generator writes one negative per slot that has a positive (one ``generate`` call

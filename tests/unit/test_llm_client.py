@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cooper_mcore.reward.openai_client import ChatRequestError, OpenAIChatClient, chat_completions_url
+from cooper_mcore.llm_client import ChatRequestError, OpenAIChatClient, chat_completions_url
 from tests.chat_server import ChatServer, chat_to_text
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,9 +1,11 @@
 """A small client for OpenAI-compatible chat-completions servers (OpenAI, SGLang, vLLM).
 
-Used to ask an instruct model for the reward model's "assistant negatives" (and, later, any
-LLM judge). It posts ``{base_url}/v1/chat/completions`` with :mod:`requests`, one session per
-worker thread, retries transient failures (connection errors, timeouts, HTTP 429 and 5xx) with
-exponential backoff, and runs batches concurrently under a bound on in-flight requests.
+A generic client with no knowledge of the trainer: it asks the assistant LLM for the reward model's
+negatives (:mod:`cooper_mcore.negatives`) and the LLM judge of the annotation job
+(:mod:`cooper_mcore.jobs.annotate`), and checks endpoints for the launchers. It posts
+``{base_url}/v1/chat/completions`` with :mod:`requests`, one session per worker thread, retries
+transient failures (connection errors, timeouts, HTTP 429 and 5xx) with exponential backoff, and
+runs batches concurrently under a bound on in-flight requests.
 
 The API key is read from an environment variable (``OPENAI_API_KEY`` unless told otherwise), sent
 as ``Authorization: Bearer ...`` and never written to logs, exceptions or ``repr``.

@@ -1,7 +1,9 @@
-"""The policy's rewards: the rule verifier's 0/1, or the reward model's probability of correctness.
+"""Scoring the rollouts: the rule verifier's 0/1 verdicts and the reward model's logits.
 
-In the RM modes the reward is the reward model alone (sigmoid of its logit, :mod:`cooper_mcore.algo`);
-the rule verdicts only pick the reward model's positives and feed the metrics. The reward model
+The policy's reward is made from these by :mod:`cooper_mcore.rl.step`: the rule's 0/1 in rule
+mode; in the RM modes the reward model alone (its logit through
+:func:`cooper_mcore.algo.reward_transforms.reward_from_logits`), the rule verdicts only picking the
+reward model's positives and feeding the metrics. The reward model
 reads the VerifyRM input of each rollout (:func:`cooper_mcore.data.templates.rm_input`),
 tokenised exactly as ``cooper train-rm`` tokenises its data, and is scored through the one scoring
 path of :func:`cooper_mcore.mcore.reward_model.rm_scores`.
@@ -30,7 +32,7 @@ def rm_texts(cfg: CooperConfig, items: Sequence[tuple[Prompt, str]]) -> list[str
     """The VerifyRM input of ``(prompt, completion)`` items; its ``<question>`` is the question as
     the policy reads it (``data.template``) or bare, per ``rm.question``. Scoring and the RM update
     use this one function, so the RM is trained on the text it scores."""
-    template = cfg.data.template if cfg.rm.question == "prompt" else None
+    template = cfg.data.template if cfg.rm.question_as_prompted else None
     return [rm_input(p.question, p.answer, c, question_template=template) for p, c in items]
 
 

@@ -47,7 +47,7 @@ from typing import Any, Optional
 from math_verify import LatexExtractionConfig, parse, verify
 
 from cooper_mcore.atomic import atomic_open, check_output_path
-from cooper_mcore.reward.extract import extract_answer
+from cooper_mcore.verify.extract import extract_answer
 
 __all__ = ["RuleVerifier", "VerifyOutcome", "extract_answer", "verify_jsonl"]
 

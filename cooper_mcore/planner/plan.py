@@ -79,10 +79,10 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from cooper_mcore.config import CooperConfig, OffloadConfig
+from cooper_mcore.config import CooperConfig, EngineKind, OffloadConfig
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.plan_sizes import (
+from cooper_mcore.planner.sizes import (
     CUDA_CONTEXT_GIB,
     DTYPE_BYTES,
     GIB,
@@ -109,7 +109,7 @@ ASSISTANT_KV_TOKENS = 65_536
 """KV tokens a colocated assistant's pool is sized for: 32 rewrites of 2048 tokens at once (more queue)."""
 ASSISTANT_REQUEST_TOKENS = 2_048
 """One rewrite request: the question and a correct solution (<= 512 + template) plus its length + 500 new
-tokens (reward/assistant.py), rounded up. A pool below one request cannot serve it."""
+tokens (negatives/assistant.py), rounded up. A pool below one request cannot serve it."""
 ASSISTANT_CHUNKED_PREFILL = 2_048  # the launcher's --chunked-prefill-size for the assistant
 ASSISTANT_MAX_RUNNING = 64  # the launcher's --max-running-requests (caps the decode CUDA graphs' batch size)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -191,6 +191,7 @@ class EngineInfo:
     """The rollout engine on its GPUs.
 
     Attributes:
+        kind: ``rollout.engine``: sglang or hf (transformers).
         weights: engine weight bytes per GPU.
         kv_pool: KV-cache bytes per GPU (SGLang: its static pool; HF: the cache of one batch).
         kv_bytes_per_token: KV bytes per token on one GPU.
@@ -199,13 +200,18 @@ class EngineInfo:
         tokens_at_once: tokens the KV pool holds.
     """
 
-    kind: str
+    kind: EngineKind
     weights: int
     kv_pool: int
     kv_bytes_per_token: int
     sequences: int
     tokens_needed: int
     tokens_at_once: int
+
+    @property
+    def is_sglang(self) -> bool:
+        """SGLang (a static KV pool) rather than the transformers engine (a cache only while it generates)."""
+        return self.kind == "sglang"
 
 
 @dataclass
@@ -380,7 +386,7 @@ def colocated_assistant(cfg: CooperConfig, policy: ArchSpec) -> tuple[Optional[A
     ``rm.negatives: assistant``) at an address on this host; it is taken to have the policy's
     shape and the preset's ``parallel.tp`` (``examples/launch_multinode.sh``'s defaults).
     """
-    if not cfg.reward.mode.trains_rm or cfg.rm.negatives != "assistant":
+    if not cfg.uses_assistant:
         return None, []
     url = cfg.rm.assistant_url
     if urllib.parse.urlparse(url).hostname not in LOOPBACK_HOSTS:
@@ -454,7 +460,7 @@ class _Planner:
 
     def _contexts(self, stage: int) -> int:
         """CUDA contexts on one GPU of ``stage``: trainer, policy engine (SGLang, stage 0), assistant."""
-        n = 1 + (self.assistant is not None) + (stage == 0 and self.cfg.rollout.engine == "sglang")
+        n = 1 + (self.assistant is not None) + (stage == 0 and self.cfg.rollout.uses_sglang)
         return int(n * self.opts.context_gib * GIB)
 
     def _states(self, stage: int) -> dict[str, int]:
@@ -472,7 +478,7 @@ class _Planner:
         """The engine's weights and KV cache on its GPUs (they belong to pipeline stage 0)."""
         cfg, arch, lay = self.cfg, self.policy, self.lay
         needed = self.seqs * self.seq
-        if cfg.rollout.engine == "sglang":
+        if cfg.rollout.uses_sglang:
             weights = stage_numel(arch, lay.tp, 1, 0) * self.b
             per_token = kv_bytes_per_token(arch, self.b, lay.tp)
             free = (self.capacity - int(self.opts.overhead_gib * GIB) - self._contexts(0)
@@ -490,7 +496,7 @@ class _Planner:
         per_stage = [self._phases(s, offload, engine) for s in range(self.lay.pp)]
         worst = [max((stage[i] for stage in per_stage), key=lambda p: p.total) for i in range(len(PHASES))]
         problems = []
-        if engine.kind == "sglang" and engine.tokens_at_once < self.seq:
+        if engine.is_sglang and engine.tokens_at_once < self.seq:
             problems.append(f"SGLang's KV pool ({engine.kv_pool / GIB:.2f} GiB) holds {engine.tokens_at_once} "
                             f"tokens, less than one sequence ({self.seq}): raise rollout.sglang_mem_fraction "
                             f"or use more tensor/pipeline parallelism")
@@ -504,7 +510,7 @@ class _Planner:
         on_engine_gpu = stage == 0
         # SGLang's KV pool is static; the HF engine's cache lives only while it generates
         eng = {"engine_weights": engine.weights} if on_engine_gpu else {}
-        if on_engine_gpu and engine.kind == "sglang":
+        if on_engine_gpu and engine.is_sglang:
             limits = sglang_default_limits(self.opts.gpu_memory_gib, lay.tp)
             eng.update(engine_kv=engine.kv_pool, engine_workspace=sglang_workspace_bytes(lay.tp, *limits))
         base = dict.fromkeys(COMPONENTS, 0)
@@ -522,7 +528,7 @@ class _Planner:
         for k in state:
             if getattr(off, k):
                 rollout[k] = 0
-        if on_engine_gpu and engine.kind == "hf":
+        if on_engine_gpu and not engine.is_sglang:
             prefill = min(HF_ENGINE_BATCH, self.seqs) * self.opts.prompt_tokens
             rollout["activations"] = layer_activation_bytes(arch, prefill, b)
 
@@ -554,7 +560,7 @@ class _Planner:
         state = self.states[0]
         host = 2 * state["policy_params"] if self.cfg.algo.kl_coef else 0
         host += sum(v for k, v in state.items() if getattr(off, k))
-        if engine.kind == "hf" and off.release_engine:
+        if not engine.is_sglang and off.release_engine:
             host += engine.weights
         return host
 
@@ -562,7 +568,7 @@ class _Planner:
 def _transfer_cost(ev: Evaluation, states: dict[str, int]) -> int:
     """Bytes moved between host and device per step by the offload settings (lower is better)."""
     moved = sum(2 * v for k, v in states.items() if getattr(ev.offload, k))
-    if ev.offload.release_engine and ev.engine.kind == "hf":
+    if ev.offload.release_engine and not ev.engine.is_sglang:
         moved += 2 * ev.engine.weights
     return moved
 

@@ -2,10 +2,10 @@
 
 Each (question, reference, completion) row is judged twice:
 
-* by the rule verifier (:class:`~cooper_mcore.reward.verifier.RuleVerifier`,
+* by the rule verifier (:class:`~cooper_mcore.verify.rule.RuleVerifier`,
   ``verify(gold=reference, pred=completion)``): True, False, or None when unverifiable;
 * by an LLM judge behind an OpenAI-compatible chat endpoint
-  (:class:`~cooper_mcore.reward.openai_client.OpenAIChatClient`), asked a reference-based yes/no
+  (:class:`~cooper_mcore.llm_client.OpenAIChatClient`), asked a reference-based yes/no
   question (:func:`judge_messages`) and read by :func:`parse_judgement`: True ("yes"), False
   ("no"), or None when the answer cannot be read or the request failed.
 
