@@ -7,11 +7,13 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper verify --in F.jsonl --out G.jsonl [--timeout S] [--workers N]
     cooper tiny-assets --out DIR
     cooper eval --model CKPT_OR_HF --data F.jsonl [--k 8]
-    cooper train-rm --ckpt RM --train F.jsonl --out DIR [--eval VB.jsonl]
+    cooper sft --config examples/jobs/sft_tiny_cpu.yaml [--ckpt CKPT] [--out DIR] [key=value ...]
+    cooper train-rm --config examples/jobs/verify_rm_tiny_cpu.yaml [--ckpt RM] [--train F.jsonl] [--out DIR]
+        [--eval VB.jsonl] [key=value ...]
     cooper eval-rm --ckpt RM --data VB.jsonl
     cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
-    cooper config --show [--config X] [key=value ...]
+    cooper config --show [--job train|sft|train-rm] [--config X] [key=value ...]
     cooper demo [--full] [--out DIR] [--show] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
     cooper rehearse --config X [--out DIR] [key=value ...]
@@ -55,7 +57,8 @@ HANDLERS = {
     "train": "cooper_mcore.commands.train:train",
     "config": "cooper_mcore.commands.train:config",
     "eval": "cooper_mcore.commands.evaluate:evaluate",
-    "train-rm": "cooper_mcore.commands.evaluate:train_rm",
+    "sft": "cooper_mcore.commands.jobs:sft",
+    "train-rm": "cooper_mcore.commands.jobs:train_rm",
     "eval-rm": "cooper_mcore.commands.evaluate:eval_rm",
     "tiny-assets": "cooper_mcore.commands.demo:tiny_assets",
     "demo": "cooper_mcore.commands.demo:demo",
@@ -69,7 +72,7 @@ HANDLERS = {
 #: :func:`environment_error`); the others (a connection reset, ...) get a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
 #: The library's own user errors, by "module.Class": importing them would import megatron-core.
-USER_ERROR_NAMES = frozenset({"cooper_mcore.rl.loop.TrainingStopped",
+USER_ERROR_NAMES = frozenset({"cooper_mcore.job.TrainingStopped",
                               "cooper_mcore.negatives.pairs.AssistantUnavailable",
                               "cooper_mcore.jobs.annotate.JudgeUnavailable",
                               "cooper_mcore.parallel.CollectiveTimeout"})
@@ -182,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser)
 
+    _add_model_commands(sub)
+    _add_trainer_commands(sub)
+    _add_job_commands(sub)
+    _add_tool_commands(sub)
+    return p
+
+
+def _add_model_commands(sub: Any) -> None:
+    """The subcommands ``convert`` and ``verify``."""
     conv = sub.add_parser("convert", help="convert checkpoints between HF and Megatron formats")
     csub = conv.add_subparsers(dest="direction", required=True)
     h2m = csub.add_parser("hf-to-mcore", help="HF safetensors folder -> Megatron dist checkpoint")
@@ -207,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--gold-key", default="gold", help="field of each line holding the gold answer")
     ver.add_argument("--pred-key", default="pred", help="field of each line holding the prediction")
 
+
+def _add_trainer_commands(sub: Any) -> None:
+    """The subcommands ``train``, ``config`` and ``eval``."""
     tr = sub.add_parser("train", help="Cooper RL (reward modes: rule, static_rm, cooper); run under torchrun")
     tr.add_argument("--config", default=None, help="YAML preset (examples/*.yaml); default: the built-in defaults")
     tr.add_argument("--out", default=None, help="run folder (config.yaml, metrics.jsonl, checkpoints/); "
@@ -218,8 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule "
                                                  "(`cooper config` lists them)")
 
-    co = sub.add_parser("config", help="list every `cooper train` setting with its value and doc")
+    co = sub.add_parser("config", help="list every setting of a job (`cooper train` by default) with its value and doc")
     co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default)")
+    co.add_argument("--job", choices=["train", "sft", "train-rm"], default="train",
+                    help="whose settings: train (Cooper RL), sft or train-rm (VerifyRM)")
     co.add_argument("--config", default=None, help="YAML preset whose values to show (default: the defaults)")
     co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01")
 
@@ -236,26 +253,30 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all)")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
 
+
+def _add_job_commands(sub: Any) -> None:
+    """The subcommands ``sft``, ``train-rm``, ``eval-rm`` and ``annotate``."""
+    sft = sub.add_parser("sft", help="supervised fine-tuning of a policy checkpoint on the arithmetic task's worked "
+                                     "solutions; run under torchrun for several GPUs")
+    sft.add_argument("--config", default=None, help="YAML preset (examples/jobs/sft_*.yaml); default: the built-in "
+                                                    "defaults")
+    sft.add_argument("--ckpt", default=None, help="causal-LM checkpoint to start from (the setting ckpt)")
+    sft.add_argument("--out", default=None, help="output checkpoint folder, must not exist (the setting out)")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=200 optim.lr=1e-5 "
+                                                  "(`cooper config --job sft` lists them)")
+
     trm = sub.add_parser("train-rm", help="train VerifyRM with BCE on labeled (question, reference, completion)")
-    trm.add_argument("--ckpt", required=True,
-                     help="reward-model checkpoint to start from (hf-to-mcore --model-type reward)")
-    trm.add_argument("--train", required=True, help="JSONL/Parquet: question, reference, completion, label")
-    trm.add_argument("--out", required=True, help="output folder (must not exist or be empty): checkpoints, metrics")
-    trm.add_argument("--eval", default=None, help="VerifyBench-format or labeled eval data")
-    trm.add_argument("--epochs", type=int, default=3, help="passes over the training data")
-    trm.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
-    trm.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    trm.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward micro-batch")
-    trm.add_argument("--global-batch-size", type=int, default=32,
-                     help="rows per optimizer step over all data-parallel ranks")
-    trm.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only after each epoch)")
-    trm.add_argument("--save-every", type=int, default=0, help="also keep a checkpoint every N steps (0: only final)")
-    trm.add_argument("--max-length", type=int, default=None,
-                     help="token limit per row (default: the model's max_position_embeddings)")
-    trm.add_argument("--seed", type=int, default=1234, help="data order and initialisation seed")
-    trm.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    trm.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    trm.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows instead of failing")
+    trm.add_argument("--config", default=None, help="YAML preset (examples/jobs/verify_rm_*.yaml); default: the "
+                                                    "built-in defaults")
+    trm.add_argument("--ckpt", default=None,
+                     help="reward-model checkpoint to start from, hf-to-mcore --model-type reward (the setting ckpt)")
+    trm.add_argument("--train", default=None, help="JSONL/Parquet: question, reference, completion, label "
+                                                   "(data.train_path)")
+    trm.add_argument("--out", default=None, help="output folder (must not exist or be empty): checkpoints, metrics "
+                                                 "(the setting out)")
+    trm.add_argument("--eval", default=None, help="VerifyBench-format or labeled eval data (data.eval_path)")
+    trm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=1 optim.lr=1e-5 "
+                                                  "(`cooper config --job train-rm` lists them)")
 
     erm = sub.add_parser("eval-rm", help="VerifyRM accuracy (threshold 0.5), per answer type")
     erm.add_argument("--ckpt", required=True, help="reward-model checkpoint (e.g. <train-rm out>/final)")
@@ -284,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--workers", type=int, default=2, help="verifier processes")
     an.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows instead of failing")
 
+
+def _add_tool_commands(sub: Any) -> None:
+    """The subcommands ``tiny-assets``, ``demo``, ``plan`` and ``rehearse``."""
     ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
     ta.add_argument("--out", default="runs/tiny_assets", help="output folder (existing pieces are reused)")
 
@@ -332,7 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds one step may take before the run counts as hung")
     rh.add_argument("--startup-timeout", type=float, default=600.0, help="seconds from launch to the first step")
     rh.add_argument("overrides", nargs="*", help="dotted overrides applied to the preset, e.g. parallel.tp=2")
-    return p
 
 
 def _quiet_known_warnings() -> None:

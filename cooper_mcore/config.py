@@ -1,6 +1,10 @@
-"""Typed configuration of a Cooper run: one dataclass section per component.
+"""Typed configuration of the training jobs: one dataclass section per component.
 
-A run's config is built from the defaults below, a YAML preset (``examples/*.yaml``) and
+Three jobs have a config here: a Cooper run (:class:`CooperConfig`, ``cooper train``), SFT of a
+policy (:class:`SFTConfig`, ``cooper sft``) and VerifyRM training (:class:`VerifyRMConfig`,
+``cooper train-rm``); :data:`JOB_CONFIGS` names them for ``cooper config --job``. They share the
+sections that mean the same thing (the parallel layout, the optimizer). A job's config is built
+from the defaults below, a YAML preset (``examples/*.yaml``, ``examples/jobs/*.yaml``) and
 command-line overrides in dotted form (``algo.kl_coef=0.01 rollout.group_size=8``), merged with
 OmegaConf's structured configs, so types are checked and unknown keys are errors. Each part of
 the trainer receives only its own section. :func:`cooper_mcore.config_checks.validate` rejects impossible
@@ -31,6 +35,7 @@ from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config
 
+T = TypeVar("T")
 Dtype = Literal["float32", "bfloat16"]
 #: the KL estimators of :func:`cooper_mcore.algo.kl_penalty` (a test keeps them equal to ``KL_ESTIMATORS``)
 KLKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
@@ -40,9 +45,12 @@ RewriteKind = Literal["step", "copy", "final"]
 FailureAction = Literal["mask", "stop"]
 EngineKind = Literal["hf", "sglang"]
 RMQuestion = Literal["prompt", "question"]
-T = TypeVar("T")
 #: the checkers of held-out accuracy (``eval.verifier``; :func:`cooper_mcore.rl.setup.build_eval_oracle`)
 EvalVerifier = Literal["rule", "arithmetic_oracle"]
+#: the final-answer styles of the arithmetic task (:data:`cooper_mcore.data.mathgen.STYLES`; tested equal)
+AnswerStyle = Literal["boxed", "gsm8k", "boxed_period"]
+#: the evaluation-data formats of :func:`cooper_mcore.data.rm_data.read_eval_examples`
+RMEvalFormat = Literal["auto", "labeled", "verifybench"]
 
 
 class RewardMode(str, Enum):
@@ -377,8 +385,132 @@ class CooperConfig:
         return isinstance(mode, RewardMode) and mode.trains_rm and self.rm.negatives == "assistant"
 
 
-def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> CooperConfig:
-    """Defaults <- YAML preset <- dotted overrides, type-checked.
+@dataclass
+class SFTDataConfig:
+    """SFT examples: worked solutions of the arithmetic task (:func:`cooper_mcore.jobs.sft.math_sft_examples`)."""
+
+    num_examples: int = 256
+    """Distinct train-split problems, one example each."""
+    seed: int = 0
+    """Draws the problems and which of them get a wrong solution."""
+    template: str = "{question}"
+    """Prompt template; {question} is replaced by the question (as the trainer's data.template)."""
+    use_chat_template: bool = False
+    """Wrap the templated prompt in the tokenizer's chat template as a user turn."""
+    mix_wrong: float = 0.0
+    """Share in [0, 1] of the responses that are a plausible wrong worked solution (0: plain SFT)."""
+    style: AnswerStyle = "boxed"
+    """Final-answer style of the responses."""
+
+
+@dataclass
+class SFTTrainConfig:
+    """The SFT loop: a seeded stream of shuffled epochs cut into global batches."""
+
+    steps: int = 100
+    """Optimizer steps."""
+    global_batch_size: int = 32
+    """Examples per step over all data-parallel ranks."""
+    micro_batch_size: int = 8
+    """Examples per forward/backward; global_batch_size must be a multiple of micro_batch_size * dp."""
+    min_lr: Optional[float] = None
+    """null: optim.lr stays constant after the warm-up; a value in [0, lr]: cosine decay to it."""
+    seed: int = 0
+    """Shuffling seed (and megatron's RNG seed when the job sets up the world)."""
+    log_every: int = 10
+    """Log loss, gradient norm and throughput every N steps (0: only the last step)."""
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning of a policy checkpoint (``cooper sft``)."""
+
+    ckpt: str = ""
+    """The cooper_mcore causal-LM checkpoint to start from (hf-to-mcore output or an earlier SFT's)."""
+    out: str = "runs/sft/policy_mcore"
+    """The output model checkpoint folder; must not exist."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The model-parallel layout; data parallelism is the rest of the world."""
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    """The examples (``cooper sft`` builds them; the library call takes them as given)."""
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5))
+    """The optimizer (AdamW) and linear warm-up."""
+    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
+    """The loop."""
+
+
+@dataclass
+class RMDataConfig:
+    """VerifyRM training and evaluation data (:mod:`cooper_mcore.jobs.verify_rm`)."""
+
+    train_path: str = ""
+    """Labeled training rows, JSONL or Parquet: question, reference, completion, label."""
+    eval_path: str = ""
+    """Evaluation data, labeled or VerifyBench format ("": no evaluation)."""
+    eval_format: RMEvalFormat = "auto"
+    """Format of eval_path: auto (told apart by its first row), labeled or verifybench."""
+    question_key: str = "question"
+    """Training-data field holding the question."""
+    reference_key: str = "reference"
+    """Training-data field holding the reference answer."""
+    completion_key: str = "completion"
+    """Training-data field holding the completion to judge."""
+    label_key: str = "label"
+    """Training-data field holding whether the completion is correct."""
+    skip_malformed: bool = False
+    """Skip and count malformed rows instead of stopping with an error naming file:line."""
+    max_length: Optional[int] = None
+    """Token limit per row (null: the model's max_position_embeddings)."""
+
+
+@dataclass
+class RMTrainConfig:
+    """The VerifyRM loop: seeded epochs of global batches (the last one may be short)."""
+
+    epochs: int = 3
+    """Passes over the training data (the paper: 3)."""
+    global_batch_size: int = 32
+    """Rows per optimizer step over all data-parallel ranks; a multiple of micro_batch_size * dp."""
+    micro_batch_size: int = 4
+    """Rows per forward/backward micro-batch."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only after each epoch)."""
+    eval_at_start: bool = True
+    """Evaluate the initial model too (step 0)."""
+    threshold: float = 0.5
+    """Probability threshold of "correct" in the evaluation accuracy."""
+    save_every: int = 0
+    """Also keep a model checkpoint every N steps (0: only final)."""
+    seed: int = 1234
+    """Data order and megatron's RNG seed."""
+
+
+@dataclass
+class VerifyRMConfig:
+    """VerifyRM training with binary cross-entropy on labeled triples (``cooper train-rm``)."""
+
+    ckpt: str = ""
+    """The reward-model checkpoint to start from (hf-to-mcore --model-type reward)."""
+    out: str = "runs/verify_rm"
+    """Output folder (must not exist or be empty): metrics.jsonl, checkpoints/, final/, summary.json."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The model-parallel layout; data parallelism is the rest of the world."""
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    """Training and evaluation data."""
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=2e-5))
+    """The optimizer (AdamW at a constant learning rate: warmup_steps must be 0; the paper: lr 2e-5)."""
+    train: RMTrainConfig = field(default_factory=RMTrainConfig)
+    """The loop."""
+
+
+#: the jobs with a typed config, by the name ``cooper config --job`` takes
+JOB_CONFIGS: dict[str, type] = {"train": CooperConfig, "sft": SFTConfig, "train-rm": VerifyRMConfig}
+
+
+def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None,
+                cls: type[T] = CooperConfig) -> T:  # type: ignore[assignment]
+    """Defaults <- YAML preset <- dotted overrides, type-checked, into a job's config class
+    (:class:`CooperConfig` by default, or any of :data:`JOB_CONFIGS`).
 
     A value outside a setting's choices (a ``Literal`` or enum field) is kept as given and
     reported by :func:`cooper_mcore.config_checks.validate` together with every other problem of
@@ -389,7 +521,7 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
             its line, an empty preset, a top level that is not a mapping of sections).
         FileNotFoundError / IsADirectoryError: the preset does not exist / is a folder.
     """
-    return load_sections(CooperConfig, preset, overrides)
+    return load_sections(cls, preset, overrides)
 
 
 def load_sections(cls: type[T], preset: Optional[str] = None, overrides: Optional[list[str]] = None,
@@ -526,12 +658,12 @@ def _is_choice(config_cls: type, key: str) -> bool:
     return typing.get_origin(hint) is Literal or (isinstance(hint, type) and issubclass(hint, Enum))
 
 
-def to_dict(cfg: CooperConfig) -> dict[str, Any]:
+def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain nested dicts (enums as their values)."""
     return json.loads(json.dumps(asdict(cfg), default=lambda v: v.value if isinstance(v, Enum) else str(v)))
 
 
-def save_config(cfg: CooperConfig, path: str) -> None:
+def save_config(cfg: Any, path: str) -> None:
     """Write the resolved config as YAML, without secrets (:func:`cooper_mcore.redaction.scrub_config`:
     API keys live in the environment; a key pasted into a setting by mistake is written as ``***``)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -1,5 +1,5 @@
-"""The trainer's metric schema: every key ``cooper train`` writes to ``metrics.jsonl`` (and wandb),
-named once here with a one-line description.
+"""The trainers' metric schema: every key ``cooper train`` (and ``cooper train-rm``, in its own
+section) writes to ``metrics.jsonl`` (and wandb), named once here with a one-line description.
 
 Code refers to the constants (:class:`MetricKey`, :class:`Phase`, :func:`time_key`,
 :func:`memory_key`), never to the strings; :data:`SCHEMA` lists every key with where it is written
@@ -34,6 +34,9 @@ SECTIONS = {
     "eval": ("Evaluation", "on the steps that evaluate (every `eval.every` steps): held-out avg@k at the eval "
                            "sampling (temperature 0.7, top-p 0.95 by default), split across the data-parallel "
                            "replicas, counted over the world"),
+    "verify_rm": ("VerifyRM training", "`cooper train-rm`'s `<out>/metrics.jsonl`: a line per training step "
+                                       "(`rm_train/*`) and a line per evaluation (`rm_eval/*`, step 0: before "
+                                       "training); over the world"),
     "timing": ("Timing and memory", "per phase of the step (`metrics.PhaseTimer`); `time/*` are the slowest "
                                     "rank's, `memory/*` the fullest rank's"),
 }
@@ -134,6 +137,29 @@ class MetricKey:
     EVAL_RULE_ACC = _define("eval/rule_acc", "eval", "evaluation steps, eval.verifier arithmetic_oracle",
                             "the rule verifier's held-out accuracy on the same completions")
 
+    RM_TRAIN_LOSS = _define("rm_train/loss", "verify_rm", _EVERY, "mean binary cross-entropy of the step's rows")
+    RM_TRAIN_ACC = _define("rm_train/acc", "verify_rm", _EVERY,
+                           "share of the step's rows on the right side of logit 0")
+    RM_TRAIN_MEAN_SCORE = _define("rm_train/mean_score", "verify_rm", _EVERY, "mean logit of the step's rows")
+    RM_TRAIN_NUM_SAMPLES = _define("rm_train/num_samples", "verify_rm", _EVERY,
+                                   "rows of the step (the last batch of an epoch may be short)")
+    RM_TRAIN_GRAD_NORM = _define("rm_train/grad_norm", "verify_rm", _EVERY,
+                                 "global gradient norm before clipping (NaN for a skipped update)")
+    RM_TRAIN_NONFINITE = _define("rm_train/nonfinite", "verify_rm", _EVERY,
+                                 "1 when the update was skipped for a non-finite loss or gradient norm")
+    RM_TRAIN_LR = _define("rm_train/lr", "verify_rm", _EVERY, "the learning rate (constant)")
+    RM_TRAIN_SECONDS = _define("rm_train/seconds", "verify_rm", _EVERY, "wall seconds of the step")
+    RM_EPOCH = _define("rm/epoch", "verify_rm", "every line", "epochs done, fractional within an epoch")
+    RM_EVAL_ACCURACY = _define("rm_eval/accuracy", "verify_rm", "evaluation lines",
+                               "share of the evaluation rows judged right at `train.threshold`")
+    RM_EVAL_N = _define("rm_eval/n", "verify_rm", "evaluation lines", "evaluation rows")
+    RM_EVAL_MEAN_PROB = _define("rm_eval/mean_prob", "verify_rm", "evaluation lines",
+                                "mean sigmoid of the logits of the evaluation rows")
+    RM_EVAL_ACC_CORRECT = _define("rm_eval/acc_correct", "verify_rm", "evaluation lines",
+                                  "accuracy on the rows labeled correct (null without one)")
+    RM_EVAL_ACC_INCORRECT = _define("rm_eval/acc_incorrect", "verify_rm", "evaluation lines",
+                                    "accuracy on the rows labeled incorrect (null without one)")
+
     TIME_STEP = _define(TIME_PREFIX + "step", "timing", _EVERY, "seconds of the step: the sum of its outermost "
                                                                 "phases")
 
@@ -189,7 +215,8 @@ def render_page() -> str:
     lines = ["# Metrics reference", "",
              "<!-- generated from cooper_mcore/metric_names.py by "
              "`python -m cooper_mcore.metric_names > docs/metrics.md`; do not edit -->", "",
-             "Every key `cooper train` writes to `<out>/metrics.jsonl`, one JSON object per step (and to wandb). "
+             "Every key `cooper train` (and `cooper train-rm`, in its own section) writes to `<out>/metrics.jsonl`, "
+             "one JSON object per step (and to wandb). "
              "Values are means over the data-parallel ranks unless said otherwise; a non-finite value is written "
              "as `null`. The keys are named once, in `cooper_mcore/metric_names.py`: code refers to its "
              "constants.", ""]

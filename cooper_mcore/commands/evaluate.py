@@ -1,14 +1,12 @@
-"""``cooper eval`` (a policy's held-out accuracy), ``cooper train-rm`` and ``cooper eval-rm`` (VerifyRM)."""
+"""``cooper eval`` (a policy's held-out accuracy) and ``cooper eval-rm`` (a VerifyRM's)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from cooper_mcore.commands import check_output_folder
 from cooper_mcore.jobs.evaluate import evaluate_policy
 from cooper_mcore.jobs.verify_rm import eval_rm as eval_rm_job
-from cooper_mcore.jobs.verify_rm import train_rm as train_rm_job
 from cooper_mcore.parallel import ParallelConfig
 
 
@@ -17,17 +15,6 @@ def evaluate(args: argparse.Namespace) -> None:
                              max_new_tokens=args.max_new_tokens, template=args.template,
                              use_chat_template=args.chat_template, limit=args.limit, seed=args.seed)
     print(json.dumps(result), flush=True)
-
-
-def train_rm(args: argparse.Namespace) -> None:
-    check_output_folder(args.out)
-    summary = train_rm_job(args.ckpt, args.train, args.out, eval_path=args.eval, epochs=args.epochs, lr=args.lr,
-                           weight_decay=args.weight_decay, micro_batch_size=args.micro_batch_size,
-                           global_batch_size=args.global_batch_size, eval_every=args.eval_every,
-                           save_every=args.save_every, seed=args.seed,
-                           parallel=ParallelConfig(tp=args.tp, pp=args.pp), max_length=args.max_length,
-                           skip_malformed=args.skip_malformed)
-    print(json.dumps(summary, default=str), flush=True)
 
 
 def eval_rm(args: argparse.Namespace) -> None:

@@ -1,11 +1,12 @@
-"""``cooper train`` (the Cooper trainer) and ``cooper config`` (its settings)."""
+"""``cooper train`` (the Cooper trainer) and ``cooper config`` (a job's settings: ``--job train``, ``sft`` or
+``train-rm``)."""
 
 from __future__ import annotations
 
 import argparse
 
 from cooper_mcore.commands import check_output_folder
-from cooper_mcore.config import format_settings, load_config
+from cooper_mcore.config import JOB_CONFIGS, format_settings, load_config
 from cooper_mcore.redaction import install_log_filter
 from cooper_mcore.rl.loop import train as train_run
 
@@ -24,5 +25,5 @@ def train(args: argparse.Namespace) -> None:
 
 
 def config(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, cls=JOB_CONFIGS[getattr(args, "job", "train")])
     print(format_settings(cfg), flush=True)  # the listing

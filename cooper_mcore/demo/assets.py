@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from cooper_mcore.config import OptimSection, SFTConfig, SFTTrainConfig
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import write_prompts
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_prompts, tokenizer_corpus
@@ -147,8 +148,10 @@ def _sft_policy(out: str, paths: dict[str, str], maker: _RandomModels, hidden: i
     shutil.rmtree(paths["policy_hf"], ignore_errors=True)  # a random one from an interrupted run
     maker.save("causal_lm", init_hf, init_ckpt, hidden, layers)
     batch = min(SFT_BATCH, n_train)
-    history = sft(init_ckpt, paths["policy_ckpt"], examples, steps=sft_steps, lr=SFT_LR, global_batch_size=batch,
-                  micro_batch_size=batch, seed=seed, log_every=max(sft_steps // 5, 1))
+    job = SFTConfig(ckpt=init_ckpt, out=paths["policy_ckpt"], optim=OptimSection(lr=SFT_LR),
+                    train=SFTTrainConfig(steps=sft_steps, global_batch_size=batch, micro_batch_size=batch, seed=seed,
+                                         log_every=max(sft_steps // 5, 1)))
+    history = sft(job, examples)
     logger.info("tiny policy: SFT %d steps on %d worked solutions, loss %.3f -> %.3f", sft_steps, n_train,
                 history["loss"][0], history["loss"][-1])
     shutil.rmtree(init_hf)

@@ -52,7 +52,19 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from cooper_mcore.atomic import atomic_open
-from cooper_mcore.config import CooperConfig, RewardMode, dotted, load_config, save_config
+from cooper_mcore.config import (
+    CooperConfig,
+    OptimSection,
+    RewardMode,
+    RMDataConfig,
+    RMTrainConfig,
+    SFTConfig,
+    SFTTrainConfig,
+    VerifyRMConfig,
+    dotted,
+    load_config,
+    save_config,
+)
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.mathgen import answer_form, answer_value
@@ -322,9 +334,12 @@ def train_sft(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], out: str)
     s = cfg.sft
     tokenizer = load_tokenizer(assets.file("tokenizer"))
     examples = _task(cfg).sft_examples(tokenizer, cfg.task.n_train, s.seed + seed, s.mix_wrong)
-    history = sft(assets.file("policy_mcore"), os.path.join(out, "policy_mcore"), examples, steps=s.steps, lr=s.lr,
-                  global_batch_size=s.batch, micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed + seed,
-                  log_every=max(s.steps // 10, 1))
+    job = SFTConfig(ckpt=assets.file("policy_mcore"), out=os.path.join(out, "policy_mcore"),
+                    optim=OptimSection(lr=s.lr),
+                    train=SFTTrainConfig(steps=s.steps, global_batch_size=s.batch,
+                                         micro_batch_size=min(s.micro_batch, s.batch), seed=s.seed + seed,
+                                         log_every=max(s.steps // 10, 1)))
+    history = sft(job, examples)
     mcore_to_hf(os.path.join(out, "policy_mcore"), os.path.join(out, "policy_hf"))
     return SFTResult(loss_first=history["loss"][0], loss_last=history["loss"][-1])
 
@@ -525,9 +540,11 @@ def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft
     """Stage 5: BCE training of the tiny VerifyRM (from ``rm.init``'s weights) on the labeled
     completions; its accuracy on the held-out benchmark and on the SFT policy's own completions."""
     r = cfg.rm
-    summary = train_rm(rm_start(cfg, assets, sft_stage, out), data.file("rm_train.jsonl"), os.path.join(out, "train"),
-                       epochs=r.epochs, lr=r.lr, micro_batch_size=min(r.micro_batch, r.batch),
-                       global_batch_size=r.batch, seed=r.seed + seed)
+    job = VerifyRMConfig(ckpt=rm_start(cfg, assets, sft_stage, out), out=os.path.join(out, "train"),
+                         data=RMDataConfig(train_path=data.file("rm_train.jsonl")), optim=OptimSection(lr=r.lr),
+                         train=RMTrainConfig(epochs=r.epochs, micro_batch_size=min(r.micro_batch, r.batch),
+                                             global_batch_size=r.batch, seed=r.seed + seed))
+    summary = train_rm(job)
     bench = rm_bench(summary["final_checkpoint"], data.file("rm_bench.jsonl"),
                      os.path.join(out, "bench_predictions.jsonl"))
     own = rm_on_samples(summary["final_checkpoint"], before.file("eval_samples.jsonl"),

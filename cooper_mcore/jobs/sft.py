@@ -11,6 +11,10 @@ permutation of the examples, epochs concatenated); every step takes the next
 ``global_batch_size`` of them and data-parallel rank ``r`` trains on the ``r``-th contiguous slice.
 The result is written as a new model checkpoint (``cooper_model.json`` and the input
 checkpoint's tokenizer files in ``hf_extra/``), under a temporary name renamed when complete.
+The job's settings are an :class:`~cooper_mcore.config.SFTConfig` (``cooper sft --config PRESET``
+builds the examples from its ``data`` section); it runs in the job skeleton
+(:func:`cooper_mcore.job.job`: world, progress bar, stop signal; no metrics file, its output folder
+is the checkpoint).
 
 :func:`math_sft_examples` builds SFT pairs for :mod:`cooper_mcore.data.mathgen`: the prompt is
 the templated question tokenised as the trainer and ``cooper eval`` tokenise prompts, the
@@ -34,11 +38,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint_atomic
 from cooper_mcore.collectives import all_reduce
+from cooper_mcore.config import SFTConfig
 from cooper_mcore.data.iterator import epoch_order
 from cooper_mcore.data.mathgen import (
     MathProblem,
@@ -50,11 +54,12 @@ from cooper_mcore.data.mathgen import (
 )
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_vocab_fits, pad_id_of
+from cooper_mcore.job import JobRoom, job
 from cooper_mcore.mcore.tokens import build_token_batch, token_logprobs
 from cooper_mcore.mcore.training import OptimConfig, build_scheduler, train_step, wrap_for_training
+from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import position_ids_for
-from cooper_mcore.parallel import ParallelConfig, job_world
 
 logger = logging.getLogger(__name__)
 
@@ -198,45 +203,23 @@ def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
     return loss_sum, tokens, result.grad_norm
 
 
-def sft(
-    ckpt_in: str,
-    out_ckpt: str,
-    examples: Sequence[Example],
-    steps: int,
-    lr: float,
-    global_batch_size: int,
-    micro_batch_size: int = 8,
-    seed: int = 0,
-    parallel: Optional[ParallelConfig] = None,
-    warmup_steps: int = 0,
-    min_lr: Optional[float] = None,
-    weight_decay: float = 0.01,
-    clip_grad: float = 1.0,
-    log_every: int = 10,
-) -> dict[str, Any]:
+def sft(cfg: SFTConfig, examples: Sequence[Example]) -> dict[str, Any]:
     """Fine-tune a model checkpoint on prompt/response pairs (response tokens' token-mean cross-entropy).
 
     Collective: under torchrun every rank calls it with the same arguments; in a plain process a
-    one-process world is set up (and torn down) if none is initialised. Data parallelism is the
-    world size over ``tp * pp``.
+    one-process world is set up (and torn down) if none is initialised (:func:`cooper_mcore.job.job`).
+    Data parallelism is the world size over ``tp * pp``. A stop signal (SIGTERM, SIGUSR1, Ctrl-C)
+    ends the job after the current step with :class:`~cooper_mcore.job.TrainingStopped`, writing
+    nothing (SFT keeps no training checkpoints).
 
     Args:
-        ckpt_in: a cooper_mcore causal-LM model checkpoint (``hf-to-mcore`` output or an earlier ``sft``).
-        out_ckpt: the output checkpoint folder; must not exist.
+        cfg: the job (:class:`~cooper_mcore.config.SFTConfig`): ``ckpt`` the cooper_mcore causal-LM
+            checkpoint to start from, ``out`` the output checkpoint folder (must not exist),
+            ``parallel`` the TP/PP layout, ``optim`` AdamW's peak ``lr`` (reached after
+            ``warmup_steps`` of linear warm-up from 0), ``weight_decay`` and ``clip_grad``, and
+            ``train`` the loop (``steps``, ``global_batch_size``, a multiple of ``micro_batch_size
+            * dp``, ``min_lr``, ``seed``, ``log_every``). ``cfg.data`` is not read: the examples are given.
         examples: ``(prompt ids, response ids)``; the response should end with EOS to teach stopping.
-        steps: optimizer steps.
-        lr: peak learning rate, reached after ``warmup_steps`` of linear warm-up from 0.
-        global_batch_size: examples per step over all data-parallel ranks.
-        micro_batch_size: examples per forward/backward; ``global_batch_size`` must be a multiple of
-            ``micro_batch_size * dp``.
-        seed: shuffling seed (and megatron's RNG seed when this call sets up the world).
-        parallel: the TP/PP layout (default TP=PP=1).
-        warmup_steps: linear warm-up steps (as the trainer's scheduler).
-        min_lr: None: ``lr`` stays constant after the warm-up (the trainer's schedule); a value in
-            ``[0, lr]``: cosine decay from ``lr`` to it over the remaining steps.
-        weight_decay: AdamW's decoupled weight decay.
-        clip_grad: global gradient-norm clip (0 disables).
-        log_every: log loss / gradient norm / throughput every this many steps (0: only the last step).
 
     Returns:
         ``{"loss": [global token-mean loss of each step, before its update], "grad_norm": [...],
@@ -247,67 +230,93 @@ def sft(
     Raises:
         ValueError: no examples, an empty prompt or response, an example longer than the model's
             positions, a non-causal-LM checkpoint, or inconsistent sizes.
-        FileExistsError: ``out_ckpt`` exists.
+        FileExistsError: ``cfg.out`` exists.
     """
-    parallel = parallel or ParallelConfig()
-    if steps < 1 or lr <= 0 or global_batch_size < 1 or micro_batch_size < 1 or warmup_steps < 0:
-        raise ValueError(f"sft needs steps >= 1, lr > 0, batch sizes >= 1 and warmup_steps >= 0; got steps={steps} "
-                         f"lr={lr} global_batch_size={global_batch_size} micro_batch_size={micro_batch_size} "
-                         f"warmup_steps={warmup_steps}")
-    if min_lr is not None and not 0 <= min_lr <= lr:
-        raise ValueError(f"sft: min_lr must be in [0, lr={lr}], got {min_lr}")
+    t, o = cfg.train, cfg.optim
+    arch, hf_config, dtype = check_sft(cfg, examples)
+    with job(cfg.out, t.steps, parallel=cfg.parallel, seed=t.seed, write_metrics=False) as room:
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ValueError(f"global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size * dp = "
+                             f"{t.micro_batch_size} * {dp}")
+        model, arch = load_checkpoint_model(cfg.ckpt, cfg.parallel)
+        ddp, optimizer = wrap_for_training(
+            model, OptimConfig(lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad), per_token_loss=True)
+        scheduler = build_scheduler(optimizer, o.lr, o.warmup_steps, t.steps, o.weight_decay, t.min_lr)
+        stream = example_stream(len(examples), t.global_batch_size, t.seed, dp_rank, dp)
+        history = _sft_steps(cfg, room, ddp, optimizer, scheduler, _batches(examples, stream), pad_id_of(hf_config))
+        save_model_checkpoint_atomic(model, cfg.out, arch, hf_config, dtype, extra_from=cfg.ckpt)
+        if room.main:
+            logger.info("sft: %d steps in %.1f s, loss %.4f -> %.4f; wrote %s", t.steps, history["seconds"],
+                        history["loss"][0], history["loss"][-1], cfg.out)
+        del ddp, optimizer, model
+    return history
+
+
+def check_sft(cfg: SFTConfig, examples: Sequence[Example]) -> tuple[Any, dict[str, Any], Any]:
+    """Check the job before any work; return the input checkpoint's ``(arch, hf_config, dtype)``.
+
+    Raises:
+        ValueError / FileExistsError: as :func:`sft`.
+    """
+    t, o = cfg.train, cfg.optim
+    if t.steps < 1 or o.lr <= 0 or t.global_batch_size < 1 or t.micro_batch_size < 1 or o.warmup_steps < 0:
+        raise ValueError(f"sft needs steps >= 1, lr > 0, batch sizes >= 1 and warmup_steps >= 0; got steps={t.steps} "
+                         f"lr={o.lr} global_batch_size={t.global_batch_size} micro_batch_size={t.micro_batch_size} "
+                         f"warmup_steps={o.warmup_steps}")
+    if t.min_lr is not None and not 0 <= t.min_lr <= o.lr:
+        raise ValueError(f"sft: min_lr must be in [0, lr={o.lr}], got {t.min_lr}")
     if not examples:
         raise ValueError("sft: no examples")
     bad = next((i for i, (p, r) in enumerate(examples) if not p or not r), None)
     if bad is not None:
         raise ValueError(f"sft: example {bad} has an empty prompt or response")
-    if os.path.exists(out_ckpt):
-        raise FileExistsError(f"output {out_ckpt!r} already exists; remove it or choose another path")
-    arch, hf_config, dtype = read_meta(ckpt_in)
+    if os.path.exists(cfg.out):
+        raise FileExistsError(f"output {cfg.out!r} already exists; remove it or choose another path")
+    arch, hf_config, dtype = read_meta(cfg.ckpt)
     if arch.model_type != "causal_lm":
-        raise ValueError(f"sft needs a causal-LM checkpoint; {ckpt_in!r} is a {arch.model_type} model")
+        raise ValueError(f"sft needs a causal-LM checkpoint; {cfg.ckpt!r} is a {arch.model_type} model")
     top = max(max(max(p), max(r)) for p, r in examples)
-    check_vocab_fits(top + 1, arch.vocab_size, "the tokenizer of the SFT examples", ckpt_in)
+    check_vocab_fits(top + 1, arch.vocab_size, "the tokenizer of the SFT examples", cfg.ckpt)
     longest = max(len(p) + len(r) for p, r in examples)
     if longest > arch.max_position_embeddings:
         raise ValueError(f"sft: an example has {longest} tokens, more than the model's "
                          f"max_position_embeddings={arch.max_position_embeddings}")
-    pad_id = pad_id_of(hf_config)
+    return arch, hf_config, dtype
 
-    with job_world(parallel, seed):
-        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        if global_batch_size % (micro_batch_size * dp):
-            raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * dp = "
-                             f"{micro_batch_size} * {dp}")
-        model, arch = load_checkpoint_model(ckpt_in, parallel)
-        ddp, optimizer = wrap_for_training(
-            model, OptimConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad), per_token_loss=True)
-        scheduler = build_scheduler(optimizer, lr, warmup_steps, steps, weight_decay, min_lr)
-        stream = example_stream(len(examples), global_batch_size, seed, dp_rank, dp)
-        history: dict[str, Any] = {"loss": [], "grad_norm": [], "lr": [], "tokens": 0, "steps": steps}
-        start = time.perf_counter()
-        for step in range(steps):
-            history["lr"].append(float(optimizer.param_groups[0]["lr"]))
-            loss_sum, tokens, grad_norm = _sft_step(
-                ddp, optimizer, [examples[i] for i in next(stream)], pad_id, micro_batch_size)
-            if math.isfinite(grad_norm):  # as megatron: a skipped (non-finite) update does not advance the schedule
-                scheduler.step(1)
-            else:
-                logger.warning("sft step %d: non-finite loss or gradient norm; update skipped", step + 1)
-            # over the world: TP replicas count each sum tp times (cancels in the ratio), non-last stages add 0
-            totals = all_reduce(torch.tensor([loss_sum, tokens], dtype=torch.float64))
-            loss = float(totals[0] / totals[1])
-            history["loss"].append(loss)
-            history["grad_norm"].append(grad_norm)
-            history["tokens"] += int(round(float(totals[1]) / parallel.tp))
-            if dist.get_rank() == 0 and ((log_every and (step + 1) % log_every == 0) or step + 1 == steps):
-                elapsed = time.perf_counter() - start
-                logger.info("sft step %d/%d: loss %.4f, grad norm %.3f, lr %.2e, %.0f tokens/s", step + 1, steps,
-                            loss, grad_norm, history["lr"][-1], history["tokens"] / max(elapsed, 1e-9))
-        history["seconds"] = time.perf_counter() - start
-        save_model_checkpoint_atomic(model, out_ckpt, arch, hf_config, dtype, extra_from=ckpt_in)
-        if dist.get_rank() == 0:
-            logger.info("sft: %d steps in %.1f s, loss %.4f -> %.4f; wrote %s", steps, history["seconds"],
-                        history["loss"][0], history["loss"][-1], out_ckpt)
-        del ddp, optimizer, model
+
+def _batches(examples: Sequence[Example], stream: Iterator[list[int]]) -> Iterator[list[Example]]:
+    """This rank's examples of each step, forever."""
+    for indices in stream:
+        yield [examples[i] for i in indices]
+
+
+def _sft_steps(cfg: SFTConfig, room: JobRoom, ddp: Any, optimizer: Any, scheduler: Any,
+               batches: Iterator[list[Example]], pad_id: int) -> dict[str, Any]:
+    """The SFT loop: ``cfg.train.steps`` guarded steps, each logged; a stop signal ends it after its step."""
+    steps, tp = cfg.train.steps, cfg.parallel.tp
+    history: dict[str, Any] = {"loss": [], "grad_norm": [], "lr": [], "tokens": 0, "steps": steps}
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        history["lr"].append(float(optimizer.param_groups[0]["lr"]))
+        loss_sum, tokens, grad_norm = _sft_step(ddp, optimizer, next(batches), pad_id, cfg.train.micro_batch_size)
+        if math.isfinite(grad_norm):  # as megatron: a skipped (non-finite) update does not advance the schedule
+            scheduler.step(1)
+        else:
+            logger.warning("sft step %d: non-finite loss or gradient norm; update skipped", step)
+        # over the world: TP replicas count each sum tp times (cancels in the ratio), non-last stages add 0
+        totals = all_reduce(torch.tensor([loss_sum, tokens], dtype=torch.float64))
+        loss = float(totals[0] / totals[1])
+        history["loss"].append(loss)
+        history["grad_norm"].append(grad_norm)
+        history["tokens"] += int(round(float(totals[1]) / tp))
+        room.log(step, {K.LOSS: loss, K.GRAD_NORM: grad_norm, K.LR: history["lr"][-1]})  # the bar's (no file)
+        log_every = cfg.train.log_every
+        if room.main and ((log_every and step % log_every == 0) or step == steps):
+            elapsed = time.perf_counter() - start
+            logger.info("sft step %d/%d: loss %.4f, grad norm %.3f, lr %.2e, %.0f tokens/s", step, steps,
+                        loss, grad_norm, history["lr"][-1], history["tokens"] / max(elapsed, 1e-9))
+        if step < steps and room.stop_requested():
+            raise room.stopped(step, None)
+    history["seconds"] = time.perf_counter() - start
     return history

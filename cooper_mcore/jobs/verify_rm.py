@@ -27,9 +27,11 @@ A completion is judged correct when ``sigmoid(score) >= threshold`` (0.5).
 Training (:func:`train_rm`) minimises the mean binary cross-entropy with AdamW at a constant
 learning rate (paper: lr 2e-5, weight decay 0.01, 3 epochs). Each epoch visits the rows in a
 seeded random order, in global batches of ``global_batch_size`` rows (the last one may be short;
-it counts only its real rows). ``out_dir`` receives ``metrics.jsonl`` (one JSON object per
-training step, ``"kind": "train"``, and per evaluation, ``"kind": "eval"``), checkpoints
-(``checkpoints/step_NNNNNN`` every ``save_every`` steps and ``final``; each written under a
+it counts only its real rows). The job (:class:`~cooper_mcore.config.VerifyRMConfig`) runs in the
+job skeleton (:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
+training step, the ``rm_train/*`` keys, and one per evaluation, the ``rm_eval/*`` keys, of
+:mod:`cooper_mcore.metric_names`), ``run_config.json``, model checkpoints
+(``checkpoints/step_NNNNNN`` every ``train.save_every`` steps and ``final``; each written under a
 temporary name and renamed when complete, with the tokenizer in ``hf_extra/``) and
 ``summary.json``. Optimizer states are not saved: a checkpoint is a model, not a resumable run.
 """
@@ -42,6 +44,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -52,8 +55,10 @@ from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_new_model_checkpoint
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import all_gather
+from cooper_mcore.config import VerifyRMConfig, to_dict
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
+from cooper_mcore.job import JobRoom, job
 from cooper_mcore.mcore.reward_model import (
     bce_train_step,
     pad_token_lists,
@@ -62,15 +67,14 @@ from cooper_mcore.mcore.reward_model import (
     wrap_reward_model,
 )
 from cooper_mcore.mcore.training import OptimConfig
-from cooper_mcore.metrics import JsonlWriter, write_json_atomic
+from cooper_mcore.metric_names import MetricKey as K
+from cooper_mcore.metrics import write_json_atomic
 from cooper_mcore.parallel import ParallelConfig, job_world
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 FINAL_DIR = "final"
-CHECKPOINTS_DIR = "checkpoints"
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -225,154 +229,184 @@ def _write_predictions(path: str, examples: Sequence[RMExample], scores: torch.T
                                 "answer_type": ex.answer_type}) + "\n")
 
 
-def train_rm(
-    ckpt_in: str,
-    train_path: str,
-    out_dir: str,
-    eval_path: Optional[str] = None,
-    epochs: int = 3,
-    lr: float = 2e-5,
-    weight_decay: float = 0.01,
-    micro_batch_size: int = 4,
-    global_batch_size: int = 32,
-    eval_every: int = 0,
-    save_every: int = 0,
-    seed: int = 1234,
-    parallel: Optional[ParallelConfig] = None,
-    max_length: Optional[int] = None,
-    clip_grad: float = 1.0,
-    threshold: float = 0.5,
-    eval_at_start: bool = True,
-    skip_malformed: bool = False,
-    question_key: str = "question",
-    reference_key: str = "reference",
-    completion_key: str = "completion",
-    label_key: str = "label",
-    eval_format: str = "auto",
-) -> dict[str, Any]:
+def train_rm(cfg: VerifyRMConfig) -> dict[str, Any]:
     """Train a reward model with binary cross-entropy on labeled triples (module docstring).
 
+    Runs in the job skeleton (:func:`cooper_mcore.job.job`): the world, ``metrics.jsonl`` (the
+    ``rm_train/*`` and ``rm_eval/*`` keys of :mod:`cooper_mcore.metric_names`), the progress bar and
+    the stop signal (SIGTERM, SIGUSR1, Ctrl-C: the job ends after the current step with
+    :class:`~cooper_mcore.job.TrainingStopped`).
+
     Args:
-        ckpt_in: the initial reward-model checkpoint (``hf-to-mcore --model-type reward``).
-        train_path: labeled training data (JSONL/Parquet).
-        out_dir: output folder; must not exist or be empty.
-        eval_path: optional evaluation data (labeled or VerifyBench format), evaluated before
-            training (``eval_at_start``), every ``eval_every`` steps and after each epoch.
-        epochs: passes over the training data.
-        lr / weight_decay / clip_grad: AdamW at a constant learning rate, gradient-norm clipping.
-        micro_batch_size: rows per forward/backward micro-batch.
-        global_batch_size: rows per optimizer step over all data-parallel ranks; a multiple of
-            ``micro_batch_size * data-parallel size``.
-        eval_every: evaluate every this many steps (0: only after each epoch).
-        save_every: also keep a checkpoint every this many steps (0: only ``final``).
-        seed: data order and megatron RNG seed.
-        parallel: TP/PP layout (default TP=PP=1).
-        max_length: token limit per row (default: the model's ``max_position_embeddings``).
-        threshold: probability threshold of the evaluation accuracy.
-        eval_at_start: evaluate the initial model too (step 0).
-        skip_malformed: skip and count malformed rows instead of raising.
-        question_key / reference_key / completion_key / label_key: training-data field names.
-        eval_format: ``"auto"``, ``"labeled"`` or ``"verifybench"``.
+        cfg: the job (:class:`~cooper_mcore.config.VerifyRMConfig`): ``ckpt`` the initial reward-model
+            checkpoint, ``out`` the output folder (must not exist or be empty), ``data`` the training
+            and evaluation data (evaluated before training with ``train.eval_at_start``, every
+            ``train.eval_every`` steps and after each epoch), ``optim`` AdamW at a constant learning
+            rate, ``train`` the epochs, batch sizes, checkpoints every ``save_every`` steps and seed.
 
     Returns:
         ``{"steps", "epochs", "num_train", "skipped", "final_checkpoint", "checkpoints",
         "train_loss" (mean over the last epoch), "train_acc", "eval" (last evaluation or None),
-        "metrics_path"}``; also written to ``out_dir/summary.json``.
+        "metrics_path"}``; also written to ``out/summary.json``.
 
     Raises:
-        ValueError: invalid arguments (named), a non-reward checkpoint, malformed data.
-        FileExistsError: ``out_dir`` exists and is not empty.
+        ValueError: invalid settings (named), a non-reward checkpoint, malformed data.
+        FileExistsError: ``out`` exists and is not empty.
     """
-    parallel = parallel or ParallelConfig()
-    for name, value in (("epochs", epochs), ("micro_batch_size", micro_batch_size),
-                        ("global_batch_size", global_batch_size)):
+    check_train_rm(cfg)
+    d, t = cfg.data, cfg.train
+    train, skipped = read_rm_examples(d.train_path, d.question_key, d.reference_key, d.completion_key, d.label_key,
+                                      skip_malformed=d.skip_malformed)
+    evals = read_eval_examples(d.eval_path, d.eval_format, d.skip_malformed)[0] if d.eval_path else None
+    steps_per_epoch = -(-len(train) // t.global_batch_size)
+    with job(cfg.out, t.epochs * steps_per_epoch, parallel=cfg.parallel, seed=t.seed, config=to_dict(cfg)) as room:
+        run = _setup_rm_run(cfg, room, train, evals)
+        logger.info("train-rm: %d rows (%d skipped), %d epochs x %d steps, global batch %d, dp %d",
+                    len(train), skipped, t.epochs, steps_per_epoch, t.global_batch_size, run.dp)
+        if t.eval_at_start:
+            _evaluate(run, 0.0)
+        epoch_stats: list[dict[str, Any]] = []
+        for epoch in range(t.epochs):
+            epoch_stats = _train_epoch(run, epoch, steps_per_epoch)
+            logger.info("train-rm epoch %d/%d (step %d): loss %.4f, acc %.4f", epoch + 1, t.epochs, run.step,
+                        _row_mean(epoch_stats, "loss"), _row_mean(epoch_stats, "acc"))
+            _evaluate(run, float(epoch + 1))
+        final = os.path.join(cfg.out, FINAL_DIR)
+        save_new_model_checkpoint(run.model, final, run.arch, run.hf_config, run.dtype, extra_from=cfg.ckpt)
+        summary = {
+            "steps": run.step, "epochs": t.epochs, "num_train": len(train), "skipped": skipped,
+            "final_checkpoint": final, "checkpoints": run.checkpoints,
+            "train_loss": _row_mean(epoch_stats, "loss"), "train_acc": _row_mean(epoch_stats, "acc"),
+            "eval": run.last_eval, "metrics_path": room.metrics.path,
+        }
+        if room.main:
+            write_json_atomic(os.path.join(cfg.out, SUMMARY_FILE), summary)
+    return summary
+
+
+def check_train_rm(cfg: VerifyRMConfig) -> None:
+    """Check the job's settings and output folder before any work.
+
+    Raises:
+        ValueError: a setting out of range (named).
+        FileExistsError: ``cfg.out`` exists and is not empty.
+    """
+    t, o = cfg.train, cfg.optim
+    for name, value in (("epochs", t.epochs), ("micro_batch_size", t.micro_batch_size),
+                        ("global_batch_size", t.global_batch_size)):
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value}")
-    for name, value in (("eval_every", eval_every), ("save_every", save_every)):
+    for name, value in (("eval_every", t.eval_every), ("save_every", t.save_every)):
         if int(value) != value or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"out_dir {out_dir!r} exists and is not empty")
-    train, skipped = read_rm_examples(train_path, question_key, reference_key, completion_key, label_key,
-                                      skip_malformed=skip_malformed)
-    evals = read_eval_examples(eval_path, eval_format, skip_malformed)[0] if eval_path else None
+    if not o.lr > 0:
+        raise ValueError(f"lr must be > 0, got {o.lr}")
+    if o.warmup_steps:
+        raise ValueError(f"train-rm trains at a constant learning rate: optim.warmup_steps must be 0, "
+                         f"got {o.warmup_steps}")
+    if not 0.0 < t.threshold < 1.0:
+        raise ValueError(f"threshold must be in (0, 1), got {t.threshold}")
+    if os.path.isdir(cfg.out) and os.listdir(cfg.out):
+        raise FileExistsError(f"out_dir {cfg.out!r} exists and is not empty")
 
-    with job_world(parallel, seed):
-        dp = parallel_state.get_data_parallel_world_size()
-        dp_rank = parallel_state.get_data_parallel_rank()
-        if global_batch_size % (micro_batch_size * dp):
-            raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * "
-                             f"data-parallel size = {micro_batch_size} * {dp}")
-        rank0 = dist.get_rank() == 0
-        torch.manual_seed(seed)
-        tokenizer = load_checkpoint_tokenizer(ckpt_in)
-        model, arch, hf_config, dtype = _load_rm(ckpt_in, parallel, tokenizer)
-        max_len = max_length or arch.max_position_embeddings
-        pad = pad_id_of(tokenizer)
-        tokens = tokenize_texts(tokenizer, [ex.rm_text() for ex in train], max_len)
-        labels = torch.tensor([float(ex.label) for ex in train])
-        ddp, optimizer = wrap_reward_model(model, OptimConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad))
-        dist.barrier()  # every rank has checked that out_dir is empty before rank 0 writes to it
-        if rank0:
-            os.makedirs(os.path.join(out_dir, CHECKPOINTS_DIR), exist_ok=True)
-        metrics_path = os.path.join(out_dir, METRICS_FILE)
-        log = JsonlWriter(metrics_path if rank0 else None)
-        local = global_batch_size // dp
-        steps_per_epoch = -(-len(train) // global_batch_size)
-        logger.info("train-rm: %d rows (%d skipped), %d epochs x %d steps, global batch %d, dp %d",
-                    len(train), skipped, epochs, steps_per_epoch, global_batch_size, dp)
 
-        def evaluate(step: int, epoch: float) -> Optional[dict[str, Any]]:
-            if evals is None:
-                return None
-            scores = score_texts(ddp, tokenizer, [ex.rm_text() for ex in evals], micro_batch_size, max_len)
-            report = accuracy_report(evals, scores, threshold)
-            log.write({"kind": "eval", "step": step, "epoch": epoch, **report})
-            logger.info("train-rm step %d: eval accuracy %.4f (%d rows)", step, report["accuracy"], report["n"])
-            return report
+@dataclass
+class _RMRun:
+    """A VerifyRM training job's state inside its world."""
 
-        last_eval = evaluate(0, 0.0) if eval_at_start else None
-        step, checkpoints, epoch_stats = 0, [], []
-        for epoch in range(epochs):
-            gen = torch.Generator().manual_seed(seed + epoch)
-            order = torch.randperm(len(train), generator=gen)
-            epoch_stats = []
-            for k in range(steps_per_epoch):
-                rows = order[k * global_batch_size:(k + 1) * global_batch_size][dp_rank * local:(dp_rank + 1) * local]
-                mask = torch.ones(len(rows), dtype=torch.bool)
-                if len(rows) == 0:  # the short last batch left nothing for this rank
-                    rows, mask = order[:1], torch.zeros(1, dtype=torch.bool)
-                ids, lengths = pad_token_lists([tokens[i] for i in rows.tolist()], pad)
-                t0 = time.perf_counter()
-                m = bce_train_step(ddp, optimizer, (ids, lengths, labels[rows]), micro_batch_size, mask=mask)
-                step += 1
-                epoch_stats.append(m)
-                log.write({"kind": "train", "step": step, "epoch": epoch + (k + 1) / steps_per_epoch, "lr": lr,
-                           "seconds": time.perf_counter() - t0, **m})
-                if eval_every and step % eval_every == 0 and k + 1 < steps_per_epoch:
-                    last_eval = evaluate(step, epoch + (k + 1) / steps_per_epoch)
-                if save_every and step % save_every == 0:
-                    path = os.path.join(out_dir, CHECKPOINTS_DIR, f"step_{step:06d}")
-                    save_new_model_checkpoint(model, path, arch, hf_config, dtype, extra_from=ckpt_in)
-                    checkpoints.append(path)
-            n_ep = sum(m["num_samples"] for m in epoch_stats)
-            logger.info("train-rm epoch %d/%d (step %d): loss %.4f, acc %.4f", epoch + 1, epochs, step,
-                        sum(m["loss"] * m["num_samples"] for m in epoch_stats) / n_ep,
-                        sum(m["acc"] * m["num_samples"] for m in epoch_stats) / n_ep)
-            last_eval = evaluate(step, float(epoch + 1))
-        final = os.path.join(out_dir, FINAL_DIR)
-        save_new_model_checkpoint(model, final, arch, hf_config, dtype, extra_from=ckpt_in)
-        n = sum(m["num_samples"] for m in epoch_stats)
-        summary = {
-            "steps": step, "epochs": epochs, "num_train": len(train), "skipped": skipped,
-            "final_checkpoint": final, "checkpoints": checkpoints,
-            "train_loss": sum(m["loss"] * m["num_samples"] for m in epoch_stats) / n,
-            "train_acc": sum(m["acc"] * m["num_samples"] for m in epoch_stats) / n,
-            "eval": last_eval, "metrics_path": metrics_path,
-        }
-        if rank0:
-            write_json_atomic(os.path.join(out_dir, SUMMARY_FILE), summary)
-        log.close()
-    return summary
+    cfg: VerifyRMConfig
+    room: JobRoom
+    tokenizer: Any
+    model: Any
+    ddp: Any
+    optimizer: Any
+    arch: Any
+    hf_config: dict[str, Any]
+    dtype: Any
+    tokens: list[list[int]]
+    labels: torch.Tensor
+    evals: Optional[list[RMExample]]
+    max_len: int
+    dp: int
+    dp_rank: int
+    step: int = 0
+    checkpoints: list[str] = field(default_factory=list)
+    last_eval: Optional[dict[str, Any]] = None
+
+
+def _setup_rm_run(cfg: VerifyRMConfig, room: JobRoom, train: Sequence[RMExample],
+                  evals: Optional[list[RMExample]]) -> _RMRun:
+    """Load the model, tokenize the training rows and wrap the model for training (collective)."""
+    t, o = cfg.train, cfg.optim
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ValueError(f"global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size * "
+                         f"data-parallel size = {t.micro_batch_size} * {dp}")
+    torch.manual_seed(t.seed)
+    tokenizer = load_checkpoint_tokenizer(cfg.ckpt)
+    model, arch, hf_config, dtype = _load_rm(cfg.ckpt, cfg.parallel, tokenizer)
+    max_len = cfg.data.max_length or arch.max_position_embeddings
+    tokens = tokenize_texts(tokenizer, [ex.rm_text() for ex in train], max_len)
+    labels = torch.tensor([float(ex.label) for ex in train])
+    ddp, optimizer = wrap_reward_model(model, OptimConfig(lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad))
+    if room.main:
+        os.makedirs(room.ckpt_dir, exist_ok=True)
+    return _RMRun(cfg, room, tokenizer, model, ddp, optimizer, arch, hf_config, dtype, tokens, labels, evals,
+                  max_len, dp, dp_rank)
+
+
+def _train_epoch(run: _RMRun, epoch: int, steps_per_epoch: int) -> list[dict[str, Any]]:
+    """One seeded pass over the training rows; return each step's metrics (as ``bce_train_step``'s)."""
+    t, gbs = run.cfg.train, run.cfg.train.global_batch_size
+    local = gbs // run.dp
+    order = torch.randperm(len(run.labels), generator=torch.Generator().manual_seed(t.seed + epoch))
+    stats = []
+    for k in range(steps_per_epoch):
+        rows = order[k * gbs:(k + 1) * gbs][run.dp_rank * local:(run.dp_rank + 1) * local]
+        mask = torch.ones(len(rows), dtype=torch.bool)
+        if len(rows) == 0:  # the short last batch left nothing for this rank
+            rows, mask = order[:1], torch.zeros(1, dtype=torch.bool)
+        ids, lengths = pad_token_lists([run.tokens[i] for i in rows.tolist()], pad_id_of(run.tokenizer))
+        t0 = time.perf_counter()
+        m = bce_train_step(run.ddp, run.optimizer, (ids, lengths, run.labels[rows]), t.micro_batch_size, mask=mask)
+        run.step += 1
+        stats.append(m)
+        at = epoch + (k + 1) / steps_per_epoch
+        run.room.log(run.step, _train_line(m, at, run.cfg.optim.lr, time.perf_counter() - t0))
+        if t.eval_every and run.step % t.eval_every == 0 and k + 1 < steps_per_epoch:
+            _evaluate(run, at)
+        if t.save_every and run.step % t.save_every == 0:
+            path = os.path.join(run.room.ckpt_dir, f"step_{run.step:06d}")
+            save_new_model_checkpoint(run.model, path, run.arch, run.hf_config, run.dtype, extra_from=run.cfg.ckpt)
+            run.checkpoints.append(path)
+        if run.room.stop_requested():
+            raise run.room.stopped(run.step, run.checkpoints[-1] if run.checkpoints else None)
+    return stats
+
+
+def _train_line(m: dict[str, Any], epoch: float, lr: float, seconds: float) -> dict[str, float]:
+    """A training step's ``metrics.jsonl`` line."""
+    return {K.RM_TRAIN_LOSS: m["loss"], K.RM_TRAIN_ACC: m["acc"], K.RM_TRAIN_MEAN_SCORE: m["mean_score"],
+            K.RM_TRAIN_NUM_SAMPLES: m["num_samples"], K.RM_TRAIN_GRAD_NORM: m["grad_norm"],
+            K.RM_TRAIN_NONFINITE: float(m["nonfinite"]), K.RM_TRAIN_LR: lr, K.RM_TRAIN_SECONDS: seconds,
+            K.RM_EPOCH: epoch}
+
+
+def _evaluate(run: _RMRun, epoch: float) -> None:
+    """Evaluate the current model on the evaluation rows (collective), log it and keep it as the last."""
+    if run.evals is None:
+        return
+    t = run.cfg.train
+    scores = score_texts(run.ddp, run.tokenizer, [ex.rm_text() for ex in run.evals], t.micro_batch_size, run.max_len)
+    report = accuracy_report(run.evals, scores, t.threshold)
+    run.room.metrics.log(run.step, {
+        K.RM_EVAL_ACCURACY: report["accuracy"], K.RM_EVAL_N: report["n"], K.RM_EVAL_MEAN_PROB: report["mean_prob"],
+        K.RM_EVAL_ACC_CORRECT: report["per_label"]["correct"]["accuracy"],
+        K.RM_EVAL_ACC_INCORRECT: report["per_label"]["incorrect"]["accuracy"], K.RM_EPOCH: epoch})
+    logger.info("train-rm step %d: eval accuracy %.4f (%d rows)", run.step, report["accuracy"], report["n"])
+    run.last_eval = report
+
+
+def _row_mean(stats: Sequence[dict[str, Any]], key: str) -> float:
+    """The row-weighted mean of ``key`` over steps' metrics."""
+    return sum(m[key] * m["num_samples"] for m in stats) / sum(m["num_samples"] for m in stats)

@@ -22,6 +22,9 @@ A run folder (``out``) that already holds a run (a ``metrics.jsonl`` with lines,
 ``checkpoints/``) is continued only with ``checkpoint.resume: auto`` (or a checkpoint of its own);
 otherwise the run is refused before any work (:func:`check_run_folder`), unless
 ``checkpoint.overwrite: true``, which deletes that run's files first (:data:`RUN_FILES`).
+
+The world, metrics log, progress bar, stop signal and checkpoint room are the job skeleton's
+(:func:`cooper_mcore.job.job`), shared with SFT and VerifyRM training.
 """
 
 from __future__ import annotations
@@ -30,35 +33,32 @@ import logging
 import os
 import random
 import shutil
-import signal
-import threading
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from cooper_mcore.checkpoint.training import (
-    CheckpointWriteError,
-    complete_checkpoints,
-    find_resume,
-    load_training_checkpoint,
-    save_training_checkpoint,
-)
-from cooper_mcore.collectives import any_rank
+from cooper_mcore.checkpoint.training import CheckpointWriteError, load_training_checkpoint, save_training_checkpoint
 from cooper_mcore.config import CooperConfig, save_config, to_dict
 from cooper_mcore.hacking_detector import RewardHackingDetector
+from cooper_mcore.job import (
+    CHECKPOINTS_DIR,
+    EXIT_CHECKPOINT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    STOP_SIGNALS,
+    JobRoom,
+    StopSignal,
+    TrainingStopped,
+    job,
+    resume_path,
+)
 from cooper_mcore.mcore.faults import FaultPhaseTimer
 from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
 from cooper_mcore.metric_names import MetricKey as K
-from cooper_mcore.metrics import (
-    CONFIG_FILE,
-    METRICS_FILE,
-    MetricsLogger,
-    ProgressBar,
-    cuda_peak_memory,
-    reduce_metrics,
-)
+from cooper_mcore.metrics import CONFIG_FILE, METRICS_FILE, cuda_peak_memory, reduce_metrics
 from cooper_mcore.parallel import owned_world
 from cooper_mcore.rl.results import StepResult
 from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR, eval_samples_path, evaluate
@@ -68,82 +68,13 @@ from cooper_mcore.rollout.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
-EXIT_NONFINITE = 3
-EXIT_CHECKPOINT_FAILED = 74  # sysexits' EX_IOERR: a checkpoint could not be written
-EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, run the same command again
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-CHECKPOINTS_DIR = "checkpoints"
+#: the stop signals and exit codes live in the job skeleton (:mod:`cooper_mcore.job`); named here too
+__all__ = ["EXIT_CHECKPOINT_FAILED", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "RUN_FILES",
+           "STOP_SIGNALS", "StopSignal", "TrainingStopped", "check_run_folder", "clear_run_folder", "resume_path",
+           "restore", "train"]
+
 #: what a run writes into its folder (deleted by ``checkpoint.overwrite``; nothing else is touched)
 RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "config.yaml", CONFIG_FILE, "wandb", EVAL_SAMPLES_DIR)
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped early (a stop signal, non-finite numbers, a checkpoint that could not be
-    written); ``exit_code`` is the CLI's; ``checkpoint`` the newest complete checkpoint (or None)."""
-
-    def __init__(self, message: str, exit_code: int, checkpoint: Optional[str]) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-        self.checkpoint = checkpoint
-
-
-class StopSignal:
-    """Catch SIGTERM, SIGUSR1 and a first SIGINT into a flag checked at the end of every step (and
-    after every checkpoint); a second SIGINT raises ``KeyboardInterrupt``; restore on exit.
-
-    A process forked while the handlers are installed (megatron-core's checkpoint writers)
-    inherits them; there they do nothing, so a Ctrl-C sent to the whole process group (the
-    terminal's) leaves the writers alone and the trainer decides.
-    """
-
-    def __init__(self) -> None:
-        self.caught: Optional[str] = None
-        self.interrupts = 0
-        self._pid = os.getpid()
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._pid:  # a forked child: the trainer decides
-            return
-        name = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            self.interrupts += 1
-            if self.interrupts > 1:
-                raise KeyboardInterrupt
-            logger.warning("Ctrl-C (SIGINT): will write a checkpoint and exit at the end of this step; press Ctrl-C "
-                           "again to stop at once (the steps since the last complete checkpoint are then lost)")
-        elif self.caught is None:
-            logger.warning("%s: will write a checkpoint and exit at the end of this step", name)
-        if self.caught is None:
-            self.caught = name
-
-    def any_rank(self) -> bool:
-        """Whether any rank caught a stop signal (collective: every rank calls it once per step)."""
-        return any_rank(self.caught is not None)
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}
-
-
-def resume_path(ckpt_dir: str, resume: str) -> Optional[str]:
-    """Rank 0 verifies the candidates (reading them once) and tells the others (collective)."""
-    answer: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            answer = [("ok", find_resume(ckpt_dir, resume))]
-        except ValueError as e:
-            answer = [("error", str(e))]
-    dist.broadcast_object_list(answer, src=0)
-    kind, value = answer[0]
-    if kind == "error":
-        raise ValueError(value)
-    return value
 
 
 def _run_history(out: str) -> list[str]:
@@ -214,92 +145,99 @@ def train(cfg: CooperConfig) -> dict[str, float]:
     """Run (or resume) a Cooper training job; return the last step's metrics (see the module doc)."""
     clear = check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.checkpoint.overwrite)
     run = build_run(cfg)
-    ckpt_dir = os.path.join(cfg.out, CHECKPOINTS_DIR)
     if clear:
         if dist.get_rank() == 0:
             clear_run_folder(cfg.out)
         dist.barrier()  # cleared before any rank reads or writes the folder
-    streak = restore(run, resume_path(ckpt_dir, cfg.checkpoint.resume))
-    main = dist.get_rank() == 0
-    if main:
+    streak = restore(run, resume_path(os.path.join(cfg.out, CHECKPOINTS_DIR), cfg.checkpoint.resume))
+    if dist.get_rank() == 0:
         save_config(cfg, os.path.join(cfg.out, "config.yaml"))
-    metrics_log = MetricsLogger(cfg.out, run_name=cfg.logging.run_name or None, config=to_dict(cfg),
-                                use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, is_main=main)
+    with job(cfg.out, cfg.train.steps, start_step=run.step, config=to_dict(cfg), use_wandb=cfg.logging.wandb,
+             wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name or None) as room:
+        try:
+            return run_steps(run, room, streak)
+        finally:
+            run.close()
+
+
+def run_steps(run: Run, room: JobRoom, streak: int) -> dict[str, float]:
+    """The loop: steps until ``train.steps``, each logged, checkpointed when due, and the stop
+    conditions checked after it; return the last step's metrics."""
+    cfg = run.cfg
     cuda = torch.cuda.is_available()  # on a GPU: phases timed after their kernels, and their peak memory
     timer = FaultPhaseTimer(step=lambda: run.step + 1, sync=torch.cuda.synchronize if cuda else None,
                             peak_memory=cuda_peak_memory if cuda else None)
     detector = RewardHackingDetector(window=cfg.logging.hacking_window,
                                      action="stop" if cfg.logging.stop_on_hacking else "warn")
-    bar = ProgressBar(cfg.train.steps, start_step=run.step, enabled=main)
-    stop_signal = StopSignal()
     no_pairs = 0  # cooper steps in a row without a valid pair
-
-    def newest_checkpoint() -> Optional[str]:
-        steps = complete_checkpoints(ckpt_dir)
-        return os.path.join(ckpt_dir, f"step_{steps[-1]}") if steps else None
-
-    def checkpoint() -> str:
-        try:
-            return save_training_checkpoint(ckpt_dir, run.step, run.trained_models,
-                                            {"data": run.data.state_dict(), "nonfinite_streak": streak},
-                                            keep=cfg.checkpoint.keep)
-        except CheckpointWriteError as e:
-            last = newest_checkpoint()
-            raise TrainingStopped(f"stopping after step {run.step}: {e}. The newest complete checkpoint is "
-                                  f"{last or 'none (the run would start over)'}; fix the cause (free disk space, "
-                                  "...), then run the same command with --resume auto to continue from it",
-                                  EXIT_CHECKPOINT_FAILED, last) from e
-
     metrics: dict[str, float] = {}
-    try:
-        while run.step < cfg.train.steps:
-            result = cooper_step(run, run.data.next_batch(), timer)
-            run.step += 1
-            eval_metrics: dict[str, float] = {}
-            if cfg.eval.every and run.step % cfg.eval.every == 0:
-                with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase(Phase.EVAL):
-                    eval_metrics = run_evaluation(run, engine)
-            metrics = world_metrics(run, result, timer.pop(), eval_metrics)
-            metrics_log.log(run.step, metrics)
-            bar.update(run.step, metrics)
-            streak = nonfinite_streak(streak, result, run.step, cfg.train.max_nonfinite_steps)
-            no_pairs = steps_without_pairs(no_pairs, metrics, run.step, cfg)
-            preempted = stop_signal.any_rank()
-            nonfinite_stop = 0 < cfg.train.max_nonfinite_steps <= streak
-            hacking_stop = False
-            # the world's reward and rule accuracy (means over the ranks): every rank decides the same
-            if cfg.reward.mode.uses_rm and detector.update(run.step, metrics[K.REWARD_MEAN], metrics[K.RULE_ACC]):
-                hacking_stop = detector.should_stop
-            due = cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or run.step == cfg.train.steps)
-            if due or preempted or nonfinite_stop:
-                path = checkpoint()
-                # a stop signal during the write: stop now, with the checkpoint just written
-                preempted = preempted or stop_signal.any_rank()
-            if preempted:
-                what = ("stopped by Ctrl-C (SIGINT)" if stop_signal.caught == "SIGINT"
-                        else f"preempted ({stop_signal.caught or 'a stop signal on another rank'})")
-                raise TrainingStopped(f"{what} after step {run.step}: checkpoint {path} written; run the same "
-                                      "command with --resume auto to continue", EXIT_PREEMPTED, path)
-            if nonfinite_stop:
-                raise TrainingStopped(f"stopping: {streak} steps in a row had a non-finite loss or gradient norm "
-                                      f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); checkpoint "
-                                      f"{path} written; lower the learning rate or check the data before resuming",
-                                      EXIT_NONFINITE, path)
-            if hacking_stop:
-                logger.error("stopping: reward hacking detected")
-                break
-    except KeyboardInterrupt:  # a second Ctrl-C (the first is a stop signal)
-        last = newest_checkpoint()
-        raise TrainingStopped(f"interrupted (Ctrl-C twice) with {run.step} steps done: stopped at once, the steps "
-                              f"since the newest complete checkpoint are lost; that checkpoint is "
-                              f"{last or 'none (the run starts over)'}: run the same command with --resume auto to "
-                              "continue from it", EXIT_INTERRUPTED, last) from None
-    finally:
-        stop_signal.restore()
-        bar.close()
-        metrics_log.close()
-        run.close()
+    while run.step < cfg.train.steps:
+        result = cooper_step(run, run.data.next_batch(), timer)
+        run.step += 1
+        room.step = run.step
+        eval_metrics: dict[str, float] = {}
+        if cfg.eval.every and run.step % cfg.eval.every == 0:
+            with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase(Phase.EVAL):
+                eval_metrics = run_evaluation(run, engine)
+        metrics = world_metrics(run, result, timer.pop(), eval_metrics)
+        room.log(run.step, metrics)
+        streak = nonfinite_streak(streak, result, run.step, cfg.train.max_nonfinite_steps)
+        no_pairs = steps_without_pairs(no_pairs, metrics, run.step, cfg)
+        if end_of_step(run, room, detector, metrics, streak):
+            break
     return metrics
+
+
+def end_of_step(run: Run, room: JobRoom, detector: RewardHackingDetector, metrics: dict[str, float],
+                streak: int) -> bool:
+    """Checkpoint when due or stopping, and the stop conditions (collective: every rank decides the
+    same). Return whether reward hacking stops the run.
+
+    Raises:
+        TrainingStopped: a stop signal (after its checkpoint), or ``train.max_nonfinite_steps``
+            non-finite steps in a row.
+    """
+    cfg = run.cfg
+    preempted = room.stop_requested()
+    nonfinite_stop = 0 < cfg.train.max_nonfinite_steps <= streak
+    hacking_stop = False
+    # the world's reward and rule accuracy (means over the ranks): every rank decides the same
+    if cfg.reward.mode.uses_rm and detector.update(run.step, metrics[K.REWARD_MEAN], metrics[K.RULE_ACC]):
+        hacking_stop = detector.should_stop
+    due = cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or run.step == cfg.train.steps)
+    path: Optional[str] = None
+    if due or preempted or nonfinite_stop:
+        path = write_checkpoint(run, room, streak)
+        # a stop signal during the write: stop now, with the checkpoint just written
+        preempted = preempted or room.stop_requested()
+    if preempted:
+        raise room.stopped(run.step, path)
+    if nonfinite_stop:
+        raise TrainingStopped(f"stopping: {streak} steps in a row had a non-finite loss or gradient norm "
+                              f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); checkpoint "
+                              f"{path} written; lower the learning rate or check the data before resuming",
+                              EXIT_NONFINITE, path)
+    if hacking_stop:
+        logger.error("stopping: reward hacking detected")
+    return hacking_stop
+
+
+def write_checkpoint(run: Run, room: JobRoom, streak: int) -> str:
+    """The run's training checkpoint after ``run.step`` in the job's checkpoint room.
+
+    Raises:
+        TrainingStopped: it could not be written (``EXIT_CHECKPOINT_FAILED``, naming the newest complete one).
+    """
+    try:
+        return save_training_checkpoint(room.ckpt_dir, run.step, run.trained_models,
+                                        {"data": run.data.state_dict(), "nonfinite_streak": streak},
+                                        keep=run.cfg.checkpoint.keep)
+    except CheckpointWriteError as e:
+        last = room.newest_checkpoint()
+        raise TrainingStopped(f"stopping after step {run.step}: {e}. The newest complete checkpoint is "
+                              f"{last or 'none (the run would start over)'}; fix the cause (free disk space, "
+                              "...), then run the same command with --resume auto to continue from it",
+                              EXIT_CHECKPOINT_FAILED, last) from e
 
 
 def world_metrics(run: Run, result: StepResult, times: dict[str, float],

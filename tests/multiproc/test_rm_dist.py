@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 
+from cooper_mcore.config import OptimSection, RMDataConfig, RMTrainConfig, VerifyRMConfig
 from cooper_mcore.convert.compare import sample_batch
 from cooper_mcore.convert.hf import hf_to_mcore
+from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.models.tiny import save_tiny_hf_model
 from tests.conftest import last_json, torchrun
 
@@ -77,8 +79,10 @@ def test_rm_layouts_equal_single_process(tmp_path):
             "labels": torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])}
     torch.save(data, tmp_path / "data.pt")
     scores, pair, bce = _reference(ckpt, data)
-    ref_train = train_rm(ckpt, str(train), str(tmp_path / "run1"), eval_path=str(train), epochs=2, lr=1e-3,
-                         micro_batch_size=2, global_batch_size=4, seed=0)
+    ref_train = train_rm(VerifyRMConfig(ckpt=ckpt, out=str(tmp_path / "run1"),
+                                        data=RMDataConfig(train_path=str(train), eval_path=str(train)),
+                                        optim=OptimSection(lr=1e-3), train=RMTrainConfig(
+                                            epochs=2, micro_batch_size=2, global_batch_size=4, seed=0)))
     ref_eval = eval_rm(ref_train["final_checkpoint"], str(train), micro_batch_size=3)
     out = last_json(torchrun("rm_worker.py", 2, "--ckpt", ckpt, "--data", str(tmp_path / "data.pt"),
                              "--train", str(train), "--out", str(tmp_path / "run2")))
@@ -95,13 +99,15 @@ def test_rm_layouts_equal_single_process(tmp_path):
     # train-rm at DP=2 (the last batch of each epoch, 2 rows, leaves DP rank 1 without a row):
     # the same steps as one process; eval-rm at DP=2 splits and gathers the rows
     lines = [[json.loads(x) for x in open(tmp_path / run / "metrics.jsonl")] for run in ("run1", "run2")]
-    assert [x["step"] for x in lines[1] if x["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert [x["step"] for x in lines[1] if K.RM_TRAIN_LOSS in x] == [1, 2, 3, 4, 5, 6]
+    assert len(lines[0]) == len(lines[1])
     for a, b in zip(*lines):
-        assert a["kind"] == b["kind"] and a["step"] == b["step"]
-        key = "loss" if a["kind"] == "train" else "mean_prob"
+        assert a.keys() == b.keys() and a["step"] == b["step"]
+        key = K.RM_TRAIN_LOSS if K.RM_TRAIN_LOSS in a else K.RM_EVAL_MEAN_PROB
         assert b[key] == pytest.approx(a[key], rel=1e-4), (a, b)
-        if a["kind"] == "train":
-            assert a["num_samples"] == b["num_samples"] and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        if K.RM_TRAIN_LOSS in a:
+            assert a[K.RM_TRAIN_NUM_SAMPLES] == b[K.RM_TRAIN_NUM_SAMPLES]
+            assert b[K.RM_TRAIN_GRAD_NORM] == pytest.approx(a[K.RM_TRAIN_GRAD_NORM], rel=1e-3)
     assert os.path.isdir(got_train["final_checkpoint"]) and got_train["steps"] == 6
     assert got_eval["n"] == 10 and got_eval["per_label"] == ref_eval["per_label"]
     assert got_eval["per_answer_type"] == ref_eval["per_answer_type"]

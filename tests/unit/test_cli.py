@@ -39,7 +39,7 @@ def test_cooper_verify_malformed_line(tmp_path, caplog):
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDE_COMMANDS = {  # subcommand -> its required options
     "train": [], "config": [], "demo": [], "rehearse": ["--config", "p.yaml"],
-    "plan": ["--gpus-per-node", "8", "--gpu-memory-gib", "80"],
+    "plan": ["--gpus-per-node", "8", "--gpu-memory-gib", "80"], "sft": [], "train-rm": [],
 }
 
 

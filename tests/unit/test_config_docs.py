@@ -12,6 +12,7 @@ from cooper_mcore import config as C
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
 from cooper_mcore.config_checks import config_problems
+from cooper_mcore.data.mathgen import STYLES
 from cooper_mcore.demo.config import DemoConfig, load_demo_config
 from cooper_mcore.negatives.pairs import NEGATIVE_KINDS
 from cooper_mcore.negatives.rewrites import REWRITE_KINDS
@@ -59,6 +60,7 @@ def test_choices_agree_with_the_code_that_reads_them():
     assert set(typing.get_args(C.KLKind)) == set(KL_ESTIMATORS)
     assert set(typing.get_args(C.NegativeKind)) == set(NEGATIVE_KINDS)
     assert set(typing.get_args(C.RewriteKind)) == set(REWRITE_KINDS)
+    assert set(typing.get_args(C.AnswerStyle)) == set(STYLES)
     assert [(m.value, m.uses_rm, m.trains_rm) for m in C.RewardMode] == [
         ("rule", False, False), ("static_rm", True, False), ("cooper", True, True)]
 

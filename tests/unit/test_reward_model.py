@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
+from cooper_mcore.config import OptimSection, RMDataConfig, RMTrainConfig, VerifyRMConfig
 from cooper_mcore.data.mathgen import generate_problems, tokenizer_corpus
 from cooper_mcore.data.templates import rm_input
 from cooper_mcore.jobs.verify_rm import (
@@ -31,9 +32,16 @@ from cooper_mcore.mcore.reward_model import (
     wrap_reward_model,
 )
 from cooper_mcore.mcore.training import OptimConfig
+from cooper_mcore.metric_names import MetricKey as K
 from tests.conftest import ROOT
 
 FIXTURE = str(ROOT / "tests" / "fixtures" / "verifybench_tiny.jsonl")
+
+def rm_job(ckpt, train, out, eval_path="", lr: float = 2e-5, **train_settings) -> VerifyRMConfig:
+    """The VerifyRM job config of these tests: ``train_settings`` are ``train.*`` (the rest at their defaults)."""
+    data = RMDataConfig(train_path=str(train), eval_path=str(eval_path))
+    return VerifyRMConfig(ckpt=str(ckpt), out=str(out), data=data,
+                          optim=OptimSection(lr=lr), train=RMTrainConfig(**train_settings))
 
 
 def _triples(n, seed=3):
@@ -299,16 +307,18 @@ def test_train_rm_then_eval_rm_and_export(tiny_rm, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
-    s = train_rm(ckpt, str(data), str(out), eval_path=str(data), epochs=6, lr=1e-3, micro_batch_size=4,
-                 global_batch_size=8, eval_every=10, save_every=12, seed=0)
+    s = train_rm(rm_job(ckpt, data, out, eval_path=data, epochs=6, lr=1e-3, micro_batch_size=4,
+                        global_batch_size=8, eval_every=10, save_every=12, seed=0))
     assert s["steps"] == 24 and s["num_train"] == 32
     assert s["eval"]["accuracy"] >= 0.85, s["eval"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [x for x in lines if x["kind"] == "train"]
-    evals = [x for x in lines if x["kind"] == "eval"]
+    train_lines = [x for x in lines if K.RM_TRAIN_LOSS in x]
+    evals = [x for x in lines if K.RM_EVAL_ACCURACY in x]
+    assert len(train_lines) + len(evals) == len(lines)
     assert [x["step"] for x in train_lines] == list(range(1, 25))
     assert [x["step"] for x in evals] == [0, 4, 8, 10, 12, 16, 20, 24]  # start, epochs, every 10
-    assert evals[0]["accuracy"] <= 0.6 and train_lines[-1]["loss"] < train_lines[0]["loss"] - 0.3
+    assert evals[0][K.RM_EVAL_ACCURACY] <= 0.6
+    assert train_lines[-1][K.RM_TRAIN_LOSS] < train_lines[0][K.RM_TRAIN_LOSS] - 0.3
     assert sorted(os.listdir(out / "checkpoints")) == ["step_000012", "step_000024"]
     assert json.loads((out / "summary.json").read_text())["steps"] == 24
     final = s["final_checkpoint"]
@@ -344,7 +354,7 @@ def test_train_rm_then_eval_rm_and_export(tiny_rm, tmp_path):
     assert got["per_answer_type"] == want["per_answer_type"] and got["per_label"] == want["per_label"]
     assert got["mean_prob"] == pytest.approx(want["mean_prob"], abs=1e-6)
     with pytest.raises(FileExistsError):
-        train_rm(ckpt, str(data), str(out))
+        train_rm(rm_job(ckpt, data, out))
 
 
 def test_train_rm_rejects_bad_arguments(tiny_rm, tmp_path):
@@ -352,6 +362,6 @@ def test_train_rm_rejects_bad_arguments(tiny_rm, tmp_path):
     data = tmp_path / "t.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _triples(2)))
     with pytest.raises(ValueError, match="global_batch_size=6 is not a multiple"):
-        train_rm(ckpt, str(data), str(tmp_path / "o1"), micro_batch_size=4, global_batch_size=6)
+        train_rm(rm_job(ckpt, data, tmp_path / "o1", micro_batch_size=4, global_batch_size=6))
     with pytest.raises(ValueError, match="epochs"):
-        train_rm(ckpt, str(data), str(tmp_path / "o2"), epochs=0)
+        train_rm(rm_job(ckpt, data, tmp_path / "o2", epochs=0))

@@ -13,8 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from cooper_mcore.config import OptimSection, SFTConfig, SFTTrainConfig
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_problems, worked_solution
 from cooper_mcore.jobs.sft import example_stream, math_sft_examples, sft, wrong_worked_solution
+
+
+def sft_config(ckpt, out, steps: int, lr: float, global_batch_size: int, micro_batch_size: int = 8, seed: int = 0,
+               warmup_steps: int = 0, min_lr=None, log_every: int = 10) -> SFTConfig:
+    """The SFT job config of these tests (the other settings at their defaults)."""
+    return SFTConfig(ckpt=str(ckpt), out=str(out), optim=OptimSection(lr=lr, warmup_steps=warmup_steps),
+                     train=SFTTrainConfig(steps=steps, global_batch_size=global_batch_size,
+                                          micro_batch_size=micro_batch_size, min_lr=min_lr, seed=seed,
+                                          log_every=log_every))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +71,8 @@ def trained(assets, tok, tmp_path_factory):
     """Five steps on one fixed batch of 8 arithmetic examples (every step sees all 8)."""
     examples = math_sft_examples(tok, 8, seed=0)
     out = str(tmp_path_factory.mktemp("sft_run") / "out")
-    history = sft(assets["policy_ckpt"], out, examples, steps=5, lr=3e-3, global_batch_size=8, micro_batch_size=4)
+    history = sft(sft_config(assets["policy_ckpt"], out, steps=5, lr=3e-3, global_batch_size=8, micro_batch_size=4),
+                  examples)
     return examples, out, history
 
 
@@ -81,8 +92,8 @@ def test_micro_batch_8_equals_8x1(assets, tok, tmp_path):
         out = str(tmp_path / f"mbs{mbs}")
         # Adam's first step is about lr * sign(grad): where |grad| is near adam_eps, float noise in the
         # gradient moves a weight by up to ~lr * 1e-3, so a small lr keeps that below the tolerance
-        runs[mbs] = sft(assets["policy_ckpt"], out, examples, steps=1, lr=1e-4, global_batch_size=8,
-                        micro_batch_size=mbs, seed=3)
+        runs[mbs] = sft(sft_config(assets["policy_ckpt"], out, steps=1, lr=1e-4, global_batch_size=8,
+                                   micro_batch_size=mbs, seed=3), examples)
         runs[mbs]["weights"] = _weights(out)
     a, b, before = runs[8]["weights"], runs[1]["weights"], _weights(assets["policy_ckpt"])
     assert runs[8]["loss"][0] == pytest.approx(runs[1]["loss"][0], abs=1e-6)
@@ -112,22 +123,27 @@ def test_output_checkpoint_exports_with_tokenizer_and_holds_the_trained_weights(
             assert a.read() == b.read(), name
     assert "tokenizer.json" in os.listdir(hf_dir) and load_tokenizer(hf_dir).eos_token_id == examples[0][1][-1]
     # training on from the output: its first loss is the exported model's loss, below the last one seen
-    again = sft(out, str(tmp_path / "again"), examples, steps=1, lr=1e-3, global_batch_size=8, micro_batch_size=8)
+    again = sft(sft_config(out, tmp_path / "again", steps=1, lr=1e-3, global_batch_size=8, micro_batch_size=8),
+                examples)
     assert again["loss"][0] == pytest.approx(_hf_masked_ce(hf_dir, examples), abs=1e-4)
     assert again["loss"][0] < history["loss"][-1]
     with pytest.raises(FileExistsError):
-        sft(out, out, examples, steps=1, lr=1e-3, global_batch_size=8)
+        sft(sft_config(out, out, steps=1, lr=1e-3, global_batch_size=8), examples)
 
 
 _DP_WORKER = """
 import json, os, sys
 from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.config import SFTConfig, load_config
 from cooper_mcore.jobs.sft import math_sft_examples, sft
 
 if __name__ == "__main__":
     tokenizer_dir, ckpt, out = sys.argv[1:4]
     examples = math_sft_examples(load_tokenizer(tokenizer_dir), 12, seed=1)
-    h = sft(ckpt, out, examples, steps=3, lr=1e-4, global_batch_size=8, micro_batch_size=2, seed=3, log_every=0)
+    cfg = load_config(None, [f"ckpt={ckpt}", f"out={out}", "train.steps=3", "optim.lr=1e-4",
+                             "train.global_batch_size=8", "train.micro_batch_size=2", "train.seed=3",
+                             "train.log_every=0"], cls=SFTConfig)
+    h = sft(cfg, examples)
     if os.environ["RANK"] == "0":
         print(json.dumps(h))
 """
@@ -136,8 +152,8 @@ if __name__ == "__main__":
 def test_torchrun_data_parallel_equals_one_process(assets, tok, tmp_path):
     """Two data-parallel ranks (each its half of every shuffled global batch) give one process's result."""
     examples = math_sft_examples(tok, 12, seed=1)  # 12 examples in batches of 8: steps span epochs
-    one = sft(assets["policy_ckpt"], str(tmp_path / "one"), examples, steps=3, lr=1e-4, global_batch_size=8,
-              micro_batch_size=8, seed=3)
+    one = sft(sft_config(assets["policy_ckpt"], tmp_path / "one", steps=3, lr=1e-4, global_batch_size=8,
+                         micro_batch_size=8, seed=3), examples)
     script = tmp_path / "worker.py"
     script.write_text(_DP_WORKER)
     with socket.socket() as s:
@@ -167,8 +183,8 @@ def test_sft_learns_single_digit_copy(assets, tok, tmp_path):
     examples = [(p, tok(str(d), add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
                 for d, p in enumerate(prompts)]
     out = str(tmp_path / "copy")
-    history = sft(assets["policy_ckpt"], out, examples, steps=120, lr=3e-3, global_batch_size=10,
-                  micro_batch_size=10, log_every=0)
+    history = sft(sft_config(assets["policy_ckpt"], out, steps=120, lr=3e-3, global_batch_size=10,
+                             micro_batch_size=10, log_every=0), examples)
     assert history["loss"][-1] < 0.1 * history["loss"][0]
 
     def accuracy(ckpt, verifier) -> float:
@@ -248,8 +264,8 @@ def test_mix_wrong_replaces_that_share_with_plausible_wrong_solutions(tok):
 
 def test_learning_rate_schedules(assets, tok, trained, tmp_path):
     assert trained[2]["lr"] == [3e-3] * 5  # default: constant, no warm-up
-    h = sft(assets["policy_ckpt"], str(tmp_path / "cos"), math_sft_examples(tok, 4, seed=0), steps=4, lr=1e-3,
-            global_batch_size=4, micro_batch_size=4, warmup_steps=1, min_lr=1e-4)
+    h = sft(sft_config(assets["policy_ckpt"], tmp_path / "cos", steps=4, lr=1e-3, global_batch_size=4,
+                       micro_batch_size=4, warmup_steps=1, min_lr=1e-4), math_sft_examples(tok, 4, seed=0))
     # linear warm-up from 0 over one step, then cosine from 1e-3 to 1e-4 over the remaining three
     assert h["lr"] == pytest.approx([0.0, 1e-3, 1e-4 + 0.75 * 9e-4, 1e-4 + 0.25 * 9e-4])
 
@@ -257,11 +273,12 @@ def test_learning_rate_schedules(assets, tok, trained, tmp_path):
 def test_sft_rejects_bad_arguments(assets, tmp_path):
     ckpt, out = assets["policy_ckpt"], str(tmp_path / "out")
     with pytest.raises(ValueError, match="empty prompt or response"):
-        sft(ckpt, out, [([5, 6], [])], steps=1, lr=1e-3, global_batch_size=1, micro_batch_size=1)
+        sft(sft_config(ckpt, out, steps=1, lr=1e-3, global_batch_size=1, micro_batch_size=1), [([5, 6], [])])
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        sft(ckpt, out, [([5, 6], [7, 4])], steps=1, lr=1e-3, global_batch_size=6, micro_batch_size=4)
+        sft(sft_config(ckpt, out, steps=1, lr=1e-3, global_batch_size=6, micro_batch_size=4), [([5, 6], [7, 4])])
     with pytest.raises(ValueError, match="causal-LM"):
-        sft(assets["rm_ckpt"], out, [([5, 6], [7, 4])], steps=1, lr=1e-3, global_batch_size=1, micro_batch_size=1)
+        sft(sft_config(assets["rm_ckpt"], out, steps=1, lr=1e-3, global_batch_size=1, micro_batch_size=1),
+            [([5, 6], [7, 4])])
     with pytest.raises(ValueError, match="min_lr"):
-        sft(ckpt, out, [([5, 6], [7, 4])], steps=1, lr=1e-3, global_batch_size=1, min_lr=2e-3)
+        sft(sft_config(ckpt, out, steps=1, lr=1e-3, global_batch_size=1, min_lr=2e-3), [([5, 6], [7, 4])])
     assert not os.path.exists(out)

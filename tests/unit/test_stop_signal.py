@@ -4,12 +4,15 @@ trainer's stop flag instead of killing it; the loop then checkpoints and exits 7
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import pytest
+import torch.distributed as dist
 
-from cooper_mcore.rl.loop import EXIT_PREEMPTED, StopSignal
+from cooper_mcore.job import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignal, TrainingStopped, job
+from cooper_mcore.parallel import ParallelConfig
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -24,3 +27,27 @@ def test_stop_signals_set_the_flag_and_handlers_come_back(sig):
         stop.restore()
     assert signal.getsignal(sig) is before
     assert EXIT_PREEMPTED == 75
+
+
+def test_the_job_skeleton_stops_on_a_signal_and_cleans_up(tmp_path):
+    """A job's room: metrics lines, the stop signal checked after a step, the world and handlers gone after."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingStopped) as info:
+        with job(str(tmp_path / "out"), 3, parallel=ParallelConfig()) as room:
+            room.log(1, {"loss": 1.0})
+            os.kill(os.getpid(), signal.SIGTERM)
+            if room.stop_requested():
+                raise room.stopped(1, None)
+    assert info.value.exit_code == EXIT_PREEMPTED and "preempted (SIGTERM) after step 1" in str(info.value)
+    assert signal.getsignal(signal.SIGTERM) is before and not dist.is_initialized()
+    assert [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "loss": 1.0}]
+
+
+def test_a_second_ctrl_c_leaves_the_job_at_once(tmp_path):
+    with pytest.raises(TrainingStopped) as info:
+        with job(str(tmp_path), 3, parallel=ParallelConfig(), write_metrics=False) as room:
+            room.step = 2
+            raise KeyboardInterrupt
+    assert info.value.exit_code == EXIT_INTERRUPTED and info.value.checkpoint is None
+    assert "with 2 steps done" in str(info.value) and not (tmp_path / "metrics.jsonl").exists()

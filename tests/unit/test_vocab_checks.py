@@ -91,6 +91,7 @@ def test_rollout_engine_and_cooper_eval_refuse_a_larger_tokenizer(tiny_models, t
 
 
 def test_reward_model_jobs_refuse_a_larger_tokenizer(tiny_models, tmp_path):
+    from cooper_mcore.config import RMDataConfig, RMTrainConfig, VerifyRMConfig
     from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
 
     _, ckpt = tiny_models[("qwen2", "reward")]
@@ -101,14 +102,17 @@ def test_reward_model_jobs_refuse_a_larger_tokenizer(tiny_models, tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"question": "q", "reference": "1", "completion": "1", "label": 1}) + "\n")
     with pytest.raises(ValueError, match=_too_big(os.path.join(bad, "hf_extra"), bad)):
-        train_rm(bad, str(train), str(tmp_path / "out"), epochs=1, global_batch_size=4)
+        train_rm(VerifyRMConfig(ckpt=bad, out=str(tmp_path / "out"), data=RMDataConfig(train_path=str(train)),
+                                train=RMTrainConfig(epochs=1, global_batch_size=4)))
 
 
 def test_sft_refuses_token_ids_past_the_vocabulary(tiny_models, tmp_path):
+    from cooper_mcore.config import OptimSection, SFTConfig, SFTTrainConfig
     from cooper_mcore.jobs.sft import sft
 
     _, ckpt = tiny_models[("qwen2", "causal_lm")]
     with pytest.raises(ValueError, match=r"the tokenizer of the SFT examples has 201 token ids \(0\.\.200\), the model "
                                          rf"'{re.escape(ckpt)}' a vocabulary of 128"):
-        sft(ckpt, str(tmp_path / "out"), [([5, 6], [7, 200])], steps=1, lr=1e-3, global_batch_size=1)
+        sft(SFTConfig(ckpt=ckpt, out=str(tmp_path / "out"), optim=OptimSection(lr=1e-3),
+                      train=SFTTrainConfig(steps=1, global_batch_size=1)), [([5, 6], [7, 200])])
     assert not os.path.exists(tmp_path / "out")

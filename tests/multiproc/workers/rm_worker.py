@@ -60,10 +60,14 @@ def main():
         out[name] = run(args.ckpt, data, parallel)
         parallel_state.destroy_model_parallel()
     if args.train:
+        from cooper_mcore.config import VerifyRMConfig, load_config
         from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
 
-        out["train"] = train_rm(args.ckpt, args.train, args.out, eval_path=args.train, epochs=2, lr=1e-3,
-                                micro_batch_size=2, global_batch_size=4, seed=0)
+        job = load_config(None, [f"ckpt={args.ckpt}", f"out={args.out}", f"data.train_path={args.train}",
+                                 f"data.eval_path={args.train}", "train.epochs=2", "optim.lr=1e-3",
+                                 "train.micro_batch_size=2", "train.global_batch_size=4", "train.seed=0"],
+                          cls=VerifyRMConfig)
+        out["train"] = train_rm(job)
         out["eval"] = eval_rm(out["train"]["final_checkpoint"], args.train, micro_batch_size=2)
     if dist.get_rank() == 0:
         print(json.dumps(out))

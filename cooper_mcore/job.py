@@ -1,0 +1,223 @@
+"""The skeleton every training job runs in (the Cooper loop, SFT, VerifyRM training).
+
+:func:`job` enters the job's distributed world (:func:`cooper_mcore.parallel.job_world`: what the
+caller has initialised is used, what is missing is set up and torn down on exit), opens the
+metrics log (:class:`~cooper_mcore.metrics.MetricsLogger`, rank 0 writes), the progress bar and the
+stop signal, and hands them over as one :class:`JobRoom`; the training-checkpoint room of the run
+folder (``<out>/checkpoints``: manifest, resume, pruning, :mod:`cooper_mcore.checkpoint.training`)
+is :attr:`JobRoom.ckpt_dir`, found by :func:`resume_path` and listed by :meth:`JobRoom.newest_checkpoint`.
+
+Stop signals: SIGTERM (preemption), SIGUSR1 (a scheduler's early warning before its time limit)
+or a first Ctrl-C (SIGINT) is caught into a flag that the job checks at the end of each step
+(:meth:`JobRoom.stop_requested`, collective); a second Ctrl-C stops at once and leaves the room as
+:class:`TrainingStopped` with ``EXIT_INTERRUPTED`` naming the newest complete checkpoint. Forked
+children (megatron-core's checkpoint writers) ignore the stop signals: the job decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from cooper_mcore.checkpoint.training import complete_checkpoints, find_resume
+from cooper_mcore.collectives import any_rank
+from cooper_mcore.metrics import MetricsLogger, ProgressBar
+from cooper_mcore.parallel import ParallelConfig, job_world
+
+logger = logging.getLogger(__name__)
+
+EXIT_NONFINITE = 3
+EXIT_CHECKPOINT_FAILED = 74  # sysexits' EX_IOERR: a checkpoint could not be written
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, run the same command again
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+CHECKPOINTS_DIR = "checkpoints"
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped early (a stop signal, non-finite numbers, a checkpoint that could not be
+    written); ``exit_code`` is the CLI's; ``checkpoint`` the newest complete checkpoint (or None)."""
+
+    def __init__(self, message: str, exit_code: int, checkpoint: Optional[str]) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.checkpoint = checkpoint
+
+
+class StopSignal:
+    """Catch SIGTERM, SIGUSR1 and a first SIGINT into a flag checked at the end of every step (and
+    after every checkpoint); a second SIGINT raises ``KeyboardInterrupt``; restore on exit.
+
+    A process forked while the handlers are installed (megatron-core's checkpoint writers)
+    inherits them; there they do nothing, so a Ctrl-C sent to the whole process group (the
+    terminal's) leaves the writers alone and the trainer decides.
+    """
+
+    def __init__(self) -> None:
+        self.caught: Optional[str] = None
+        self.interrupts = 0
+        self._pid = os.getpid()
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a forked child: the trainer decides
+            return
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt
+            logger.warning("Ctrl-C (SIGINT): will write a checkpoint and exit at the end of this step; press Ctrl-C "
+                           "again to stop at once (the steps since the last complete checkpoint are then lost)")
+        elif self.caught is None:
+            logger.warning("%s: will write a checkpoint and exit at the end of this step", name)
+        if self.caught is None:
+            self.caught = name
+
+    def any_rank(self) -> bool:
+        """Whether any rank caught a stop signal (collective: every rank calls it once per step)."""
+        return any_rank(self.caught is not None)
+
+    def describe(self) -> str:
+        """What stopped the job, for its message."""
+        if self.caught == "SIGINT":
+            return "stopped by Ctrl-C (SIGINT)"
+        return f"preempted ({self.caught or 'a stop signal on another rank'})"
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def resume_path(ckpt_dir: str, resume: str) -> Optional[str]:
+    """Rank 0 verifies the candidates (reading them once) and tells the others (collective)."""
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [("ok", find_resume(ckpt_dir, resume))]
+        except ValueError as e:
+            answer = [("error", str(e))]
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        raise ValueError(value)
+    return value
+
+
+def newest_checkpoint(ckpt_dir: str) -> Optional[str]:
+    """The newest complete training checkpoint under ``ckpt_dir`` (None: none yet)."""
+    steps = complete_checkpoints(ckpt_dir)
+    return os.path.join(ckpt_dir, f"step_{steps[-1]}") if steps else None
+
+
+@dataclass
+class JobRoom:
+    """What a job's loop uses: its metrics log, progress bar, stop signal and checkpoint folder."""
+
+    out: str
+    """The job's output folder."""
+    main: bool
+    """Whether this rank writes (rank 0)."""
+    metrics: MetricsLogger
+    """The ``metrics.jsonl`` (and wandb) log; a no-op off rank 0."""
+    progress: ProgressBar
+    """The step bar (rank 0)."""
+    stop: StopSignal
+    """The caught stop signal."""
+    step: int = 0
+    """Steps done (the last one logged)."""
+
+    @property
+    def ckpt_dir(self) -> str:
+        """The training-checkpoint room, ``<out>/checkpoints``."""
+        return os.path.join(self.out, CHECKPOINTS_DIR)
+
+    def newest_checkpoint(self) -> Optional[str]:
+        """The newest complete training checkpoint of this job (None: none yet)."""
+        return newest_checkpoint(self.ckpt_dir)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write one step's metrics line and move the progress bar to ``step``."""
+        self.metrics.log(step, metrics)
+        self.progress.update(step, metrics)
+        self.step = step
+
+    def stop_requested(self) -> bool:
+        """Whether any rank caught a stop signal (collective: every rank calls it once per step)."""
+        return self.stop.any_rank()
+
+    def stopped(self, step: int, checkpoint: Optional[str]) -> TrainingStopped:
+        """The error that ends a job stopped by a signal after ``step`` (``checkpoint``: the one written)."""
+        written = (f"checkpoint {checkpoint} written; run the same command with --resume auto to continue"
+                   if checkpoint else "no checkpoint: run the same command to start again")
+        return TrainingStopped(f"{self.stop.describe()} after step {step}: {written}", EXIT_PREEMPTED, checkpoint)
+
+
+@contextmanager
+def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None, seed: int = 1234,
+        start_step: int = 0, config: Optional[dict[str, Any]] = None, metrics_dir: Optional[str] = None,
+        write_metrics: bool = True, use_wandb: bool = False, wandb_project: str = "cooper_mcore",
+        run_name: Optional[str] = None) -> Iterator[JobRoom]:
+    """The world, metrics log, progress bar and stop signal of a training job (module doc).
+
+    Args:
+        out: the job's output folder (its checkpoint room is ``out/checkpoints``).
+        total_steps: the job's steps (the progress bar's end).
+        parallel: the model-parallel layout of the world to set up where none is (None: the
+            caller's world, which must be initialised).
+        seed: megatron's RNG seed when the world is set up here.
+        start_step: steps already done (a resumed run).
+        config: the job's config, written beside the metrics (redacted) and sent to wandb.
+        metrics_dir: where ``metrics.jsonl`` goes (default ``out``).
+        write_metrics: False: no metrics file (the log is a no-op; a job whose output folder is
+            a model checkpoint written whole at the end).
+        use_wandb / wandb_project / run_name: the wandb mirror of the metrics.
+
+    Yields:
+        The job's :class:`JobRoom`; on exit the stop handlers are restored, the bar and the log
+        closed and the world torn down where it was set up here.
+
+    Raises:
+        TrainingStopped: a second Ctrl-C in the body (``EXIT_INTERRUPTED``).
+    """
+    world = job_world(parallel, seed) if parallel is not None else _callers_world()
+    with world:
+        dist.barrier()  # every rank has checked its output folder before rank 0 writes into it
+        main = dist.get_rank() == 0
+        room = JobRoom(out, main, MetricsLogger(metrics_dir or out, run_name=run_name, config=config,
+                                                use_wandb=use_wandb and write_metrics, wandb_project=wandb_project,
+                                                is_main=main and write_metrics),
+                       ProgressBar(total_steps, start_step=start_step, enabled=main), StopSignal(), start_step)
+        try:
+            yield room
+        except KeyboardInterrupt:  # a second Ctrl-C (the first is a stop signal)
+            last = room.newest_checkpoint()
+            raise TrainingStopped(f"interrupted (Ctrl-C twice) with {room.step} steps done: stopped at once, the "
+                                  "steps since the newest complete checkpoint are lost; that checkpoint is "
+                                  f"{last or 'none (the run starts over)'}: "
+                                  "run the same command with --resume auto to continue from it",
+                                  EXIT_INTERRUPTED, last) from None
+        finally:
+            room.stop.restore()
+            room.progress.close()
+            room.metrics.close()
+
+
+@contextmanager
+def _callers_world() -> Iterator[None]:
+    if not dist.is_initialized():
+        raise RuntimeError("job(parallel=None) needs an initialised distributed world")
+    yield
