@@ -154,7 +154,7 @@ class _Setup:
         return self.model(x, position_ids_for(x), None)
 
     def logprob_pass(self, method: str) -> None:
-        from cooper_mcore.mcore.tokens import token_logprobs
+        from cooper_mcore.train.tokens import token_logprobs
 
         self.model.eval()
         with torch.no_grad():
@@ -162,7 +162,7 @@ class _Setup:
                 token_logprobs(self._logits(method, x), lab.to(self.dev))
 
     def update_pass(self, method: str) -> None:
-        from cooper_mcore.mcore.tokens import token_logprobs
+        from cooper_mcore.train.tokens import token_logprobs
 
         self.model.train()
         self.model.zero_grad(set_to_none=True)

@@ -5,9 +5,9 @@ GQA 12/2, 28 layers), the same random token batch and the same next-token cross-
 for a few steps by:
 
 * ``megatron-local``: :func:`cooper_mcore.models.builder.build_model` with the torch-native spec
-  (SDPA attention), wrapped by :func:`cooper_mcore.mcore.training.wrap_for_training` (megatron
+  (SDPA attention), wrapped by :func:`cooper_mcore.train.step.wrap_for_training` (megatron
   DDP, distributed optimizer with fp32 main parameters, per-token loss) and stepped with
-  :func:`~cooper_mcore.mcore.training.train_step` (gradient accumulation over micro-batches);
+  :func:`~cooper_mcore.train.step.train_step` (gradient accumulation over micro-batches);
 * ``megatron-te``: the same with Transformer Engine's spec, when TE is importable and a GPU is present;
 * ``transformers``: ``AutoModelForCausalLM`` (SDPA) with fp32 parameters under bf16 autocast and
   torch's AdamW (fused on GPUs): the usual plain mixed-precision step, same micro-batches.
@@ -91,11 +91,11 @@ def megatron_step_fn(shape: dict, batches: list[torch.Tensor], use_te: bool) -> 
     """A Megatron training step on ``batches`` (one optimizer step over all micro-batches)."""
     import transformers
 
-    from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
     from cooper_mcore.models.arch import ArchSpec
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.models.forward import position_ids_for
     from cooper_mcore.parallel import ParallelConfig, device
+    from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
 
     cfg = transformers.Qwen2Config(**shape)
     cfg.architectures = ["Qwen2ForCausalLM"]

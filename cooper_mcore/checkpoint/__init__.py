@@ -12,6 +12,6 @@
 
 The conversion between Hugging Face folders and model checkpoints is :mod:`cooper_mcore.convert`'s,
 a client of this package; nothing here imports :mod:`cooper_mcore.convert`. Training checkpoints
-save the Megatron layer's :class:`~cooper_mcore.mcore.model_state.ModelState` records, so this
-package sits above :mod:`cooper_mcore.mcore`, which does not import it.
+save the Megatron layer's :class:`~cooper_mcore.train.model_state.ModelState` records, so this
+package sits above :mod:`cooper_mcore.train`, which does not import it.
 """

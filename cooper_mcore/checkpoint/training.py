@@ -62,9 +62,9 @@ from cooper_mcore.atomic import atomic_open, fsync_path
 from cooper_mcore.checkpoint.model import EXTRA_DIR, check_checkpoint_format, drop_absent_extra_state, write_meta
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.files import free_bytes, is_no_space
-from cooper_mcore.mcore.faults import fault_point
-from cooper_mcore.mcore.model_state import ModelState
-from cooper_mcore.mcore.training import adam_step, restore_adam_step
+from cooper_mcore.train.faults import fault_point
+from cooper_mcore.train.model_state import ModelState
+from cooper_mcore.train.step import adam_step, restore_adam_step
 
 logger = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step_(\d+)$")

@@ -55,11 +55,11 @@ from cooper_mcore.data.mathgen import (
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_vocab_fits, pad_id_of
 from cooper_mcore.job import JobRoom, job
-from cooper_mcore.mcore.tokens import build_token_batch, token_logprobs
-from cooper_mcore.mcore.training import OptimConfig, build_scheduler, train_step, wrap_for_training
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.train.step import OptimConfig, build_scheduler, train_step, wrap_for_training
+from cooper_mcore.train.tokens import build_token_batch, token_logprobs
 
 logger = logging.getLogger(__name__)
 

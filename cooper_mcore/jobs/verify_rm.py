@@ -59,17 +59,17 @@ from cooper_mcore.config import VerifyRMConfig, to_dict
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
 from cooper_mcore.job import JobRoom, job
-from cooper_mcore.mcore.reward_model import (
+from cooper_mcore.metric_names import MetricKey as K
+from cooper_mcore.metrics import write_json_atomic
+from cooper_mcore.parallel import ParallelConfig, job_world
+from cooper_mcore.train.reward_model import (
     bce_train_step,
     pad_token_lists,
     rm_scores,
     tokenize_texts,
     wrap_reward_model,
 )
-from cooper_mcore.mcore.training import OptimConfig
-from cooper_mcore.metric_names import MetricKey as K
-from cooper_mcore.metrics import write_json_atomic
-from cooper_mcore.parallel import ParallelConfig, job_world
+from cooper_mcore.train.step import OptimConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Three modules, one per sub-concept, each importing only the ones before it:
   update) go through; ``forward_packed`` calls the model on a pack with megatron's
   ``PackedSeqParams``.
 
-The package sits above :mod:`cooper_mcore.models` and below :mod:`cooper_mcore.mcore`: the runner
+The package sits above :mod:`cooper_mcore.models` and below :mod:`cooper_mcore.train`: the runner
 uses ``models.forward`` (positions of padded rows), and ``mcore`` (token batches, reward-model
 passes) uses the runner. ``forward_packed`` lives here, not in ``models.forward``: the models layer
 knows nothing of packs (only of megatron's ``PackedSeqParams``, which its attention reads), so the

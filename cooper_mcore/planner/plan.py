@@ -3,7 +3,7 @@
 Pure arithmetic on :class:`~cooper_mcore.models.arch.ArchSpec` and
 :class:`~cooper_mcore.config.CooperConfig` (nothing is allocated, megatron-core is not imported).
 Every figure is the memory of one GPU of the worst pipeline stage, and follows what the trainer
-does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``mcore/training.py``):
+does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
 
 * Trained models (the policy; the RM in ``cooper`` mode): parameters in the model dtype in
   megatron DDP's param buffer; gradients in DDP's grad buffer in fp32 (``grad_reduce_in_fp32``);

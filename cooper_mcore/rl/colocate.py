@@ -29,11 +29,11 @@ import torch
 
 from cooper_mcore.collectives import is_group_leader
 from cooper_mcore.config import OffloadConfig
-from cooper_mcore.mcore.model_state import ModelState
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rollout.base import RolloutEngine
 from cooper_mcore.rollout.weight_sync import sync_weights
+from cooper_mcore.train.model_state import ModelState
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,6 @@ from cooper_mcore.job import (
     job,
     resume_path,
 )
-from cooper_mcore.mcore.faults import FaultPhaseTimer
 from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import CONFIG_FILE, METRICS_FILE, cuda_peak_memory, reduce_metrics
@@ -65,6 +64,7 @@ from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR, eval_samples_path, evalua
 from cooper_mcore.rl.setup import Run, build_run
 from cooper_mcore.rl.step import cooper_step
 from cooper_mcore.rollout.base import RolloutEngine
+from cooper_mcore.train.faults import FaultPhaseTimer
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def world_metrics(run: Run, result: StepResult, times: dict[str, float],
 
 def nonfinite_streak(streak: int, result: StepResult, step: int, limit: int) -> int:
     """Steps in a row with an update skipped for a non-finite loss or gradient norm, after ``step``
-    (warned). Every rank counts the same: :func:`~cooper_mcore.mcore.training.guarded_step`
+    (warned). Every rank counts the same: :func:`~cooper_mcore.train.step.guarded_step`
     decides a skip over the world."""
     streak = streak + 1 if result.skipped_updates else 0
     if streak:

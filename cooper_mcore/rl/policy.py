@@ -21,14 +21,14 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from cooper_mcore.algo import kl_penalty, masked_sum, policy_loss
 from cooper_mcore.collectives import broadcast_from_last_stage
-from cooper_mcore.mcore.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
-from cooper_mcore.mcore.training import train_step
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import sequence_multiple
 from cooper_mcore.rl.results import GRPOUpdate
+from cooper_mcore.train.step import train_step
+from cooper_mcore.train.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
 
 #: the per-token terms summed over the micro-batches, as the fields of :class:`GRPOUpdate` (``loss``
-#: is also what :func:`~cooper_mcore.mcore.training.train_step` checks for finiteness)
+#: is also what :func:`~cooper_mcore.train.step.train_step` checks for finiteness)
 TERMS = ("loss", "kl", "ratio_mean", "clip_frac", "entropy")
 
 
@@ -89,7 +89,7 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
     Returns:
         The update's means over this rank's response tokens, its gradient norm, and whether it was
         skipped because the loss or the gradient norm was not finite (``nonfinite``; ``grad_norm``
-        is then NaN; see :func:`~cooper_mcore.mcore.training.guarded_step`).
+        is then NaN; see :func:`~cooper_mcore.train.step.guarded_step`).
 
     Raises:
         ValueError: ``kl_coef > 0`` without reference log-probabilities.

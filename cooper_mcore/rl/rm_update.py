@@ -6,7 +6,7 @@ Pairs are built on each model-parallel group's leader (where the verifier and th
 client live; positives and the policy-rollout negatives are picked by
 :mod:`cooper_mcore.algo.pairs` from the rule verdicts and the pre-update RM scores), broadcast to
 the group, tokenised as the reward model reads them and trained with
-:func:`cooper_mcore.mcore.reward_model.pairwise_train_step`.
+:func:`cooper_mcore.train.reward_model.pairwise_train_step`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch
 
 from cooper_mcore.collectives import broadcast_object_in_model_parallel_group, is_group_leader
 from cooper_mcore.config import CooperConfig, RMUpdateConfig
-from cooper_mcore.mcore.model_state import ModelState
-from cooper_mcore.mcore.reward_model import pairwise_train_step
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.negatives.pairs import build_pairs, check_negative_failures, make_negative_generator, pair_stats
 from cooper_mcore.negatives.protocols import ChatBatchClient
 from cooper_mcore.rl.results import PairCounts, RMUpdate
 from cooper_mcore.rl.scoring import rm_batch, rm_texts
+from cooper_mcore.train.model_state import ModelState
+from cooper_mcore.train.reward_model import pairwise_train_step
 from cooper_mcore.types import PreferencePair, RolloutGroup
 from cooper_mcore.verify.protocols import BatchVerifier
 

@@ -6,7 +6,7 @@ mode; in the RM modes the reward model alone (its logit through
 reward model's positives and feeding the metrics. The reward model
 reads the VerifyRM input of each rollout (:func:`cooper_mcore.data.templates.rm_input`),
 tokenised exactly as ``cooper train-rm`` tokenises its data, and is scored through the one scoring
-path of :func:`cooper_mcore.mcore.reward_model.rm_scores`.
+path of :func:`cooper_mcore.train.reward_model.rm_scores`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from cooper_mcore.config import CooperConfig
 from cooper_mcore.data.templates import rm_input
-from cooper_mcore.mcore.model_state import ModelState
-from cooper_mcore.mcore.reward_model import RMBatch, make_batch, rm_scores
 from cooper_mcore.micro_batching.runner import MicroBatching
+from cooper_mcore.train.model_state import ModelState
+from cooper_mcore.train.reward_model import RMBatch, make_batch, rm_scores
 from cooper_mcore.types import Prompt, RolloutGroup
 
 

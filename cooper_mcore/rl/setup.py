@@ -27,15 +27,15 @@ from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.llm_client import OpenAIChatClient
-from cooper_mcore.mcore.model_state import ModelState
-from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
-from cooper_mcore.mcore.training import OptimConfig, build_scheduler, wrap_for_training
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
+from cooper_mcore.train.model_state import ModelState
+from cooper_mcore.train.offload import ModelOffloader, ReferenceSwap
+from cooper_mcore.train.step import OptimConfig, build_scheduler, wrap_for_training
 from cooper_mcore.types import Prompt
 from cooper_mcore.verify.oracle import ArithmeticOracle
 from cooper_mcore.verify.rule import RuleVerifier

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from cooper_mcore.algo import group_advantages, reward_from_logits
 from cooper_mcore.data.tokenizer import pad_id_of
-from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
@@ -28,6 +27,7 @@ from cooper_mcore.rl.rm_update import make_pairs, update_reward_model
 from cooper_mcore.rl.rollouts import generate_groups
 from cooper_mcore.rl.scoring import rollout_logits, rule_verdicts
 from cooper_mcore.rl.setup import Run
+from cooper_mcore.train.tokens import TokenBatch, build_token_batch, compute_logprobs
 from cooper_mcore.types import Prompt, RolloutGroup
 
 

@@ -23,8 +23,8 @@ def step(ddp, opt, vocab: int, seed: int) -> None:
     """One optimizer step (two micro-batches of random tokens) on the GPU."""
     import torch.nn.functional as F
 
-    from cooper_mcore.mcore.training import train_step
     from cooper_mcore.models.forward import position_ids_for
+    from cooper_mcore.train.step import train_step
 
     tokens = torch.randint(0, vocab, (2, 65), generator=torch.Generator().manual_seed(seed)).cuda()
 
@@ -40,10 +40,10 @@ def step(ddp, opt, vocab: int, seed: int) -> None:
 def test_offload_frees_device_memory_and_onload_restores_bitwise(world, tmp_path):
     from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.convert.hf import hf_to_mcore
-    from cooper_mcore.mcore.offload import ModelOffloader
-    from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
     from cooper_mcore.models.tiny import save_tiny_hf_model
     from cooper_mcore.parallel import ParallelConfig
+    from cooper_mcore.train.offload import ModelOffloader
+    from cooper_mcore.train.step import OptimConfig, wrap_for_training
 
     hf = save_tiny_hf_model(str(tmp_path / "hf"), "qwen2", dtype=torch.bfloat16, hidden_size=512,
                             intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,

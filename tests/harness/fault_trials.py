@@ -3,7 +3,7 @@
 One uninterrupted reference run, then for every trial a fresh run of the same job:
 
 * ``kill`` trials (seeded; ``--trials``): SIGKILL at a fault point
-  (:mod:`cooper_mcore.mcore.faults`: a training phase of a step, with a seeded random delay into
+  (:mod:`cooper_mcore.train.faults`: a training phase of a step, with a seeded random delay into
   it, or a place inside a checkpoint write), then a restart with ``--resume auto``;
 * one ``sigterm`` trial: SIGTERM during step 1 (a preemption; checkpoints every 2 steps, so the
   step-1 checkpoint can only come from the handler), which must exit 75, then the restart;
@@ -45,8 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from cooper_mcore.mcore.faults import FAULT_ENV, format_fault
 from cooper_mcore.rl.loop import EXIT_PREEMPTED
+from cooper_mcore.train.faults import FAULT_ENV, format_fault
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +221,9 @@ def _state(path: str, assets: dict[str, str], steps: int) -> dict[str, Any]:
     from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta
     from cooper_mcore.checkpoint.training import load_training_checkpoint
     from cooper_mcore.config import ParallelConfig
-    from cooper_mcore.mcore.model_state import ModelState
-    from cooper_mcore.mcore.offload import ModelOffloader
-    from cooper_mcore.mcore.training import OptimConfig, build_scheduler, inner_optimizers, wrap_for_training
+    from cooper_mcore.train.model_state import ModelState
+    from cooper_mcore.train.offload import ModelOffloader
+    from cooper_mcore.train.step import OptimConfig, build_scheduler, inner_optimizers, wrap_for_training
 
     models = []
     for name in ("policy", "rm"):

@@ -21,15 +21,15 @@ pytestmark = pytest.mark.multiproc
 
 def _reference(ckpt, data):
     from cooper_mcore.checkpoint.model import load_checkpoint_model
-    from cooper_mcore.mcore.reward_model import (
+    from cooper_mcore.parallel import ParallelConfig, single_process_world
+    from cooper_mcore.train.reward_model import (
         RMBatch,
         bce_train_step,
         pairwise_train_step,
         rm_scores,
         wrap_reward_model,
     )
-    from cooper_mcore.mcore.training import OptimConfig
-    from cooper_mcore.parallel import ParallelConfig, single_process_world
+    from cooper_mcore.train.step import OptimConfig
 
     with single_process_world():
         model, _ = load_checkpoint_model(ckpt, ParallelConfig())

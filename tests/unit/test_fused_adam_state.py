@@ -20,10 +20,10 @@ from megatron.core.optimizer import distrib_optimizer
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta
 from cooper_mcore.checkpoint.training import load_training_checkpoint, save_training_checkpoint
-from cooper_mcore.mcore.model_state import ModelState
-from cooper_mcore.mcore.offload import ModelOffloader
-from cooper_mcore.mcore.training import OptimConfig, adam_step, build_scheduler, inner_optimizers, wrap_for_training
 from cooper_mcore.parallel import ParallelConfig, single_process_world
+from cooper_mcore.train.model_state import ModelState
+from cooper_mcore.train.offload import ModelOffloader
+from cooper_mcore.train.step import OptimConfig, adam_step, build_scheduler, inner_optimizers, wrap_for_training
 from tests.unit.test_nonfinite import _forward_step, _tokens
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
@@ -91,7 +91,7 @@ def _model(ckpt: str) -> ModelState:
 
 
 def _train_step(m: ModelState) -> None:
-    from cooper_mcore.mcore.training import train_step
+    from cooper_mcore.train.step import train_step
 
     ids = _tokens(m.arch.vocab_size)
     result = train_step(m.ddp, m.optimizer, _forward_step(), iter(ids.split(2)), 2, ids.shape[1], 2)

@@ -3,7 +3,7 @@
 * The training layer does not import the HF converter (:mod:`cooper_mcore.convert`): models are
   saved and loaded through :mod:`cooper_mcore.checkpoint`; only the clients that convert (the
   ``cooper`` commands, the demo, policy evaluation, which exports to HF) import it.
-* No import cycle between cooper_mcore's top-level packages and modules (``rl``, ``mcore``,
+* No import cycle between cooper_mcore's top-level packages and modules (``rl``, ``train``,
   ``checkpoint``, ``files``, ...), counting the imports a module makes when it is imported (those
   inside functions run later and are left out).
 """
@@ -108,7 +108,7 @@ def find_cycle(graph: dict[str, dict[str, str]]) -> Optional[list[str]]:
 def test_the_training_layer_does_not_import_the_converter():
     modules = _modules()
     training = [m for m in modules if not m.startswith(CONVERTER_CLIENTS) and m != "cooper_mcore"]
-    for expected in ("cooper_mcore.rl.setup", "cooper_mcore.mcore.model_state", "cooper_mcore.checkpoint.training",
+    for expected in ("cooper_mcore.rl.setup", "cooper_mcore.train.model_state", "cooper_mcore.checkpoint.training",
                      "cooper_mcore.jobs.sft", "cooper_mcore.jobs.verify_rm", "cooper_mcore.rollout.weight_sync",
                      "cooper_mcore.config_checks", "cooper_mcore.planner.report"):
         assert expected in training, expected  # the scan sees the modules it is about
@@ -121,7 +121,7 @@ def test_the_training_layer_does_not_import_the_converter():
 
 def test_no_import_cycle_between_top_level_packages_and_modules():
     graph = unit_graph(_modules())
-    assert "mcore" in graph["rl"] and "checkpoint" in graph["convert"]  # the scan sees real edges
+    assert "train" in graph["rl"] and "checkpoint" in graph["convert"]  # the scan sees real edges
     cycle = find_cycle(graph)
     if cycle is not None:
         steps = [f"{a} -> {b} (in {graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
@@ -131,7 +131,7 @@ def test_no_import_cycle_between_top_level_packages_and_modules():
 def test_the_cycle_finder_finds_and_names_a_cycle():
     assert find_cycle({"a": {"b": "x"}, "b": {"c": "y"}, "c": {}}) is None
     assert find_cycle({"a": {"b": "x"}, "b": {"c": "y"}, "c": {"a": "z"}}) == ["a", "b", "c", "a"]
-    tree = ast.parse("import os\nfrom cooper_mcore.mcore import training\n"
+    tree = ast.parse("import os\nfrom cooper_mcore.train import step\n"
                      "def f():\n    from cooper_mcore.rl import loop\n")
-    assert list(_imports(tree, "cooper_mcore.x", False, in_functions=False)) == ["os", "cooper_mcore.mcore.training"]
+    assert list(_imports(tree, "cooper_mcore.x", False, in_functions=False)) == ["os", "cooper_mcore.train.step"]
     assert "cooper_mcore.rl.loop" in list(_imports(tree, "cooper_mcore.x", False, in_functions=True))

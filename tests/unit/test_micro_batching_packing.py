@@ -17,14 +17,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.reward_model import rm_scores
-from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs
 from cooper_mcore.micro_batching.packing import pack_micro_batches, pack_rows, pack_sequences, right_pad
 from cooper_mcore.micro_batching.runner import MicroBatching, forward_packed
 from cooper_mcore.models import spec
 from cooper_mcore.models.forward import forward_only, position_ids_for, shifted_labels
 from cooper_mcore.models.spec import SDPAttention
 from cooper_mcore.parallel import ParallelConfig, single_process_world
+from cooper_mcore.train.reward_model import rm_scores
+from cooper_mcore.train.tokens import TokenBatch, compute_logprobs, token_logprobs
 
 ATOL = 1e-5
 

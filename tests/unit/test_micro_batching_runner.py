@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.reward_model import RMBatch, pairwise_train_step, rm_scores, wrap_reward_model
-from cooper_mcore.mcore.tokens import build_token_batch, compute_logprobs
-from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
 from cooper_mcore.micro_batching.runner import MicroBatching, micro_batch_plan
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.train.reward_model import RMBatch, pairwise_train_step, rm_scores, wrap_reward_model
+from cooper_mcore.train.step import OptimConfig, wrap_for_training
+from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
 
 MODES = {"fixed": MicroBatching(4), "budget": MicroBatching(4, max_tokens=40),
          "packed": MicroBatching(4, max_tokens=40, pack=True)}

@@ -11,12 +11,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import cooper_mcore.rl.policy as policy
 from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.jobs import sft as sft_job
-from cooper_mcore.mcore.reward_model import pairwise_train_step, wrap_reward_model
-from cooper_mcore.mcore.tokens import compute_logprobs
-from cooper_mcore.mcore.training import OptimConfig, adam_step, guarded_step, train_step, wrap_for_training
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import ParallelConfig, single_process_world
+from cooper_mcore.train.reward_model import pairwise_train_step, wrap_reward_model
+from cooper_mcore.train.step import OptimConfig, adam_step, guarded_step, train_step, wrap_for_training
+from cooper_mcore.train.tokens import compute_logprobs
 from tests.unit.test_policy_update import _batch
 
 

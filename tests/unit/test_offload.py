@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
+from cooper_mcore.train.offload import ModelOffloader, ReferenceSwap
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -43,7 +43,7 @@ def load(ckpt: str):
 
 def setup(ckpt: str):
     """(ddp, optimizer, arch) of a freshly loaded policy."""
-    from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
+    from cooper_mcore.train.step import OptimConfig, wrap_for_training
 
     model, arch = load(ckpt)
     ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-2, clip_grad=1.0))
@@ -52,8 +52,8 @@ def setup(ckpt: str):
 
 def step(ddp, opt, vocab: int, seed: int) -> None:
     """One real optimizer step (two micro-batches) on random tokens."""
-    from cooper_mcore.mcore.training import train_step
     from cooper_mcore.models.forward import position_ids_for
+    from cooper_mcore.train.step import train_step
 
     tokens = torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(seed))
 
@@ -193,7 +193,7 @@ def test_discard_grads_frees_without_copy_and_zeroes(world, ckpts):
 
 
 def test_reference_swap(world, ckpts):
-    from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
+    from cooper_mcore.train.step import OptimConfig, wrap_for_training
 
     model, arch = load(ckpts["bf16"])
     # Built from the bare model before DDP moves its params into the contiguous buffer (as the

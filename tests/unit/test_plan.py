@@ -290,11 +290,11 @@ def test_counts_equal_the_built_megatron_model(world, family, model_type):
     """Independent reference: the model megatron-core builds, wrapped for training as the trainer does."""
     import torch
 
-    from cooper_mcore.mcore.offload import ModelOffloader
-    from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
     from cooper_mcore.models.builder import build_model
     from cooper_mcore.models.tiny import tiny_hf_config
     from cooper_mcore.parallel import ParallelConfig
+    from cooper_mcore.train.offload import ModelOffloader
+    from cooper_mcore.train.step import OptimConfig, wrap_for_training
 
     a = ArchSpec.from_hf_config(tiny_hf_config(family, model_type).to_dict())
     model = build_model(a, ParallelConfig(), dtype=torch.bfloat16)

@@ -18,13 +18,13 @@ import transformers
 
 from cooper_mcore.algo import kl_penalty
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.tokens import TokenBatch, build_token_batch, compute_logprobs
-from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.hf_mapping import canonical_mcore_name, param_mappings, to_hf
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.rl.results import GRPOUpdate
+from cooper_mcore.train.step import OptimConfig, wrap_for_training
+from cooper_mcore.train.tokens import TokenBatch, build_token_batch, compute_logprobs
 
 
 def _batch(vocab: int, n: int = 8, seed: int = 3) -> TokenBatch:
@@ -223,7 +223,7 @@ def test_token_logprobs_leave_fp32_logits_intact():
     computed after it would read shifted, exponentiated values; on bf16 (GPUs) ``.float()`` copies.
     Both paths must leave the logits as they were."""
     from cooper_mcore.algo import entropy_from_logits
-    from cooper_mcore.mcore.tokens import token_logprobs, vocab_parallel_entropy
+    from cooper_mcore.train.tokens import token_logprobs, vocab_parallel_entropy
 
     with single_process_world():
         logits = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))

@@ -319,7 +319,7 @@ def test_forked_children_ignore_the_stop_signals():
 
 
 def test_fault_specs_for_ctrl_c():
-    from cooper_mcore.mcore.faults import format_fault, parse_fault
+    from cooper_mcore.train.faults import format_fault, parse_fault
 
     assert parse_fault("ckpt_files@2/INT") == ("ckpt_files", 2, 0.0, signal.SIGINT)
     assert parse_fault("ckpt_policy@2+0.5/INT2") == ("ckpt_policy", 2, 0.5, signal.SIGINT)

@@ -21,7 +21,8 @@ from cooper_mcore.jobs.verify_rm import (
     read_rm_examples,
     train_rm,
 )
-from cooper_mcore.mcore.reward_model import (
+from cooper_mcore.metric_names import MetricKey as K
+from cooper_mcore.train.reward_model import (
     RMBatch,
     bce_train_step,
     make_batch,
@@ -31,8 +32,7 @@ from cooper_mcore.mcore.reward_model import (
     tokenize_texts,
     wrap_reward_model,
 )
-from cooper_mcore.mcore.training import OptimConfig
-from cooper_mcore.metric_names import MetricKey as K
+from cooper_mcore.train.step import OptimConfig
 from tests.conftest import ROOT
 
 FIXTURE = str(ROOT / "tests" / "fixtures" / "verifybench_tiny.jsonl")
@@ -237,7 +237,7 @@ def test_wrong_inputs_raise(tiny_rm):
         tok = load_checkpoint_tokenizer(ckpt)
         batch = make_batch(tok, _texts(1)[0], [1.0, 0.0])
         model = _load(ckpt)
-        from cooper_mcore.mcore.training import wrap_for_training
+        from cooper_mcore.train.step import wrap_for_training
 
         ddp, opt = wrap_for_training(model, OptimConfig())  # mean-loss mode: not exact for pairs
         with pytest.raises(ValueError, match="wrap_reward_model"):

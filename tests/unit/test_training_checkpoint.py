@@ -17,7 +17,7 @@ from cooper_mcore.checkpoint.training import (
     verify_checkpoint,
     write_manifest,
 )
-from cooper_mcore.mcore.faults import FAULT_ENV, fault_point, format_fault, parse_fault
+from cooper_mcore.train.faults import FAULT_ENV, fault_point, format_fault, parse_fault
 
 
 def _fake_checkpoint(root, step, payload=b"123456789"):

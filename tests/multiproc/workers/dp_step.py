@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
-from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
+from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
 
 
 def main():

@@ -21,8 +21,6 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.reward_model import rm_scores
-from cooper_mcore.mcore.tokens import TokenBatch, compute_logprobs, token_logprobs
 from cooper_mcore.micro_batching.packing import pack_micro_batches, right_pad, round_up
 from cooper_mcore.micro_batching.runner import MicroBatching, forward_packed
 from cooper_mcore.models.forward import (
@@ -33,6 +31,8 @@ from cooper_mcore.models.forward import (
     shifted_labels,
 )
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, device, init_distributed
+from cooper_mcore.train.reward_model import rm_scores
+from cooper_mcore.train.tokens import TokenBatch, compute_logprobs, token_logprobs
 
 LENGTHS = [9, 3, 16, 1, 12, 5]
 MICRO = [[2, 3, 0], [5, 1, 4]]  # packs of 26 and 20 tokens

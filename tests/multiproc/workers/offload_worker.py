@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.offload import ModelOffloader, ReferenceSwap
-from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
 from cooper_mcore.models.forward import forward_only, position_ids_for
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
+from cooper_mcore.train.offload import ModelOffloader, ReferenceSwap
+from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
 
 
 def setup(ckpt):

@@ -15,11 +15,11 @@ import json
 import torch
 import torch.distributed as dist
 
-from cooper_mcore.mcore.offload import ModelOffloader
-from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
+from cooper_mcore.train.offload import ModelOffloader
+from cooper_mcore.train.step import OptimConfig, wrap_for_training
 
 
 def measure(arch: ArchSpec, parallel: ParallelConfig) -> dict:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.reward_model import RMBatch, bce_train_step, pairwise_train_step, rm_scores, wrap_reward_model
-from cooper_mcore.mcore.training import OptimConfig
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
+from cooper_mcore.train.reward_model import RMBatch, bce_train_step, pairwise_train_step, rm_scores, wrap_reward_model
+from cooper_mcore.train.step import OptimConfig
 
 # (sequence parallelism needs Transformer Engine's norms: not on the CPU)
 LAYOUTS = {"dp2": ParallelConfig(), "tp2": ParallelConfig(tp=2), "pp2": ParallelConfig(pp=2)}

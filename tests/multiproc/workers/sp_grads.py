@@ -9,14 +9,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
-from cooper_mcore.mcore.reward_model import RMBatch, pairwise_train_step, wrap_reward_model
-from cooper_mcore.mcore.tokens import build_token_batch, compute_logprobs
-from cooper_mcore.mcore.training import OptimConfig, wrap_for_training
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.hf_mapping import canonical_mcore_name
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.rollout.weight_sync import _gather_tp
+from cooper_mcore.train.reward_model import RMBatch, pairwise_train_step, wrap_reward_model
+from cooper_mcore.train.step import OptimConfig, wrap_for_training
+from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:

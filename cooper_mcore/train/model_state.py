@@ -14,8 +14,8 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from cooper_mcore.mcore.offload import ModelOffloader
 from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.train.offload import ModelOffloader
 
 
 @dataclass

@@ -41,7 +41,6 @@ from megatron.core import parallel_state
 from cooper_mcore.algo import rm_bce_loss, rm_pair_losses
 from cooper_mcore.collectives import all_reduce, broadcast_from_last_stage
 from cooper_mcore.data.tokenizer import pad_id_of
-from cooper_mcore.mcore.training import OptimConfig, train_step, wrap_for_training
 from cooper_mcore.micro_batching.packing import round_up
 from cooper_mcore.micro_batching.runner import (
     MicroBatching,
@@ -53,6 +52,7 @@ from cooper_mcore.micro_batching.runner import (
 from cooper_mcore.models.builder import RewardGPTModel
 from cooper_mcore.models.forward import forward_only, position_ids_for, run_schedule, sequence_multiple, unwrap
 from cooper_mcore.parallel import device
+from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def _global_count(ddp: torch.nn.Module, n: int) -> int:
 def wrap_reward_model(model: torch.nn.Module, optim: OptimConfig):
     """Wrap a reward model for :func:`bce_train_step` / :func:`pairwise_train_step`.
 
-    The same as :func:`~cooper_mcore.mcore.training.wrap_for_training` with
+    The same as :func:`~cooper_mcore.train.step.wrap_for_training` with
     ``per_token_loss=True`` (``config.calculate_per_token_loss``, see the module docstring), after
     checking that ``model`` is a reward model.
 
