@@ -127,7 +127,7 @@ def make_assets(out: str, shape: str) -> dict[str, str]:
 def run_variant(assets: str, shape: str, variant: str, steps: int, prompts: int, group: int,
                 max_new_tokens: int, mbs: int) -> dict:
     """Build the run and time ``steps`` Cooper steps (the first is a warm-up); return the last."""
-    from cooper_mcore.config import load_config
+    from cooper_mcore.config.schema import load_config
     from cooper_mcore.rl.setup import build_run
     from cooper_mcore.rl.step import cooper_step
 

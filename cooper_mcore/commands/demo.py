@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from cooper_mcore.commands import check_output_folder
-from cooper_mcore.config import format_settings
+from cooper_mcore.config.schema import format_settings
 from cooper_mcore.demo import load_demo_config, run_demo
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.demo.pipeline import describe

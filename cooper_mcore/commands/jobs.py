@@ -1,5 +1,5 @@
 """``cooper sft`` (SFT of a policy) and ``cooper train-rm`` (VerifyRM training): a typed job config
-(:class:`~cooper_mcore.config.SFTConfig`, :class:`~cooper_mcore.config.VerifyRMConfig`) from a YAML
+(:class:`~cooper_mcore.config.schema.SFTConfig`, :class:`~cooper_mcore.config.schema.VerifyRMConfig`) from a YAML
 preset and dotted overrides, as ``cooper train``'s; the path flags are shortcuts for their settings."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.commands import check_output_folder
-from cooper_mcore.config import SFTConfig, VerifyRMConfig, load_config
+from cooper_mcore.config.schema import SFTConfig, VerifyRMConfig, load_config
 from cooper_mcore.jobs.sft import math_sft_examples
 from cooper_mcore.jobs.sft import sft as sft_job
 from cooper_mcore.jobs.verify_rm import train_rm as train_rm_job

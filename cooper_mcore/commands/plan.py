@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from cooper_mcore.config import load_config
+from cooper_mcore.config.schema import load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.planner.plan import AssistantSpec, PlanOptions
 from cooper_mcore.planner.plan import plan as plan_memory

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from cooper_mcore.commands import check_output_folder
-from cooper_mcore.config import JOB_CONFIGS, format_settings, load_config
+from cooper_mcore.config.schema import JOB_CONFIGS, format_settings, load_config
 from cooper_mcore.redaction import install_log_filter
 from cooper_mcore.rl.loop import train as train_run
 

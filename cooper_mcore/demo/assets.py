@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from cooper_mcore.config import OptimSection, SFTConfig, SFTTrainConfig
+from cooper_mcore.config.schema import OptimSection, SFTConfig, SFTTrainConfig
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import write_prompts
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_prompts, tokenizer_corpus

@@ -3,7 +3,7 @@
 The default preset finishes within minutes on two CPU cores; ``--full`` is longer and bigger
 (more held-out problems, more RL steps). Any field can be overridden on the command line with
 a dotted ``key=value`` (``cooper demo rl.steps=60``): the demo's config is loaded by the shared
-loader of :mod:`cooper_mcore.config` (the same typing, presets and dotted overrides as ``cooper
+loader of :mod:`cooper_mcore.config.schema` (the same typing, presets and dotted overrides as ``cooper
 train``), and every field carries its doc string as the trainer's do.
 
 The settings a stage reads (plus the keys of the stages it reads) determine its cache key (see
@@ -19,8 +19,8 @@ from typing import Any, Literal, Optional
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
-from cooper_mcore.config import KLKind, NegativeKind, load_sections
-from cooper_mcore.config_checks import choice_problems
+from cooper_mcore.config.checks import choice_problems
+from cooper_mcore.config.schema import KLKind, NegativeKind, load_sections
 
 BlindSpot = Literal["none", "intermediate", "slip"]
 RMInit = Literal["sft", "random"]
@@ -276,7 +276,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def load_demo_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> DemoConfig:
     """Defaults <- preset (``None`` or a name of :data:`PRESETS`) <- dotted overrides, type-checked by
-    the shared loader (:func:`cooper_mcore.config.load_sections`), then checked as a whole.
+    the shared loader (:func:`cooper_mcore.config.schema.load_sections`), then checked as a whole.
 
     Raises:
         ValueError: an unknown preset or key, a wrongly typed value or one outside a setting's

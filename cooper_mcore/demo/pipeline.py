@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from cooper_mcore.atomic import atomic_open
-from cooper_mcore.config import (
+from cooper_mcore.config.schema import (
     CooperConfig,
     OptimSection,
     RewardMode,

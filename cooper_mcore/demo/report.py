@@ -53,7 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cooper_mcore.config import RewardMode
+from cooper_mcore.config.schema import RewardMode
 from cooper_mcore.demo.report_render import MODE_COLORS, MODE_LABELS, MODES, PLOT_FILES, markdown, plot, series
 from cooper_mcore.demo.results import from_plain, omitted_when_none, to_plain
 from cooper_mcore.metric_names import MetricKey as K

@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from cooper_mcore.config import RewardMode
+from cooper_mcore.config.schema import RewardMode
 from cooper_mcore.metric_names import MetricKey as K
 
 __all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "PREDICTIONS", "markdown", "plot",

@@ -11,7 +11,7 @@ permutation of the examples, epochs concatenated); every step takes the next
 ``global_batch_size`` of them and data-parallel rank ``r`` trains on the ``r``-th contiguous slice.
 The result is written as a new model checkpoint (``cooper_model.json`` and the input
 checkpoint's tokenizer files in ``hf_extra/``), under a temporary name renamed when complete.
-The job's settings are an :class:`~cooper_mcore.config.SFTConfig` (``cooper sft --config PRESET``
+The job's settings are an :class:`~cooper_mcore.config.schema.SFTConfig` (``cooper sft --config PRESET``
 builds the examples from its ``data`` section); it runs in the job skeleton
 (:func:`cooper_mcore.job.job`: world, progress bar, stop signal; no metrics file, its output folder
 is the checkpoint).
@@ -42,7 +42,7 @@ from megatron.core import parallel_state
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint_atomic
 from cooper_mcore.collectives import all_reduce
-from cooper_mcore.config import SFTConfig
+from cooper_mcore.config.schema import SFTConfig
 from cooper_mcore.data.iterator import epoch_order
 from cooper_mcore.data.mathgen import (
     MathProblem,
@@ -213,7 +213,7 @@ def sft(cfg: SFTConfig, examples: Sequence[Example]) -> dict[str, Any]:
     nothing (SFT keeps no training checkpoints).
 
     Args:
-        cfg: the job (:class:`~cooper_mcore.config.SFTConfig`): ``ckpt`` the cooper_mcore causal-LM
+        cfg: the job (:class:`~cooper_mcore.config.schema.SFTConfig`): ``ckpt`` the cooper_mcore causal-LM
             checkpoint to start from, ``out`` the output checkpoint folder (must not exist),
             ``parallel`` the TP/PP layout, ``optim`` AdamW's peak ``lr`` (reached after
             ``warmup_steps`` of linear warm-up from 0), ``weight_decay`` and ``clip_grad``, and

@@ -27,7 +27,7 @@ A completion is judged correct when ``sigmoid(score) >= threshold`` (0.5).
 Training (:func:`train_rm`) minimises the mean binary cross-entropy with AdamW at a constant
 learning rate (paper: lr 2e-5, weight decay 0.01, 3 epochs). Each epoch visits the rows in a
 seeded random order, in global batches of ``global_batch_size`` rows (the last one may be short;
-it counts only its real rows). The job (:class:`~cooper_mcore.config.VerifyRMConfig`) runs in the
+it counts only its real rows). The job (:class:`~cooper_mcore.config.schema.VerifyRMConfig`) runs in the
 job skeleton (:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
 training step, the ``rm_train/*`` keys, and one per evaluation, the ``rm_eval/*`` keys, of
 :mod:`cooper_mcore.metric_names`), ``run_config.json``, model checkpoints
@@ -55,7 +55,7 @@ from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_new_model_checkpoint
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import all_gather
-from cooper_mcore.config import VerifyRMConfig, to_dict
+from cooper_mcore.config.schema import VerifyRMConfig, to_dict
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
 from cooper_mcore.job import JobRoom, job
@@ -238,7 +238,7 @@ def train_rm(cfg: VerifyRMConfig) -> dict[str, Any]:
     :class:`~cooper_mcore.job.TrainingStopped`).
 
     Args:
-        cfg: the job (:class:`~cooper_mcore.config.VerifyRMConfig`): ``ckpt`` the initial reward-model
+        cfg: the job (:class:`~cooper_mcore.config.schema.VerifyRMConfig`): ``ckpt`` the initial reward-model
             checkpoint, ``out`` the output folder (must not exist or be empty), ``data`` the training
             and evaluation data (evaluated before training with ``train.eval_at_start``, every
             ``train.eval_every`` steps and after each epoch), ``optim`` AdamW at a constant learning

@@ -1,7 +1,7 @@
 """Predict the per-GPU memory of a Cooper run, phase by phase, and the offload settings it needs.
 
 Pure arithmetic on :class:`~cooper_mcore.models.arch.ArchSpec` and
-:class:`~cooper_mcore.config.CooperConfig` (nothing is allocated, megatron-core is not imported).
+:class:`~cooper_mcore.config.schema.CooperConfig` (nothing is allocated, megatron-core is not imported).
 Every figure is the memory of one GPU of the worst pipeline stage, and follows what the trainer
 does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
 
@@ -79,7 +79,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from cooper_mcore.config import CooperConfig, EngineKind, OffloadConfig
+from cooper_mcore.config.schema import CooperConfig, EngineKind, OffloadConfig
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.planner.sizes import (

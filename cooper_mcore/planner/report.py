@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from cooper_mcore.checkpoint.model import checkpoint_arch
-from cooper_mcore.config import CooperConfig, load_config
+from cooper_mcore.config.schema import CooperConfig, load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.planner.plan import (
     COMPONENTS,

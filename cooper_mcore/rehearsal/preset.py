@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cooper_mcore.config import CooperConfig
+from cooper_mcore.config.schema import CooperConfig
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.planner.report import load_shapes
 

@@ -41,8 +41,8 @@ import psutil
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
-from cooper_mcore.config import CooperConfig, load_config, save_config
-from cooper_mcore.config_checks import validate
+from cooper_mcore.config.checks import validate
+from cooper_mcore.config.schema import CooperConfig, load_config, save_config
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.metric_names import TIME_PREFIX, Phase, memory_key, time_key
 from cooper_mcore.metric_names import MetricKey as K

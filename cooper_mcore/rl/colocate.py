@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from cooper_mcore.collectives import is_group_leader
-from cooper_mcore.config import OffloadConfig
+from cooper_mcore.config.schema import OffloadConfig
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.rollout.base import RolloutEngine

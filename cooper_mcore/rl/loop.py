@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cooper_mcore.checkpoint.training import CheckpointWriteError, load_training_checkpoint, save_training_checkpoint
-from cooper_mcore.config import CooperConfig, save_config, to_dict
+from cooper_mcore.config.schema import CooperConfig, save_config, to_dict
 from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.job import (
     CHECKPOINTS_DIR,

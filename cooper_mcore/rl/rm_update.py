@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from cooper_mcore.collectives import broadcast_object_in_model_parallel_group, is_group_leader
-from cooper_mcore.config import CooperConfig, RMUpdateConfig
+from cooper_mcore.config.schema import CooperConfig, RMUpdateConfig
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.negatives.pairs import build_pairs, check_negative_failures, make_negative_generator, pair_stats
 from cooper_mcore.negatives.protocols import ChatBatchClient

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cooper_mcore.config import CooperConfig
+from cooper_mcore.config.schema import CooperConfig
 from cooper_mcore.data.templates import rm_input
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.train.model_state import ModelState

@@ -20,8 +20,8 @@ from megatron.core import parallel_state
 from cooper_mcore.checkpoint.model import EXTRA_DIR, load_checkpoint_model, read_meta
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import any_rank, is_group_leader
-from cooper_mcore.config import CooperConfig, OptimSection
-from cooper_mcore.config_checks import validate
+from cooper_mcore.config.checks import validate
+from cooper_mcore.config.schema import CooperConfig, OptimSection
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.data.templates import template_prompts

@@ -220,7 +220,7 @@ def _state(path: str, assets: dict[str, str], steps: int) -> dict[str, Any]:
 
     from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta
     from cooper_mcore.checkpoint.training import load_training_checkpoint
-    from cooper_mcore.config import ParallelConfig
+    from cooper_mcore.config.schema import ParallelConfig
     from cooper_mcore.train.model_state import ModelState
     from cooper_mcore.train.offload import ModelOffloader
     from cooper_mcore.train.step import OptimConfig, build_scheduler, inner_optimizers, wrap_for_training
@@ -295,7 +295,7 @@ def _state_of_initial(ckpt: str) -> dict[str, Any]:
     import torch
 
     from cooper_mcore.checkpoint.model import load_checkpoint_model
-    from cooper_mcore.config import ParallelConfig
+    from cooper_mcore.config.schema import ParallelConfig
 
     model, _ = load_checkpoint_model(ckpt, ParallelConfig())
     return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}

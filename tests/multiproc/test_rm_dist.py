@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from cooper_mcore.config import OptimSection, RMDataConfig, RMTrainConfig, VerifyRMConfig
+from cooper_mcore.config.schema import OptimSection, RMDataConfig, RMTrainConfig, VerifyRMConfig
 from cooper_mcore.convert.compare import sample_batch
 from cooper_mcore.convert.hf import hf_to_mcore
 from cooper_mcore.metric_names import MetricKey as K

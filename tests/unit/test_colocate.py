@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cooper_mcore.config import CooperConfig, OffloadConfig
+from cooper_mcore.config.schema import CooperConfig, OffloadConfig
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.parallel import single_process_world
 from cooper_mcore.rl.colocate import Colocation

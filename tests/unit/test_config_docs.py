@@ -11,7 +11,7 @@ import pytest
 from cooper_mcore import config as C
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
-from cooper_mcore.config_checks import config_problems
+from cooper_mcore.config.checks import config_problems
 from cooper_mcore.data.mathgen import STYLES
 from cooper_mcore.demo.config import DemoConfig, load_demo_config
 from cooper_mcore.negatives.pairs import NEGATIVE_KINDS

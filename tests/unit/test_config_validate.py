@@ -10,8 +10,8 @@ import os
 import pytest
 
 from cooper_mcore.cli import main as cli_main
-from cooper_mcore.config import load_config
-from cooper_mcore.config_checks import config_problems, validate
+from cooper_mcore.config.checks import config_problems, validate
+from cooper_mcore.config.schema import load_config
 
 
 def _ckpt(path, heads=4, kv=2, layers=4, vocab=128, dtype="float32"):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cooper_mcore.config import to_dict
+from cooper_mcore.config.schema import to_dict
 from cooper_mcore.demo.config import load_demo_config
 from cooper_mcore.demo.pipeline import MODES, Stage, rl_config
 

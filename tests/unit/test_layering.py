@@ -110,7 +110,7 @@ def test_the_training_layer_does_not_import_the_converter():
     training = [m for m in modules if not m.startswith(CONVERTER_CLIENTS) and m != "cooper_mcore"]
     for expected in ("cooper_mcore.rl.setup", "cooper_mcore.train.model_state", "cooper_mcore.checkpoint.training",
                      "cooper_mcore.jobs.sft", "cooper_mcore.jobs.verify_rm", "cooper_mcore.rollout.weight_sync",
-                     "cooper_mcore.config_checks", "cooper_mcore.planner.report"):
+                     "cooper_mcore.config.checks", "cooper_mcore.planner.report"):
         assert expected in training, expected  # the scan sees the modules it is about
     offenders = sorted(
         f"{m} imports {name}" for m in training

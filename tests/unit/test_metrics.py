@@ -507,7 +507,7 @@ def test_reduce_metrics_two_gloo_ranks():
 
 def test_redact_keeps_data_field_selectors_and_saved_config_loads_back(tmp_path):
     """`answer_key: answer` names a data field, not a secret: a saved run config must load back as it was."""
-    from cooper_mcore.config import load_config, save_config
+    from cooper_mcore.config.schema import load_config, save_config
 
     assert redact({"answer_key": "answer", "question_key": "q", "api_key": "sk-x"}) == {
         "answer_key": "answer", "question_key": "q", "api_key": REDACTED}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cooper_mcore.config import CooperConfig, OffloadConfig, load_config
+from cooper_mcore.config.schema import CooperConfig, OffloadConfig, load_config
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.planner.plan import (
     ASSISTANT_KV_TOKENS,

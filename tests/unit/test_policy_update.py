@@ -158,7 +158,7 @@ def test_update_policy_takes_the_dual_clip_from_the_config(monkeypatch):
     reaches :class:`GRPOLoss` with the other settings."""
     from types import SimpleNamespace
 
-    from cooper_mcore.config import load_config
+    from cooper_mcore.config.schema import load_config
     from cooper_mcore.rl import step
 
     class Batch:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cooper_mcore.config import load_config
-from cooper_mcore.config_checks import validate
+from cooper_mcore.config.checks import validate
+from cooper_mcore.config.schema import load_config
 from cooper_mcore.parallel import ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from cooper_mcore.config import load_config
+from cooper_mcore.config.schema import load_config
 from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config

@@ -261,7 +261,7 @@ def test_a_run_folder_with_a_run_is_continued_or_refused_never_mixed(tmp_path):
 def test_overwrite_is_a_documented_setting_and_a_train_option(tmp_path, monkeypatch):
     import cooper_mcore.commands.train as train_command
     from cooper_mcore import cli
-    from cooper_mcore.config import CheckpointConfig, field_docs
+    from cooper_mcore.config.schema import CheckpointConfig, field_docs
 
     assert CheckpointConfig().overwrite is False and "overwrite" in field_docs(CheckpointConfig)
     seen = []

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
-from cooper_mcore.config import OptimSection, RMDataConfig, RMTrainConfig, VerifyRMConfig
+from cooper_mcore.config.schema import OptimSection, RMDataConfig, RMTrainConfig, VerifyRMConfig
 from cooper_mcore.data.mathgen import generate_problems, tokenizer_corpus
 from cooper_mcore.data.templates import rm_input
 from cooper_mcore.jobs.verify_rm import (

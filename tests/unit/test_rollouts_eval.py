@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from cooper_mcore.config import load_config
-from cooper_mcore.config_checks import config_problems, validate
+from cooper_mcore.config.checks import config_problems, validate
+from cooper_mcore.config.schema import load_config
 from cooper_mcore.rl.rollouts import EvalResult, eval_samples_path, evaluate, generate_groups
 from cooper_mcore.rollout.base import GenerateOutput, SamplingParams
 from cooper_mcore.types import Prompt

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cooper_mcore.config import load_config, save_config, to_dict
+from cooper_mcore.config.schema import load_config, save_config, to_dict
 from cooper_mcore.redaction import SecretFilter, install_log_filter, looks_secret, scrub, secret_values
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cooper_mcore.config import OptimSection, SFTConfig, SFTTrainConfig
+from cooper_mcore.config.schema import OptimSection, SFTConfig, SFTTrainConfig
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_problems, worked_solution
 from cooper_mcore.jobs.sft import example_stream, math_sft_examples, sft, wrong_worked_solution
 
@@ -134,7 +134,7 @@ def test_output_checkpoint_exports_with_tokenizer_and_holds_the_trained_weights(
 _DP_WORKER = """
 import json, os, sys
 from cooper_mcore.data.tokenizer import load_tokenizer
-from cooper_mcore.config import SFTConfig, load_config
+from cooper_mcore.config.schema import SFTConfig, load_config
 from cooper_mcore.jobs.sft import math_sft_examples, sft
 
 if __name__ == "__main__":

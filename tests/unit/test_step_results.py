@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cooper_mcore.config import load_config
+from cooper_mcore.config.schema import load_config
 from cooper_mcore.metric_names import SCHEMA
 from cooper_mcore.rl import rm_update, step
 from cooper_mcore.rl.loop import nonfinite_streak

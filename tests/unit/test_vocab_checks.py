@@ -91,7 +91,7 @@ def test_rollout_engine_and_cooper_eval_refuse_a_larger_tokenizer(tiny_models, t
 
 
 def test_reward_model_jobs_refuse_a_larger_tokenizer(tiny_models, tmp_path):
-    from cooper_mcore.config import RMDataConfig, RMTrainConfig, VerifyRMConfig
+    from cooper_mcore.config.schema import RMDataConfig, RMTrainConfig, VerifyRMConfig
     from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
 
     _, ckpt = tiny_models[("qwen2", "reward")]
@@ -107,7 +107,7 @@ def test_reward_model_jobs_refuse_a_larger_tokenizer(tiny_models, tmp_path):
 
 
 def test_sft_refuses_token_ids_past_the_vocabulary(tiny_models, tmp_path):
-    from cooper_mcore.config import OptimSection, SFTConfig, SFTTrainConfig
+    from cooper_mcore.config.schema import OptimSection, SFTConfig, SFTTrainConfig
     from cooper_mcore.jobs.sft import sft
 
     _, ckpt = tiny_models[("qwen2", "causal_lm")]

@@ -60,7 +60,7 @@ def main():
         out[name] = run(args.ckpt, data, parallel)
         parallel_state.destroy_model_parallel()
     if args.train:
-        from cooper_mcore.config import VerifyRMConfig, load_config
+        from cooper_mcore.config.schema import VerifyRMConfig, load_config
         from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
 
         job = load_config(None, [f"ckpt={args.ckpt}", f"out={args.out}", f"data.train_path={args.train}",

@@ -5,7 +5,7 @@ check the choices of every setting, the parallel layout against the world size a
 shapes (read from the checkpoints' ``cooper_model.json``), that the policy checkpoint and
 ``model.policy_hf`` are the same model (vocabulary and shapes), the batch sizes, and that every
 path the run reads exists and its JSON metadata parses. The config's types are in
-:mod:`cooper_mcore.config`.
+:mod:`cooper_mcore.config.schema`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, Literal, Optional
 
 from cooper_mcore.checkpoint.model import META_FILE, checkpoint_arch_fields, is_model_checkpoint
-from cooper_mcore.config import CooperConfig, RewardMode
+from cooper_mcore.config.schema import CooperConfig, RewardMode
 from cooper_mcore.files import read_json_object
 
 #: fields the policy checkpoint's ``cooper_model.json`` "arch" and ``model.policy_hf``'s

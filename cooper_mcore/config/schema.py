@@ -7,7 +7,7 @@ sections that mean the same thing (the parallel layout, the optimizer). A job's 
 from the defaults below, a YAML preset (``examples/*.yaml``, ``examples/jobs/*.yaml``) and
 command-line overrides in dotted form (``algo.kl_coef=0.01 rollout.group_size=8``), merged with
 OmegaConf's structured configs, so types are checked and unknown keys are errors. Each part of
-the trainer receives only its own section. :func:`cooper_mcore.config_checks.validate` rejects impossible
+the trainer receives only its own section. :func:`cooper_mcore.config.checks.validate` rejects impossible
 settings before any work starts.
 """
 
@@ -513,7 +513,7 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
     (:class:`CooperConfig` by default, or any of :data:`JOB_CONFIGS`).
 
     A value outside a setting's choices (a ``Literal`` or enum field) is kept as given and
-    reported by :func:`cooper_mcore.config_checks.validate` together with every other problem of
+    reported by :func:`cooper_mcore.config.checks.validate` together with every other problem of
     the config; an unknown key or a value of the wrong type is an error at once.
 
     Raises:
@@ -530,7 +530,7 @@ def load_sections(cls: type[T], preset: Optional[str] = None, overrides: Optiona
 
     The loader of :func:`load_config`, for every config of sections (the demo's too). Values
     outside a setting's choices are kept as given, for the caller's checks to report
-    (:func:`cooper_mcore.config_checks.choice_problems`).
+    (:func:`cooper_mcore.config.checks.choice_problems`).
 
     Args:
         cls: the config dataclass.
