@@ -159,10 +159,23 @@ class JobRoom:
         """Whether any rank caught a stop signal (collective: every rank calls it once per step)."""
         return self.stop.any_rank()
 
-    def stopped(self, step: int, checkpoint: Optional[str]) -> TrainingStopped:
-        """The error that ends a job stopped by a signal after ``step`` (``checkpoint``: the one written)."""
-        written = (f"checkpoint {checkpoint} written; run the same command with --resume auto to continue"
-                   if checkpoint else "no checkpoint: run the same command to start again")
+    def stopped(self, step: int, checkpoint: Optional[str], resumable: bool = True) -> TrainingStopped:
+        """The error that ends a job stopped by a signal after ``step``.
+
+        Args:
+            step: the last step done.
+            checkpoint: the checkpoint written last (None: none).
+            resumable: whether the job continues from ``checkpoint`` with ``--resume auto``; a job that
+                does not (VerifyRM training writes model checkpoints) is told to start again elsewhere,
+                since its output folder is no longer empty.
+        """
+        if checkpoint is None:
+            written = "no checkpoint: run the same command to start again"
+        elif resumable:
+            written = f"checkpoint {checkpoint} written; run the same command with --resume auto to continue"
+        else:
+            written = (f"model checkpoint {checkpoint} written; this job does not resume: run it again with an "
+                       "empty output folder")
         return TrainingStopped(f"{self.stop.describe()} after step {step}: {written}", EXIT_PREEMPTED, checkpoint)
 
 

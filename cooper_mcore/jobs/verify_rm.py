@@ -380,7 +380,7 @@ def _train_epoch(run: _RMRun, epoch: int, steps_per_epoch: int) -> list[dict[str
             save_new_model_checkpoint(run.model, path, run.arch, run.hf_config, run.dtype, extra_from=run.cfg.ckpt)
             run.checkpoints.append(path)
         if run.room.stop_requested():
-            raise run.room.stopped(run.step, run.checkpoints[-1] if run.checkpoints else None)
+            raise run.room.stopped(run.step, run.checkpoints[-1] if run.checkpoints else None, resumable=False)
     return stats
 
 

@@ -51,3 +51,14 @@ def test_a_second_ctrl_c_leaves_the_job_at_once(tmp_path):
             raise KeyboardInterrupt
     assert info.value.exit_code == EXIT_INTERRUPTED and info.value.checkpoint is None
     assert "with 2 steps done" in str(info.value) and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_stop_message_tells_how_to_go_on(tmp_path):
+    """Resume only where the job resumes: VerifyRM training (model checkpoints) is told to start again."""
+    with job(str(tmp_path), 3, parallel=ParallelConfig(), write_metrics=False) as room:
+        resumes = str(room.stopped(2, "ck/step_2"))
+        restarts = str(room.stopped(2, "ck/step_2", resumable=False))
+        nothing = str(room.stopped(1, None, resumable=False))
+    assert "checkpoint ck/step_2 written; run the same command with --resume auto" in resumes
+    assert "--resume" not in restarts and "does not resume: run it again with an empty output folder" in restarts
+    assert "no checkpoint: run the same command to start again" in nothing
