@@ -1,6 +1,6 @@
-"""Training observability: a JSONL + wandb metrics logger, phase timers, a progress bar,
-cross-rank metric reduction and (re-exported from :mod:`cooper_mcore.hacking_detector`) the
-reward-hacking detector.
+"""Training observability: a JSONL + wandb metrics logger, phase timers, a progress bar and
+cross-rank metric reduction (the reward-hacking detector that watches these metrics is
+:mod:`cooper_mcore.hacking_detector`).
 
 The trainer writes one flat ``dict[str, float]`` per step; its keys are named once, with their
 meanings, in :mod:`cooper_mcore.metric_names` (rendered as ``docs/metrics.md``). Code refers to
@@ -44,14 +44,12 @@ from tqdm import tqdm
 
 from cooper_mcore import atomic
 from cooper_mcore.collectives import all_reduce
-from cooper_mcore.hacking_detector import RewardHackingDetector, reward_rule_gap
 from cooper_mcore.metric_names import MetricKey, memory_key, time_key
 from cooper_mcore.redaction import scrub, scrub_config
 
 __all__ = [
     "DEFAULT_PROGRESS_KEYS", "METRICS_FILE", "JsonlWriter", "MetricsLogger", "PhaseTimer", "ProgressBar",
-    "RewardHackingDetector", "read_metrics", "reduce_metrics", "resolve_wandb_mode", "reward_rule_gap",
-    "write_json_atomic",
+    "read_metrics", "reduce_metrics", "resolve_wandb_mode", "write_json_atomic",
 ]
 
 logger = logging.getLogger(__name__)

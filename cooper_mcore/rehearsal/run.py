@@ -44,6 +44,7 @@ from megatron.core.dist_checkpointing import load_plain_tensors
 from cooper_mcore.config.checks import validate
 from cooper_mcore.config.schema import CooperConfig, load_config, save_config
 from cooper_mcore.demo.assets import build_tiny_assets
+from cooper_mcore.job import EXIT_PREEMPTED
 from cooper_mcore.metric_names import TIME_PREFIX, Phase, memory_key, time_key
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import METRICS_FILE
@@ -64,7 +65,6 @@ from cooper_mcore.rehearsal.preset import (
     plan_rehearsal,
     preset_shapes,
 )
-from cooper_mcore.rl.loop import EXIT_PREEMPTED
 from cooper_mcore.train.faults import FAULT_ENV, format_fault
 
 logger = logging.getLogger(__name__)

@@ -45,12 +45,8 @@ from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.job import (
     CHECKPOINTS_DIR,
     EXIT_CHECKPOINT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_NONFINITE,
-    EXIT_PREEMPTED,
-    STOP_SIGNALS,
     JobRoom,
-    StopSignal,
     TrainingStopped,
     job,
     resume_path,
@@ -68,10 +64,7 @@ from cooper_mcore.train.faults import FaultPhaseTimer
 
 logger = logging.getLogger(__name__)
 
-#: the stop signals and exit codes live in the job skeleton (:mod:`cooper_mcore.job`); named here too
-__all__ = ["EXIT_CHECKPOINT_FAILED", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "RUN_FILES",
-           "STOP_SIGNALS", "StopSignal", "TrainingStopped", "check_run_folder", "clear_run_folder", "resume_path",
-           "restore", "train"]
+__all__ = ["RUN_FILES", "check_run_folder", "clear_run_folder", "restore", "train"]
 
 #: what a run writes into its folder (deleted by ``checkpoint.overwrite``; nothing else is touched)
 RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "config.yaml", CONFIG_FILE, "wandb", EVAL_SAMPLES_DIR)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from cooper_mcore.rl.loop import EXIT_PREEMPTED
+from cooper_mcore.job import EXIT_PREEMPTED
 from cooper_mcore.train.faults import FAULT_ENV, format_fault
 
 logger = logging.getLogger(__name__)

@@ -160,7 +160,7 @@ def test_other_os_errors_keep_their_traceback(monkeypatch, caplog):
 
 def test_library_errors_named_by_class(monkeypatch, caplog):
     """TrainingStopped (matched by name: the CLI does not import the trainer) keeps its exit code."""
-    from cooper_mcore.rl.loop import TrainingStopped
+    from cooper_mcore.job import TrainingStopped
 
     def stopped(args):
         raise TrainingStopped("preempted (SIGTERM) after step 3: checkpoint x written", 75, "x")

@@ -427,7 +427,6 @@ def test_detector_rejects_bad_arguments(kwargs):
 
 def test_reward_rule_gap():
     assert reward_rule_gap(0.93, 0.50) == pytest.approx(0.43)
-    assert M.reward_rule_gap is reward_rule_gap and M.RewardHackingDetector is RewardHackingDetector
 
 
 # ----------------------------------------------------------------------------- reduce_metrics

@@ -276,7 +276,7 @@ def test_overwrite_is_a_documented_setting_and_a_train_option(tmp_path, monkeypa
 
 
 def test_first_ctrl_c_is_a_stop_signal_the_second_raises():
-    from cooper_mcore.rl.loop import StopSignal
+    from cooper_mcore.job import StopSignal
 
     def unhandled(*_):  # what a SIGINT that StopSignal does not catch meets (not pytest's KeyboardInterrupt)
         raise AssertionError("SIGINT is not one of StopSignal's signals")
@@ -298,7 +298,7 @@ def test_first_ctrl_c_is_a_stop_signal_the_second_raises():
 def test_forked_children_ignore_the_stop_signals():
     """megatron-core forks its checkpoint writers while the trainer's handlers are installed: a
     Ctrl-C to the process group must not kill them (nor raise KeyboardInterrupt in them)."""
-    from cooper_mcore.rl.loop import StopSignal
+    from cooper_mcore.job import StopSignal
 
     stop = StopSignal()
     try:
