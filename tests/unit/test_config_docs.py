@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from cooper_mcore import config as C
+from cooper_mcore.config import schema as C
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
 from cooper_mcore.config.checks import config_problems
