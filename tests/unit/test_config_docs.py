@@ -8,9 +8,9 @@ import typing
 
 import pytest
 
-from cooper_mcore.config import schema as C
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
+from cooper_mcore.config import schema as C
 from cooper_mcore.config.checks import config_problems
 from cooper_mcore.data.mathgen import STYLES
 from cooper_mcore.demo.config import DemoConfig, load_demo_config

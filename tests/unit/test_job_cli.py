@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cooper_mcore.config import schema as C
 from cooper_mcore.cli import EXIT_USER_ERROR, main
+from cooper_mcore.config import schema as C
 from cooper_mcore.metric_names import MetricKey as K
 from tests.conftest import ROOT
 
