@@ -149,13 +149,15 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None, head_std: 
             no ``score.weight``); default the config's ``initializer_range``; 0 for a zero head.
 
     Raises:
-        ValueError: a negative ``head_std``.
+        ValueError: a negative ``head_std``, or a config the converter cannot take (a
+            mixture-of-experts model, refused before any tensor is read).
     """
     if head_std is not None and head_std < 0:
         raise ValueError(f"head_std must be >= 0, got {head_std}")
     cfg = load_hf_config(hf_dir)
     try:
         arch = ArchSpec.from_hf_config(cfg, model_type)
+        arch.require_dense("the HF converter (cooper_mcore/convert/hf.py)")
     except ValueError as e:
         raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: {e}") from None
     reader = HFCheckpointReader(hf_dir)

@@ -47,7 +47,11 @@ def transformer_config(
         dtype: parameter dtype (float32 or bfloat16).
         init_weights: run megatron's random init (False when weights are loaded right after).
         recompute: full activation recomputation of each layer.
+
+    Raises:
+        ValueError: a layout the architecture cannot be split into, or a mixture-of-experts model.
     """
+    arch.require_dense("the model builder (cooper_mcore/models/builder.py)")
     if arch.num_layers % parallel.pp:
         raise ValueError(f"num_layers={arch.num_layers} is not divisible by pp={parallel.pp}")
     if arch.num_query_groups % parallel.tp:

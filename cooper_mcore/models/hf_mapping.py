@@ -1,8 +1,8 @@
 """Per-parameter mapping between Hugging Face and Megatron names and layouts.
 
 Pure functions on whole (unsharded) tensors, torch only. One table per architecture family
-(Qwen2/Qwen2.5, Llama 3.x, Qwen3), plus the reward head. The converter and the weight sync to
-rollout engines both use it.
+(Qwen2/Qwen2.5, Llama 3.x, Qwen3, Qwen3-MoE), plus the reward head. The converter and the weight
+sync to rollout engines both use it.
 
 Megatron names are those of a GPTModel built with the torch-native (local) spec, with global
 layer numbers. Transformer Engine's fused norm names are mapped onto them by
@@ -12,6 +12,14 @@ Layouts:
     * ``linear_qkv`` holds, for each query group g, its ``heads_per_group`` query heads, then
       its key head, then its value head: ``[g0: q.. k v | g1: q.. k v | ...]`` along dim 0.
     * ``linear_fc1`` is ``[gate; up]`` along dim 0.
+    * A sparse (mixture-of-experts) layer's MLP is megatron-core's ``MoELayer`` with the local
+      spec's ``SequentialMLP`` experts: the router ``mlp.router.weight`` is HF's
+      ``mlp.gate.weight`` ``[experts, hidden]``, and expert ``e`` is an MLP
+      ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2`` made of HF's per-expert
+      ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (the names of the safetensors files, which
+      transformers 5 fuses into ``gate_up_proj``/``down_proj`` in memory only), fc1 again
+      ``[gate; up]``. The names use global expert numbers; :func:`canonical_mcore_name` adds an
+      expert-parallel rank's offset to its local ones.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ _TE_NAMES = {
 }
 _LOCAL_TO_TE = {v: k for k, v in _TE_NAMES.items()}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class ParamMapping:
 
 def param_mappings(arch: ArchSpec) -> list[ParamMapping]:
     """All parameters of the model, in model order."""
+    sparse = arch.moe_layers()
     maps = [ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
     for i in range(arch.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -69,11 +79,7 @@ def param_mappings(arch: ArchSpec) -> list[ParamMapping]:
         maps.append(ParamMapping(
             m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)
         ))
-        maps.append(ParamMapping(
-            m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-            "gate_up",
-        ))
-        maps.append(ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",)))
+        maps.extend(moe_mappings(arch, i) if sparse[i] else _dense_mlp_mappings(m + "mlp.", h + "mlp."))
     maps.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",)))
     if arch.model_type == "reward":
         maps.append(ParamMapping("output_layer.weight", ("score.weight",)))
@@ -82,15 +88,43 @@ def param_mappings(arch: ArchSpec) -> list[ParamMapping]:
     return maps
 
 
+def _dense_mlp_mappings(mcore: str, hf: str) -> list[ParamMapping]:
+    """A gated MLP: megatron's ``{mcore}linear_fc1/fc2`` from HF's ``{hf}gate/up/down_proj``."""
+    return [
+        ParamMapping(mcore + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), "gate_up"),
+        ParamMapping(mcore + "linear_fc2.weight", (hf + "down_proj.weight",)),
+    ]
+
+
+def moe_mappings(arch: ArchSpec, layer: int) -> list[ParamMapping]:
+    """The MLP of sparse layer ``layer``: the router, then each expert (global numbers) in order.
+
+    Raises:
+        ValueError: ``arch`` has no experts.
+    """
+    if arch.moe is None:
+        raise ValueError(f"{arch.hf_architecture()} has no experts")
+    m, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+    maps = [ParamMapping(m + "router.weight", (h + "gate.weight",))]
+    for e in range(arch.moe.num_experts):
+        maps.extend(_dense_mlp_mappings(f"{m}experts.local_experts.{e}.", f"{h}experts.{e}."))
+    return maps
+
+
 def hf_shapes(arch: ArchSpec) -> dict[str, tuple[int, ...]]:
     """The shape of every HF tensor the mapping reads or writes."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     shapes: dict[str, tuple[int, ...]] = {}
+    expert_ffn = arch.moe.expert_ffn_hidden_size if arch.moe else 0
     for m in param_mappings(arch):
         for name in m.hf:
             leaf = name.split(".")[-2] + "." + name.split(".")[-1]
+            if ".mlp.experts." in name:  # an expert's gate/up/down projection
+                shapes[name] = (h, expert_ffn) if leaf == "down_proj.weight" else (expert_ffn, h)
+                continue
             shapes[name] = {
+                "gate.weight": (arch.moe.num_experts if arch.moe else 0, h),
                 "embed_tokens.weight": (arch.vocab_size, h),
                 "lm_head.weight": (arch.vocab_size, h),
                 "score.weight": (1, h),
@@ -138,11 +172,12 @@ def to_hf(m: ParamMapping, tensor: torch.Tensor, arch: ArchSpec) -> list[torch.T
     return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
 
 
-def canonical_mcore_name(name: str, layer_offset: int = 0) -> str:
+def canonical_mcore_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
     """Map a live model's parameter name to the mapping's name.
 
     Strips DDP/float16 wrappers (``module.``), renames Transformer Engine's fused norm weights,
-    and adds the pipeline stage's layer offset to the layer number.
+    adds the pipeline stage's layer offset to the layer number and the expert-parallel rank's
+    expert offset (its first global expert) to a ``SequentialMLP`` expert's local number.
     """
     while name.startswith("module."):
         name = name[len("module."):]
@@ -151,4 +186,7 @@ def canonical_mcore_name(name: str, layer_offset: int = 0) -> str:
         return name
     idx, rest = int(match.group(1)), match.group(2)
     rest = _TE_NAMES.get(rest, rest)
+    expert = _LOCAL_EXPERT_RE.match(rest)
+    if expert:
+        rest = f"mlp.experts.local_experts.{int(expert.group(1)) + expert_offset}.{expert.group(2)}"
     return f"decoder.layers.{idx + layer_offset}.{rest}"

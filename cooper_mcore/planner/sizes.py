@@ -24,7 +24,11 @@ H100_80GB_GIB = 79.18
 
 
 def check_layout(arch: ArchSpec, tp: int, pp: int, name: str = "model") -> None:
-    """Raise ValueError if ``arch`` cannot be split ``tp`` x ``pp`` (as the model builder requires)."""
+    """Raise ValueError if ``arch`` cannot be split ``tp`` x ``pp`` (as the model builder requires).
+
+    Mixture-of-experts models are refused: these sizes count dense MLPs only.
+    """
+    arch.require_dense("the memory planner (cooper_mcore/planner/sizes.py)")
     checks = (("num_layers", arch.num_layers, "pp", pp), ("num_key_value_heads", arch.num_query_groups, "tp", tp),
               ("num_attention_heads", arch.num_attention_heads, "tp", tp), ("vocab_size", arch.vocab_size, "tp", tp))
     for what, value, by, div in checks:
@@ -34,6 +38,7 @@ def check_layout(arch: ArchSpec, tp: int, pp: int, name: str = "model") -> None:
 
 def layer_numel(arch: ArchSpec, tp: int = 1) -> int:
     """Parameters of one transformer layer on one TP rank."""
+    arch.require_dense("the memory planner (cooper_mcore/planner/sizes.py)")
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, 2 * arch.num_query_groups * d
     n = 2 * h  # input and pre-MLP RMSNorm weights (replicated)
