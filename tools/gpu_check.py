@@ -236,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 1
     tiny = not torch.cuda.is_available()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # steps run in other folders (benchmarks/)
     out.mkdir(parents=True, exist_ok=True)
     info = versions() if not tiny else {"device": "CPU (--allow-cpu: tiny shapes, a test of this script)"}
     steps: list[Step] = []
