@@ -35,6 +35,10 @@ class ParallelConfig:
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): the experts of each MoE layer are split over ep ranks."""
+    etp: int = 1
+    """Expert tensor-parallel size: each expert's weights split over etp ranks (megatron's expert_tensor_parallel_size)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in tensor-parallel regions (needs tp > 1)."""
     timeout_minutes: int = 60
@@ -42,12 +46,15 @@ class ParallelConfig:
 
     def validate(self, world_size: int) -> None:
         """Raise ValueError if the layout cannot be built on ``world_size`` processes."""
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if min(self.tp, self.pp, self.ep, self.etp) < 1:
+            raise ValueError(f"tp, pp, ep and etp must be >= 1, got tp={self.tp} pp={self.pp} ep={self.ep} etp={self.etp}")
         if world_size % (self.tp * self.pp) != 0:
             raise ValueError(
                 f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}"
             )
+        if world_size % (self.etp * self.ep * self.pp) != 0:
+            raise ValueError(f"world size {world_size} is not divisible by the expert layout etp*ep*pp = "
+                             f"{self.etp}*{self.ep}*{self.pp}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
 
@@ -92,14 +99,16 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.etp,
             create_gloo_process_groups=False,
             # megatron's groups otherwise keep its 30-minute default, whatever the world group has
             distributed_timeout_minutes=parallel.timeout_minutes,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     logger.debug(
-        "rank %d/%d: tp=%d pp=%d dp=%d",
-        dist.get_rank(), dist.get_world_size(), parallel.tp, parallel.pp,
+        "rank %d/%d: tp=%d pp=%d ep=%d etp=%d dp=%d",
+        dist.get_rank(), dist.get_world_size(), parallel.tp, parallel.pp, parallel.ep, parallel.etp,
         parallel_state.get_data_parallel_world_size(),
     )
 

@@ -23,9 +23,16 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from cooper_mcore.compat import megatron_fixes  # noqa: F401  (megatron's MoE router without TE)
 from cooper_mcore.models.arch import ArchSpec, rope_inv_freq
 from cooper_mcore.models.norms import RMSNorm
 from cooper_mcore.models.spec import layer_spec, te_available
@@ -49,9 +56,8 @@ def transformer_config(
         recompute: full activation recomputation of each layer.
 
     Raises:
-        ValueError: a layout the architecture cannot be split into, or a mixture-of-experts model.
+        ValueError: a layout the architecture cannot be split into.
     """
-    arch.require_dense("the model builder (cooper_mcore/models/builder.py)")
     if arch.num_layers % parallel.pp:
         raise ValueError(f"num_layers={arch.num_layers} is not divisible by pp={parallel.pp}")
     if arch.num_query_groups % parallel.tp:
@@ -61,7 +67,7 @@ def transformer_config(
     if arch.vocab_size % parallel.tp:
         raise ValueError(f"vocab_size={arch.vocab_size} is not divisible by tp={parallel.tp}")
     cuda = torch.cuda.is_available()
-    kwargs = {}
+    kwargs = moe_config(arch, parallel)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
@@ -97,6 +103,62 @@ def transformer_config(
         deallocate_pipeline_outputs=cuda,
         **kwargs,
     )
+
+
+def moe_config(arch: ArchSpec, parallel: ParallelConfig) -> dict:
+    """megatron's mixture-of-experts settings equal to the HF routing (none for a dense model).
+
+    Top-k routing: with ``moe_router_pre_softmax=False`` megatron softmaxes the k largest logits,
+    which is HF's ``norm_topk_prob=True``; with ``True`` it takes the k largest of the softmax over
+    all experts, unrenormalised, HF's ``norm_topk_prob=False``. Router logits are kept in fp32.
+    The load-balancing loss is megatron's (per sparse layer, summed over layers) with HF's coefficient.
+    """
+    moe = arch.moe
+    if moe is None:
+        if parallel.ep > 1 or parallel.etp > 1:
+            raise ValueError(f"parallel.ep={parallel.ep} / etp={parallel.etp} need a mixture-of-experts model; "
+                             f"this {arch.family} model is dense")
+        return {}
+    if moe.num_experts % parallel.ep:
+        raise ValueError(f"num_experts={moe.num_experts} is not divisible by parallel.ep={parallel.ep}")
+    if moe.expert_ffn_hidden_size % parallel.etp:
+        raise ValueError(f"moe_intermediate_size={moe.expert_ffn_hidden_size} is not divisible by "
+                         f"parallel.etp={parallel.etp}")
+    pattern = [int(s) for s in arch.moe_layers()]
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.experts_per_token,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+        moe_layer_freq=1 if all(pattern) else pattern,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=moe.router_aux_loss_coef,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
+
+
+def block_spec(arch: ArchSpec, config: TransformerConfig, pp_rank: int,
+               use_te: Optional[bool]) -> ModuleSpec | TransformerBlockSubmodules:
+    """The decoder block of this pipeline stage: one layer spec, or a spec per layer where they differ.
+
+    A dense model with Transformer Engine gets TE's layer spec (and TE's final norm); without TE
+    the final norm is the layers' (``models.norms``); an MoE model gets each of its stage's layers'
+    spec, dense or sparse, in the order of ``ArchSpec.moe_layers``.
+    """
+    te = te_available() if use_te is None else use_te
+    n = get_num_layers_to_build(config, pp_rank=pp_rank)
+    if arch.moe is None:
+        spec = layer_spec(arch.qk_norm, use_te)
+        return spec if te else TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    sparse = arch.moe_layers()[offset:offset + n]
+    specs = [layer_spec(arch.qk_norm, use_te, arch.moe.num_experts if s else None) for s in sparse]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LayerNormImpl if te else RMSNorm)
 
 
 class ScalarHead(MegatronModule):
@@ -202,13 +264,9 @@ def build_model(
     if post_process is None:
         post_process = pp_rank == pp_size - 1
     cls = RewardGPTModel if arch.model_type == "reward" else GPTModel
-    spec = layer_spec(arch.qk_norm, use_te)
-    if not (te_available() if use_te is None else use_te):  # the final norm as the layers' (models.norms)
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
-                                          layer_norm=RMSNorm)
     model = cls(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block_spec(arch, config, pp_rank, use_te),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

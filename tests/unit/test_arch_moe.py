@@ -108,25 +108,6 @@ def test_dense_architectures_keep_their_record():
         a.require_dense("anything")  # no error
 
 
-def test_builder_refuses_moe_naming_it():
-    from cooper_mcore.models.builder import build_model
-    from cooper_mcore.parallel import ParallelConfig
-
-    a = ArchSpec.from_hf_config(moe_config())
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM is a mixture-of-experts.*models/builder\.py"):
-        build_model(a, ParallelConfig(), dtype=torch.float32, use_te=False)
-
-
-def test_converter_refuses_moe_before_reading_tensors(tmp_path):
-    from cooper_mcore.convert.hf import hf_to_mcore
-
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(moe_config()))  # no safetensors at all
-    with pytest.raises(ValueError, match=r"config\.json: .*mixture-of-experts.*convert/hf\.py"):
-        hf_to_mcore(str(tmp_path / "hf"), str(tmp_path / "out"))
-    assert not (tmp_path / "out").exists()
-
-
 def test_planner_refuses_moe_naming_it():
     from cooper_mcore.planner.sizes import check_layout, model_numel
 
