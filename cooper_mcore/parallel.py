@@ -38,7 +38,7 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (mixture-of-experts models): the experts of each MoE layer are split over ep ranks."""
     etp: int = 1
-    """Expert tensor-parallel size: each expert's weights split over etp ranks (megatron's expert_tensor_parallel_size)."""
+    """Expert tensor-parallel size: each expert's weights are split over etp ranks (megatron's ETP)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in tensor-parallel regions (needs tp > 1)."""
     timeout_minutes: int = 60
@@ -47,7 +47,8 @@ class ParallelConfig:
     def validate(self, world_size: int) -> None:
         """Raise ValueError if the layout cannot be built on ``world_size`` processes."""
         if min(self.tp, self.pp, self.ep, self.etp) < 1:
-            raise ValueError(f"tp, pp, ep and etp must be >= 1, got tp={self.tp} pp={self.pp} ep={self.ep} etp={self.etp}")
+            raise ValueError(f"tp, pp, ep and etp must be >= 1, got tp={self.tp} pp={self.pp} "
+                             f"ep={self.ep} etp={self.etp}")
         if world_size % (self.tp * self.pp) != 0:
             raise ValueError(
                 f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from cooper_mcore.models.arch import ArchSpec, MoeSpec, sparse_layers
 from cooper_mcore.models.tiny import tiny_hf_config
