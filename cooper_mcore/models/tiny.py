@@ -10,14 +10,16 @@ import os
 import torch
 import transformers
 
-FAMILIES = ("qwen2", "qwen2_tied", "llama", "qwen3")
+FAMILIES = ("qwen2", "qwen2_tied", "llama", "qwen3", "qwen3_moe")
 
 
 def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
     """A small transformers config of ``family`` (see :data:`FAMILIES`).
 
     Args:
-        family: "qwen2" (untied), "qwen2_tied", "llama" (Llama 3.2-style rope scaling) or "qwen3".
+        family: "qwen2" (untied), "qwen2_tied", "llama" (Llama 3.2-style rope scaling), "qwen3" or
+            "qwen3_moe" (Qwen3-MoE: 8 experts, top 2, every layer sparse but the last, so that both
+            kinds of layer are covered; ``mlp_only_layers=[]`` makes all sparse).
         model_type: "causal_lm" or "reward" (``...ForSequenceClassification``, one label).
         overrides: config fields to change (e.g. hidden_size, num_hidden_layers).
     """
@@ -35,6 +37,11 @@ def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
     elif family == "qwen3":
         cls, prefix = transformers.Qwen3Config, "Qwen3"
         common.update(head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
+    elif family == "qwen3_moe":
+        cls, prefix = transformers.Qwen3MoeConfig, "Qwen3Moe"
+        common.update(head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[common["num_hidden_layers"] - 1], router_aux_loss_coef=0.001)
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
     common.update(overrides)
