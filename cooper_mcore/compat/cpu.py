@@ -12,7 +12,8 @@ What it covers (see docs/training.md, "CPU mode"):
    with the CPU device, no-op synchronisation and dummy streams/events. Code outside
    megatron-core keeps the real ``torch``.
 2. The CUDA RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``):
-   backed by the CPU generator (``torch.get_rng_state``/``set_rng_state``).
+   backed by the CPU generator (``torch.get_rng_state``/``set_rng_state``); its warning that the
+   CPU generator moved inside a fork is filtered, as that generator is the forked one.
 3. ``Tensor.type()`` string checks for ``torch.cuda.FloatTensor`` (optimizer wrappers, grad
    clipping) and ``Tensor.cuda()``: answered as if on CUDA, but only for callers inside
    ``megatron.core`` (the calling frame's module name is checked), so nothing else changes.
@@ -192,6 +193,10 @@ def _patch_rng() -> None:
 
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
+    # the tracker's fork() warns when the CPU generator moved inside a "GPU" RNG context; here the
+    # CUDA generator is the CPU one, so it always moves (every MoE layer's forward forks): not news
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
 
 
 def _proxy_megatron_modules(proxy: _TorchOnCpu) -> int:
