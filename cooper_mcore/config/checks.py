@@ -166,6 +166,9 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
             out.append(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype} weights; convert the "
                        "checkpoint in the dtype you train in")
         out += _expert_model_problems(name, ckpt, arch, par.ep, par.etp)
+        if isinstance(arch.get("moe"), dict) and par.tp > 1 and not par.sequence_parallel:
+            out.append(f"{name} ({ckpt}) is a mixture-of-experts model: parallel.tp={par.tp} needs "
+                       "parallel.sequence_parallel=true (megatron's MoE layer refuses to train without it)")
     return out + _expert_layout_problems(par.ep, par.etp, par.pp, world_size)
 
 
