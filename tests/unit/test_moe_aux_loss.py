@@ -148,3 +148,14 @@ def test_config_coefficient_reaches_the_routers(moe_world):
 
 def _routers(model: torch.nn.Module) -> list[Router]:
     return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def test_a_per_token_moe_step_without_counts_is_refused(moe_world):
+    """Without the step's counts the aux weight would be megatron's routed tokens / loss count: refused,
+    and the coefficient and the tracker are left as they were."""
+    model = build_model(moe_world, ParallelConfig(), use_te=False)
+    ddp, opt = wrap_for_training(model, OptimConfig(lr=0.0), per_token_loss=True)
+    ids = torch.randint(1, moe_world.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="aux_counts"):
+        train_step(ddp, opt, lambda it, m: None, iter([ids]), 1, 8, 2)
+    assert model.config.moe_aux_loss_coeff == COEF and not get_moe_layer_wise_logging_tracker()
