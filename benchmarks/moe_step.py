@@ -43,6 +43,7 @@ from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, device, init_distributed
+from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
 
 logger = logging.getLogger("moe_step")
@@ -82,23 +83,13 @@ def _timed(fn: Callable, key: str) -> Callable:
     return wrapper
 
 
-def _splits_as_lists(forward: Callable) -> Callable:
-    """``_AllToAll.forward`` with tensor split sizes turned into lists. On GPUs megatron moves the
-    splits to host numpy arrays (``maybe_move_tensor_to_cpu``); CPU tensors are left as they are,
-    which gloo's ``all_to_all_single`` rejects."""
-    def wrapper(ctx: Any, group: Any, input_: torch.Tensor, output_splits: Any, input_splits: Any) -> torch.Tensor:
-        as_list = [s.tolist() if torch.is_tensor(s) else s for s in (output_splits, input_splits)]
-        return forward(ctx, group, input_, *as_list)
-    return wrapper
-
-
 def instrument_dispatch() -> None:
     """Time megatron's alltoall dispatcher (forward) and its all-to-all (forward and backward)."""
     for name in DISPATCHER_METHODS:
         setattr(MoEAlltoAllTokenDispatcher, name, _timed(getattr(MoEAlltoAllTokenDispatcher, name), "dispatcher"))
     a2a = mappings._AllToAll
-    # autograd looks forward and backward up on the class; ctx keeps the list splits for backward
-    a2a.forward = staticmethod(_timed(_splits_as_lists(a2a.forward), "a2a_fwd"))
+    # autograd looks forward and backward up on the class (on CPU, compat.cpu gives it list splits)
+    a2a.forward = staticmethod(_timed(a2a.forward, "a2a_fwd"))
     a2a.backward = staticmethod(_timed(a2a.backward, "a2a_bwd"))
 
 
@@ -123,8 +114,11 @@ def make_step(shape: dict[str, Any], ep: int, batches: list[torch.Tensor],
 
         return per_token, loss_fn
 
+    # every token is a loss unit (language-model loss), and every token is routed
+    counts = AuxLossCounts.of_shapes(sum(b.numel() for b in batches), [tuple(b.shape) for b in batches])
+
     def step() -> float:
-        result = train_step(ddp, opt, forward_step, iter(batches), len(batches), seq, mbs)
+        result = train_step(ddp, opt, forward_step, iter(batches), len(batches), seq, mbs, aux_counts=counts)
         sums = torch.stack([m["loss"] for m in result.metrics]).sum(0)
         return float(sums[0] / sums[1])
 
