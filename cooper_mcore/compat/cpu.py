@@ -16,6 +16,9 @@ What it covers (see docs/training.md, "CPU mode"):
 3. ``Tensor.type()`` string checks for ``torch.cuda.FloatTensor`` (optimizer wrappers, grad
    clipping) and ``Tensor.cuda()``: answered as if on CUDA, but only for callers inside
    ``megatron.core`` (the calling frame's module name is checked), so nothing else changes.
+4. The MoE alltoall dispatcher's split sizes: ``maybe_move_tensor_to_cpu(..., as_numpy=True)``
+   turns only CUDA tensors into numpy arrays, and ``all_to_all_single`` refuses tensor split
+   sizes, so expert parallelism (EP > 1) failed on CPU; CPU tensors are converted too.
 
 Call :func:`enable_cpu_mode` once, after importing megatron-core and before building models.
 """
@@ -44,6 +47,7 @@ import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
 import megatron.core.pipeline_parallel.schedules  # noqa: F401
 import megatron.core.tensor_parallel  # noqa: F401
 import megatron.core.transformer  # noqa: F401
+import megatron.core.transformer.moe.token_dispatcher as _token_dispatcher
 import torch
 from megatron.core.tensor_parallel import random as mrandom
 
@@ -162,6 +166,18 @@ def _called_from_megatron(depth: int = 2) -> bool:
     return frame.f_globals.get("__name__", "").startswith("megatron.core")
 
 
+def _patch_moe_splits() -> None:
+    """The alltoall dispatcher's split sizes as numpy arrays on CPU too (item 4 of the module doc)."""
+    original = _token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
 def _patch_tensor_methods() -> None:
     orig_type = torch.Tensor.type
     orig_cuda = torch.Tensor.cuda
@@ -225,6 +241,7 @@ def enable_cpu_mode(force: bool = False) -> bool:
         return True
     _patch_rng()
     _patch_tensor_methods()
+    _patch_moe_splits()
     _ENABLED = True
     logger.info("megatron-core CPU mode: proxied torch in %d modules", n)
     return True
