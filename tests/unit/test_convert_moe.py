@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cooper_mcore.convert import hf as hf_module
 from cooper_mcore.convert.hf import CkptKey, _ckpt_key, _export_order, hf_to_mcore, mcore_to_hf, per_layer_keys
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.models.tiny import save_tiny_hf_model
@@ -54,12 +55,23 @@ def _hf_tensors(d: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("model_type", ["causal_lm", "reward"])
 @pytest.mark.parametrize("pattern", ["mixed", "all_sparse"])
-def test_moe_roundtrip_bitwise(tmp_path, model_type, pattern):
+def test_moe_roundtrip_bitwise(tmp_path, monkeypatch, model_type, pattern):
     overrides = {"mlp_only_layers": []} if pattern == "all_sparse" else {}
     hf = save_tiny_hf_model(str(tmp_path / "hf"), "qwen3_moe", model_type, dtype=torch.bfloat16, **overrides)
     arch = hf_to_mcore(hf, str(tmp_path / "mc"))
     assert arch.moe_layers() == ([True] * 4 if pattern == "all_sparse" else [True, True, True, False])
+    reads, load_unit = [], hf_module._load_unit
+
+    def recording(*args):
+        value = load_unit(*args)
+        reads.append((args[-1], tuple(value.shape)))
+        return value
+
+    monkeypatch.setattr(hf_module, "_load_unit", recording)
     mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"))
+    expert_reads = [shape for ck, shape in reads if ck.expert is not None]
+    assert len(expert_reads) == 2 * sum(arch.moe_layers()), "each expert weight of each layer read once"
+    assert {s[0] for s in expert_reads} == {8}, expert_reads  # one layer's experts, never all layers'
     a, b = _hf_tensors(hf), _hf_tensors(str(tmp_path / "back"))
     assert sorted(a) == sorted(b)
     assert [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))] == []
