@@ -14,8 +14,13 @@ replica's first rank, which hands entry ``i`` to SGLang's TP rank ``i``: each SG
 its weights from its own GPU, as verl and slime do, instead of every rank reading the leader's GPU
 over CUDA IPC (an extra CUDA context on that GPU per SGLang rank).
 
-Collective: every rank of the model's TP and PP groups calls :func:`sync_weights`; only the
-replica's first rank (TP rank 0, PP rank 0) passes an engine.
+A mixture-of-experts layer's experts are split over the expert-parallel group (and each expert
+over the expert tensor-parallel group), which spans data-parallel replicas: they are all-gathered
+over those groups instead of TP and named with global expert numbers.
+
+Collective: every rank of the model's TP and PP groups calls :func:`sync_weights`, and for a
+mixture-of-experts model every rank of its expert groups (so every replica sharing the experts);
+only the replica's first rank (TP rank 0, PP rank 0) passes an engine.
 """
 
 from __future__ import annotations
