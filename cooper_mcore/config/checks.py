@@ -147,6 +147,7 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
     if _uses_rm(cfg):
         models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
+    out += _expert_layout_problems(cfg, models)
     for name, ckpt in models:
         arch, dtype = checkpoint_arch_fields(ckpt)
         if arch is None:
@@ -162,6 +163,18 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
             out.append(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype} weights; convert the "
                        "checkpoint in the dtype you train in")
     return out
+
+
+def _expert_layout_problems(cfg: CooperConfig, models: list[tuple[str, str]]) -> list[str]:
+    """parallel.ep/etp > 1 need a mixture-of-experts model among ``models`` (the other may be dense)."""
+    par = cfg.parallel
+    if par.ep == 1 and par.etp == 1:
+        return []
+    archs = [checkpoint_arch_fields(ckpt)[0] for _, ckpt in models]
+    if any(a is None for a in archs) or any(a.get("moe") for a in archs):
+        return []  # an unreadable checkpoint is reported by the path checks
+    return [f"parallel.ep={par.ep} / etp={par.etp} need a mixture-of-experts model; "
+            f"{' and '.join(name for name, _ in models)} are dense"]
 
 
 def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
