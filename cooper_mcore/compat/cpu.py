@@ -16,6 +16,10 @@ What it covers (see docs/training.md, "CPU mode"):
 3. ``Tensor.type()`` string checks for ``torch.cuda.FloatTensor`` (optimizer wrappers, grad
    clipping) and ``Tensor.cuda()``: answered as if on CUDA, but only for callers inside
    ``megatron.core`` (the calling frame's module name is checked), so nothing else changes.
+4. The alltoall MoE token dispatcher (expert parallelism): its split sizes become numpy arrays
+   (which ``all_to_all_single`` takes as sequences) only when moved off a GPU; on the CPU they stay
+   tensors, which the binding refuses. ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts
+   CPU tensors too.
 
 Call :func:`enable_cpu_mode` once, after importing megatron-core and before building models.
 """
@@ -44,6 +48,7 @@ import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
 import megatron.core.pipeline_parallel.schedules  # noqa: F401
 import megatron.core.tensor_parallel  # noqa: F401
 import megatron.core.transformer  # noqa: F401
+import megatron.core.transformer.moe.token_dispatcher as _dispatcher
 import torch
 from megatron.core.tensor_parallel import random as mrandom
 
@@ -194,6 +199,18 @@ def _patch_rng() -> None:
     mrandom._set_cuda_rng_state = set_state
 
 
+def _patch_moe_splits() -> None:
+    orig = _dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        tensor = orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(tensor):  # a CPU tensor, which the GPU path makes numpy too
+            return tensor.numpy()
+        return tensor
+
+    _dispatcher.maybe_move_tensor_to_cpu = move
+
+
 def _proxy_megatron_modules(proxy: _TorchOnCpu) -> int:
     n = 0
     for name, mod in list(sys.modules.items()):
@@ -225,6 +242,7 @@ def enable_cpu_mode(force: bool = False) -> bool:
         return True
     _patch_rng()
     _patch_tensor_methods()
+    _patch_moe_splits()
     _ENABLED = True
     logger.info("megatron-core CPU mode: proxied torch in %d modules", n)
     return True
