@@ -74,20 +74,22 @@ def gathered_params(model: torch.nn.Module, tp_group, pp_group,
 
     TP shards are gathered to TP rank 0 of each stage (all-gathered with ``every_tp_rank``); the
     stages' TP-rank-0 processes (every TP rank's) then broadcast along their pipeline group, which
-    contains the first stage's rank of the same TP rank.
+    contains the first stage's rank of the same TP rank. A mixture-of-experts model's expert
+    parameters are all-gathered over the expert-parallel group first (one parameter at a time):
+    a replica holds only its EP rank's experts, the engine needs all of them.
     """
     inner = unwrap(model)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     tp_root = every_tp_rank or dist.get_rank(tp_group) == 0
     receiver = tp_root and pp_rank == 0
-    local = [(canonical_mcore_name(n, layer_offset(inner)), p)
-             for n, p in inner.named_parameters()]
+    experts = _ExpertGather(inner)
+    local = experts.entries(inner, layer_offset(inner))
     pp_ranks = dist.get_process_group_ranks(pp_group)
     tp = dist.get_world_size(tp_group)
     device = next(inner.parameters()).device
     for stage in range(pp_size):
         if stage == pp_rank:  # this stage's parameters: gather TP shards to TP rank 0
-            meta = [[(n, _full_shape(p, tp), p.dtype) for n, p in local]]
+            meta = [[(n, _full_shape(p, tp if slot is None else 1), p.dtype) for n, p, slot in local]]
         else:
             meta = [None]
         if pp_size > 1 and tp_root:
@@ -95,7 +97,11 @@ def gathered_params(model: torch.nn.Module, tp_group, pp_group,
         if stage != pp_rank and not tp_root:
             continue  # only TP rank 0 of each stage joins the pipeline broadcasts
         for i, (name, shape, dtype) in enumerate(meta[0]):
-            full = _gather_tp(name, local[i][1], tp_group, every_tp_rank) if stage == pp_rank else None
+            full = None
+            if stage == pp_rank:
+                _, param, slot = local[i]
+                full = (_gather_tp(name, param, tp_group, every_tp_rank) if slot is None
+                        else experts.gather(param, slot))
             if not tp_root:
                 continue
             if full is None:
@@ -106,6 +112,45 @@ def gathered_params(model: torch.nn.Module, tp_group, pp_group,
                 dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
             if receiver:
                 yield name, full
+
+
+class _ExpertGather:
+    """The expert parameters of a stage over its expert-parallel group (expert TP of 1).
+
+    Each local expert parameter stands for ``ep`` entries, one per EP rank, in rank order; the
+    first entry all-gathers the parameter and the rest read the gathered copies.
+    """
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        config = getattr(inner, "config", None)
+        self.num_experts = getattr(config, "num_moe_experts", None) or 0
+        self.group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
+        self.ep = dist.get_world_size(self.group) if self.num_experts and self.group is not None else 1
+        if self.num_experts and getattr(config, "expert_tensor_parallel_size", 1) != 1:
+            raise ValueError("weight sync of expert parameters needs parallel.etp=1, got "
+                             f"{config.expert_tensor_parallel_size}")
+        self._gathered: list[torch.Tensor] = []
+
+    def entries(self, inner: torch.nn.Module, offset: int) -> list[tuple[str, torch.Tensor, Optional[int]]]:
+        """``(mapping name, local parameter, EP rank or None for a non-expert parameter)``."""
+        local_experts = self.num_experts // self.ep if self.num_experts else 0
+        out: list[tuple[str, torch.Tensor, Optional[int]]] = []
+        for n, p in inner.named_parameters():
+            if self.ep == 1 or ".local_experts." not in n:
+                out.append((canonical_mcore_name(n, offset), p, None))
+                continue
+            out += [(canonical_mcore_name(n, offset, k * local_experts), p, k) for k in range(self.ep)]
+        return out
+
+    def gather(self, param: torch.Tensor, slot: int) -> torch.Tensor:
+        """EP rank ``slot``'s copy of ``param`` (collective over the EP group at ``slot == 0``)."""
+        if slot == 0:
+            self._gathered = [torch.empty_like(param) for _ in range(self.ep)]
+            dist.all_gather(self._gathered, param.detach().contiguous(), group=self.group)
+        full = self._gathered[slot]
+        if slot == self.ep - 1:
+            self._gathered = []
+        return full
 
 
 def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
