@@ -22,9 +22,13 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.models.forward import variable_seq_lengths
+
+#: the process groups megatron's DDP and optimizer read from an explicit collection (dense and expert)
+_TRAINING_GROUPS = ("dp", "dp_cp", "tp", "pp", "ep", "mp", "expt_dp", "tp_ep_pp", "intra_dist_opt")
 
 
 @dataclass
@@ -57,6 +61,13 @@ def wrap_for_training(
     creates them on every machine: no gloo twins of the data-parallel groups (NCCL runs have
     none, so megatron's default ``use_gloo_process_groups=True`` would assert on a GPU).
 
+    DDP and the optimizer get the model's own process groups (``model.pg_collection``, the ones it
+    was built with). For mixture-of-experts models they hold the expert groups: megatron puts the
+    expert weights (``allreduce=False``) in their own gradient buffers reduced over ``expt_dp``
+    and gives them their own optimizer (model-parallel group ``tp_ep_pp``), so their gradients are
+    summed once per expert, not once per data-parallel replica, and the gradient norm counts each
+    expert once.
+
     Args:
         per_token_loss: megatron-core's per-token loss mode: loss functions return
             ``(loss_sum, count, metrics)`` and gradients are divided by the total count over
@@ -64,6 +75,7 @@ def wrap_for_training(
             before the DDP wrapper is built (it reads the flag to drop its own ``1/dp`` scaling).
     """
     config = model.config
+    pgs = _training_groups(model)
     config.calculate_per_token_loss = per_token_loss
     bf16 = config.params_dtype == torch.bfloat16
     ddp_config = DistributedDataParallelConfig(
@@ -71,7 +83,7 @@ def wrap_for_training(
         overlap_grad_reduce=False,
         use_distributed_optimizer=optim.distributed_optimizer,
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgs)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -84,12 +96,30 @@ def wrap_for_training(
         params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False, pg_collection=pgs)
     _init_adam_states(optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
+
+
+def _training_groups(model: torch.nn.Module) -> ProcessGroupCollection:
+    """The process groups DDP and the optimizer need, from the ones ``model`` was built with.
+
+    megatron's DDP, given a collection without ``expt_dp``, makes a one-rank group on its own (a
+    collective every rank must join, and wrong under expert parallelism), and its optimizer needs
+    ``mp``, ``tp_ep_pp``, ``expt_dp`` and ``intra_dist_opt``; a model built by
+    :func:`cooper_mcore.models.builder.build_model` has them all.
+    """
+    pgs = getattr(model, "pg_collection", None)
+    if pgs is None:
+        raise ValueError(f"wrap_for_training: {type(model).__name__} has no pg_collection (build it with "
+                         "cooper_mcore.models.builder.build_model)")
+    missing = [n for n in _TRAINING_GROUPS if not hasattr(pgs, n)]
+    if missing:
+        raise ValueError(f"wrap_for_training: the model's pg_collection lacks the process groups {missing}")
+    return pgs
 
 
 def inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
