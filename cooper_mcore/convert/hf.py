@@ -3,7 +3,7 @@
 ``hf-to-mcore`` (:func:`hf_to_mcore`) builds the model once at TP=PP=1 without random init, fills
 it one HF tensor at a time and saves it as a model checkpoint (:mod:`cooper_mcore.checkpoint.model`)
 without extra copies; ``mcore-to-hf`` (:func:`mcore_to_hf`) builds no model and reads the
-checkpoint one layer at a time. Neither needs the model in memory twice. Folders are written under
+checkpoint one stored tensor at a time. Neither needs the model in memory twice. Folders are written under
 a temporary name and renamed when complete; a write that fails (a full disk is reported as such,
 naming the output: :mod:`cooper_mcore.files`) removes the temporary folder.
 
@@ -18,11 +18,18 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from cooper_mcore.checkpoint.model import (
     CHECKPOINT_DTYPES,
@@ -38,6 +45,7 @@ from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.hf_mapping import (
     _LAYER_RE,
+    _LOCAL_EXPERT_RE,
     _LOCAL_TO_TE,
     ParamMapping,
     canonical_mcore_name,
@@ -149,8 +157,8 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None, head_std: 
             no ``score.weight``); default the config's ``initializer_range``; 0 for a zero head.
 
     Raises:
-        ValueError: a negative ``head_std``, or a config the converter cannot take (a
-            mixture-of-experts model, refused before any tensor is read).
+        ValueError: a negative ``head_std``, or a config the converter cannot take (refused
+            before any tensor is read).
     """
     if head_std is not None and head_std < 0:
         raise ValueError(f"head_std must be >= 0, got {head_std}")
@@ -214,64 +222,147 @@ def hf_tensors(model: torch.nn.Module, arch: ArchSpec, layer_offset: int = 0):
         yield from zip(m.hf, to_hf(m, params[m.mcore], arch))
 
 
-def _ckpt_key(mcore_name: str) -> tuple[str, int | None]:
-    """Distributed-checkpoint key and layer index of a mapping name.
+@dataclass(frozen=True)
+class CkptKey:
+    """Where a mapping's tensor is stored in a distributed checkpoint.
 
-    megatron-core stacks the layers of a block under one key with a leading layer axis, and
-    stores the local spec's norm weights under Transformer Engine's names.
+    Attributes:
+        key: the stored tensor's key.
+        layer: index along a leading layer axis (layers stacked under one key), else None.
+        expert: index along the expert axis (after the layer axis, if any), else None.
+    """
+
+    key: str
+    layer: int | None = None
+    expert: int | None = None
+
+
+def per_layer_keys(arch: ArchSpec) -> bool:
+    """Whether megatron-core stores this model's layers under per-layer keys, not stacked.
+
+    ``TransformerBlock.sharded_state_dict`` stacks the layers of a block under one key with a
+    leading layer axis unless they differ (``non_homogeneous_layers``): for the builder's models,
+    a mixture-of-experts model with dense and sparse layers (its ``moe_layer_freq`` is a list).
+    """
+    return arch.moe is not None and not all(arch.moe_layers())
+
+
+def _ckpt_key(mcore_name: str, per_layer: bool = False) -> CkptKey:
+    """Distributed-checkpoint location of a mapping name.
+
+    megatron-core stacks the layers of a block under one key with a leading layer axis (per-layer
+    keys ``decoder.layers.{i}.*`` with ``per_layer``), stores the local spec's norm weights under
+    Transformer Engine's names, and a ``SequentialMLP``'s experts under one key per weight with an
+    expert axis of global expert numbers (after the layer axis when stacked).
     """
     match = _LAYER_RE.match(mcore_name)
     if not match:
-        return mcore_name, None
-    rest = _LOCAL_TO_TE.get(match.group(2), match.group(2))
-    return f"decoder.layers.{rest}", int(match.group(1))
+        return CkptKey(mcore_name)
+    layer, rest = int(match.group(1)), match.group(2)
+    rest = _LOCAL_TO_TE.get(rest, rest)
+    prefix = f"decoder.layers.{layer}." if per_layer else "decoder.layers."
+    stacked = None if per_layer else layer
+    expert = _LOCAL_EXPERT_RE.match(rest)
+    if expert:
+        return CkptKey(f"{prefix}mlp.experts.experts.{expert.group(2)}", stacked, int(expert.group(1)))
+    return CkptKey(prefix + rest, stacked)
 
 
-def _export_order(arch: ArchSpec) -> list[tuple[ParamMapping, str, int | None]]:
-    """Mappings grouped by checkpoint key (first-seen order), then by layer."""
-    keyed = [(m, *_ckpt_key(m.mcore)) for m in param_mappings(arch)]
-    first = {}
-    for i, (_, key, _) in enumerate(keyed):
-        first.setdefault(key, i)
-    return sorted(keyed, key=lambda x: (first[x[1]], -1 if x[2] is None else x[2]))
+def _export_order(arch: ArchSpec) -> list[tuple[ParamMapping, CkptKey]]:
+    """Mappings grouped by checkpoint key (first-seen order), then by layer; experts of one
+    key and layer stay in expert order."""
+    per_layer = per_layer_keys(arch)
+    keyed = [(m, _ckpt_key(m.mcore, per_layer)) for m in param_mappings(arch)]
+    first: dict[str, int] = {}
+    for i, (_, ck) in enumerate(keyed):
+        first.setdefault(ck.key, i)
+    return sorted(keyed, key=lambda x: (first[x[1].key], -1 if x[1].layer is None else x[1].layer))
+
+
+def _read_unit(ck: CkptKey) -> tuple[str, int | None]:
+    """What :func:`stream_checkpoint_tensors` reads at once: a whole stored tensor, or one layer
+    of a stacked expert tensor (all layers' experts would be most of the model)."""
+    return ck.key, ck.layer if ck.expert is not None else None
+
+
+class _RowsPlanner(DefaultLoadPlanner):
+    """Reads the rows ``start:start + n`` (dim 0) of one stored tensor into the state dict's tensor
+    of ``n`` rows.
+
+    megatron-core's loader cannot read part of a tensor in a one-process world (it fills in the
+    other parts' placement with this rank, then finds fewer local shards than placed), and
+    torch's default planner reads a plain tensor whole; this plans the reads of one chunk.
+    """
+
+    def __init__(self, key: str, start: int) -> None:
+        super().__init__()
+        self._key, self._start = key, start
+
+    def create_local_plan(self) -> LoadPlan:
+        dest = self.state_dict[self._key]
+        chunk = ChunkStorageMetadata(offsets=torch.Size([self._start] + [0] * (dest.dim() - 1)), sizes=dest.shape)
+        return LoadPlan(create_read_items_for_chunk_list(self._key, self.metadata.state_dict_metadata[self._key],
+                                                         [chunk]))
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the read items' offsets are relative to it already
+
+
+def _load_unit(ckpt: str, meta: dict, arch: ArchSpec, ck: CkptKey) -> torch.Tensor:
+    """Read one read unit (see :func:`_read_unit`) of ``ckpt``, checking its axes against ``arch``."""
+    if ck.key not in meta:
+        raise ValueError(f"tensor {ck.key!r} is missing from checkpoint {ckpt!r}")
+    shape, dtype = tuple(meta[ck.key].global_shape), meta[ck.key].dtype
+    if ck.layer is not None and shape[0] != arch.num_layers:
+        raise ValueError(f"tensor {ck.key!r}: checkpoint has {shape[0]} layers, "
+                         f"the architecture {arch.num_layers}")
+    if ck.expert is not None:
+        experts = shape[0 if ck.layer is None else 1]
+        if experts != arch.moe.num_experts:
+            raise ValueError(f"tensor {ck.key!r}: checkpoint has {experts} experts, "
+                             f"the architecture {arch.moe.num_experts}")
+    if ck.expert is not None and ck.layer is not None:  # one layer of the stacked experts
+        dest = torch.empty((1, *shape[1:]), dtype=dtype)
+        dcp.load({ck.key: dest}, storage_reader=FileSystemReader(ckpt), planner=_RowsPlanner(ck.key, ck.layer),
+                 no_dist=True)
+        return dest[0]
+    request = ShardedTensor.from_rank_offsets(ck.key, torch.empty(shape, dtype=dtype))
+    return dist_checkpointing.load({ck.key: request}, ckpt)[ck.key]
 
 
 def stream_checkpoint_tensors(ckpt: str, arch: ArchSpec):
     """Yield ``(hf_name, tensor)`` from a model checkpoint, reading one stored tensor at a time.
 
     No model is built. megatron-core stacks all layers of a parameter under one key, so the
-    largest read is one parameter of all layers (e.g. ``linear_fc1``), never the whole model.
-    The order is :func:`_export_order`'s. Needs torch.distributed initialised (one process).
+    largest read is one parameter of all layers (e.g. ``linear_fc1``), never the whole model;
+    the experts of a sparse layer are read one layer at a time (all of that layer's experts of
+    one weight). The order is :func:`_export_order`'s. Needs torch.distributed initialised (one
+    process).
     """
     check_checkpoint_files(ckpt)
     meta = dist_checkpointing.load_tensors_metadata(ckpt)
-    current_key, value = None, None
-    for m, key, layer in _export_order(arch):
-        if key != current_key:
-            if key not in meta:
-                raise ValueError(f"tensor {key!r} is missing from checkpoint {ckpt!r}")
-            shape = tuple(meta[key].global_shape)
-            if layer is not None and shape[0] != arch.num_layers:
-                raise ValueError(f"tensor {key!r}: checkpoint has {shape[0]} layers, "
-                                 f"the architecture {arch.num_layers}")
-            value = None  # free the previous key first
-            request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=meta[key].dtype))}
-            value = dist_checkpointing.load(request, ckpt)[key]
-            current_key = key
-        yield from zip(m.hf, to_hf(m, value if layer is None else value[layer], arch))
+    current, value = None, None
+    for m, ck in _export_order(arch):
+        if _read_unit(ck) != current:
+            value = None  # free the previous unit first
+            value = _load_unit(ckpt, meta, arch, ck)
+            current = _read_unit(ck)
+        tensor = value if ck.layer is None or ck.expert is not None else value[ck.layer]
+        yield from zip(m.hf, to_hf(m, tensor if ck.expert is None else tensor[ck.expert], arch))
 
 
 def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSpec:
     """Export a cooper_mcore model checkpoint as an HF folder (safetensors + config.json).
 
-    Streams: one stored tensor (one parameter of all layers) is in memory at a time.
+    Streams: one stored tensor (one parameter of all layers, or one weight of one sparse layer's
+    experts) is in memory at a time.
     """
     arch, base_cfg, dtype = read_meta(ckpt)
     tmp = _atomic_dir(out)
     try:
         with single_process_world():
             shapes = hf_shapes(arch)
-            layout = [(n, shapes[n], dtype) for m, _, _ in _export_order(arch) for n in m.hf]
+            layout = [(n, shapes[n], dtype) for m, _ in _export_order(arch) for n in m.hf]
             # the torch-native spec keeps norm weights in fp32; export them in the model dtype
             tensors = ((n, t.to(dtype)) for n, t in stream_checkpoint_tensors(ckpt, arch))
             with explain_write_errors(out, "exported model"):
