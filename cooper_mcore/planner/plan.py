@@ -59,6 +59,18 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   policy's (the presets serve the same-size instruct model) and its TP the preset's
   ``parallel.tp`` (the launcher's default); :func:`assistant_mem_fraction` gives the fraction the
   launcher uses.
+* Mixture-of-experts models (Qwen3-MoE; :mod:`cooper_mcore.planner.sizes`): each rank holds the
+  dense parameters split by TP as above, the routers replicated, and ``E / ep`` experts of each
+  sparse layer split ``etp`` ways; DDP keeps expert gradients in their own fp32 buffer, and the
+  distributed optimizer shards the experts' main params and moments over the expert data-parallel
+  group (``expert_dp = world / (ep etp pp)``), the rest over DP. Activations of a sparse layer:
+  attention as above, the router's fp32 logits and scores, and per routed token copy (each token's
+  ``experts_per_token`` copies, times :data:`~cooper_mcore.planner.sizes.MOE_ROUTING_MARGIN` for
+  uneven routing) the dispatched and permuted inputs, the expert output and its weighted copy (4 h)
+  and the expert FFN (4 I_e / etp); the all-to-all's send and receive buffers (2 h per copy) are
+  counted once per pass as workspace. SGLang serves the whole model per engine, each expert split
+  over its ``tp_size`` (its default MoE tensor parallelism, no SGLang EP); its KV cache is the
+  attention's, as for a dense model.
 * CUDA contexts are counted per process and GPU (``context_gib``, measured): the trainer process
   on every GPU, the policy's SGLang engine on the GPUs of pipeline stage 0, the colocated assistant
   on every GPU. A flat ``overhead_gib`` per GPU stands for NCCL buffers, the rollout engine's CUDA
@@ -87,10 +99,15 @@ from cooper_mcore.planner.sizes import (
     DTYPE_BYTES,
     GIB,
     check_layout,
+    dispatch_buffer_bytes,
+    forward_activation_bytes,
     kv_bytes_per_token,
     layer_activation_bytes,
     logits_bytes,
     model_numel,
+    serving_numel,
+    stage_expert_numel,
+    stage_layers,
     stage_numel,
     training_state,
 )
@@ -167,10 +184,16 @@ class PlanOptions:
 
 @dataclass
 class Layout:
+    """The parallel layout: ``dp = world / (tp pp)`` for the dense parameters, and for the experts
+    of MoE models ``ep`` x ``etp`` with ``expert_dp = world / (ep etp pp)`` (megatron's ``expt_dp``)."""
+
     tp: int
     pp: int
     dp: int
     sequence_parallel: bool
+    ep: int = 1
+    etp: int = 1
+    expert_dp: int = 1
 
 
 @dataclass
@@ -292,7 +315,8 @@ def layout_of(cfg: CooperConfig, world_size: int) -> Layout:
     """
     cfg.parallel.validate(world_size)
     par = cfg.parallel
-    return Layout(par.tp, par.pp, world_size // (par.tp * par.pp), par.sequence_parallel)
+    return Layout(par.tp, par.pp, world_size // (par.tp * par.pp), par.sequence_parallel, par.ep, par.etp,
+                  world_size // (par.ep * par.etp * par.pp))
 
 
 def sglang_workspace_bytes(tp: int, chunked_prefill: int = ASSISTANT_CHUNKED_PREFILL,
@@ -318,8 +342,8 @@ def sglang_default_limits(gpu_memory_gib: float, tp: int) -> tuple[int, int]:
 
 
 def assistant_weights_bytes(arch: ArchSpec, tp: int, dtype_bytes: int = 2) -> int:
-    """Weight bytes of one assistant TP rank (vocabulary and linear layers split ``tp`` ways)."""
-    return stage_numel(arch, tp, 1, 0) * dtype_bytes
+    """Weight bytes of one assistant TP rank (vocabulary, linear layers and each expert split ``tp`` ways)."""
+    return serving_numel(arch, tp) * dtype_bytes
 
 
 def _check_assistant(arch: ArchSpec, tp: int, gpus_per_node: int) -> None:
@@ -404,14 +428,20 @@ def _seq_len(cfg: CooperConfig, opts: PlanOptions) -> int:
 
 def training_activation_bytes(arch: ArchSpec, lay: Layout, stage: int, tokens: int, micro_batches: int,
                               dtype_bytes: int, recompute: bool) -> int:
-    """Activation bytes a training pass keeps on ``stage`` (micro-batches of ``tokens`` tokens, 1F1B)."""
-    layer = layer_activation_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel)
+    """Activation bytes a training pass keeps on ``stage`` (micro-batches of ``tokens`` tokens, 1F1B).
+
+    One more layer's set (the largest) is backward workspace; MoE models add one layer's
+    all-to-all buffers (:func:`~cooper_mcore.planner.sizes.dispatch_buffer_bytes`).
+    """
+    sparse = stage_layers(arch, lay.pp, stage)
+    per = {s: layer_activation_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel, s, lay.etp)
+           for s in set(sparse)}
+    workspace = max(per.values()) + dispatch_buffer_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel)
     in_flight = min(lay.pp - stage, micro_batches)
-    layers = arch.num_layers // lay.pp
     if recompute:
         kept = tokens * arch.hidden_size * dtype_bytes // (lay.tp if lay.sequence_parallel else 1)
-        return in_flight * layers * kept + 2 * layer
-    return (in_flight * layers + 1) * layer
+        return in_flight * len(sparse) * kept + max(per.values()) + workspace
+    return in_flight * sum(per[s] for s in sparse) + workspace
 
 
 class _Planner:
@@ -429,9 +459,9 @@ class _Planner:
         self.cfg, self.policy, self.opts = cfg, policy, opts
         self.rm = rm if cfg.reward.mode.uses_rm else None
         self.lay = layout_of(cfg, opts.world_size)
-        check_layout(policy, self.lay.tp, self.lay.pp, "policy")
+        check_layout(policy, self.lay.tp, self.lay.pp, "policy", self.lay.ep, self.lay.etp)
         if self.rm is not None:
-            check_layout(self.rm, self.lay.tp, self.lay.pp, "reward model")
+            check_layout(self.rm, self.lay.tp, self.lay.pp, "reward model", self.lay.ep, self.lay.etp)
         t = cfg.train
         if t.prompts_per_step % self.lay.dp:
             raise ValueError(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the data-parallel "
@@ -463,14 +493,17 @@ class _Planner:
         n = 1 + (self.assistant is not None) + (stage == 0 and self.cfg.rollout.uses_sglang)
         return int(n * self.opts.context_gib * GIB)
 
+    def _state(self, arch: ArchSpec, stage: int, trainable: bool) -> dict[str, int]:
+        lay = self.lay
+        return training_state(stage_numel(arch, lay.tp, lay.pp, stage, lay.ep, lay.etp), self.b, lay.dp,
+                              self.opts.distributed_optimizer, trainable,
+                              stage_expert_numel(arch, lay.pp, stage, lay.ep, lay.etp), lay.expert_dp)
+
     def _states(self, stage: int) -> dict[str, int]:
-        lay, o = self.lay, self.opts
-        out = {f"policy_{k}": v for k, v in training_state(
-            stage_numel(self.policy, lay.tp, lay.pp, stage), self.b, lay.dp, o.distributed_optimizer).items()}
+        out = {f"policy_{k}": v for k, v in self._state(self.policy, stage, True).items()}
         rm = dict.fromkeys(STATE, 0)
         if self.rm is not None:
-            rm = training_state(stage_numel(self.rm, lay.tp, lay.pp, stage), self.b, lay.dp,
-                                o.distributed_optimizer, trainable=self.cfg.reward.mode.trains_rm)
+            rm = self._state(self.rm, stage, self.cfg.reward.mode.trains_rm)
         out.update({f"rm_{k}": v for k, v in rm.items()})
         return out
 
@@ -479,7 +512,7 @@ class _Planner:
         cfg, arch, lay = self.cfg, self.policy, self.lay
         needed = self.seqs * self.seq
         if cfg.rollout.uses_sglang:
-            weights = stage_numel(arch, lay.tp, 1, 0) * self.b
+            weights = serving_numel(arch, lay.tp) * self.b
             per_token = kv_bytes_per_token(arch, self.b, lay.tp)
             free = (self.capacity - int(self.opts.overhead_gib * GIB) - self._contexts(0)
                     - sum(self._assistant_bytes().values()) - sum(self.states[0].values()))
@@ -519,7 +552,7 @@ class _Planner:
         last = stage == lay.pp - 1
         budget = cfg.train.max_tokens_per_micro_batch  # micro-batches by tokens: at most the budget, or one sequence
         tokens = max(budget, self.seq) if budget else self.mbs * self.seq
-        fwd_layer = layer_activation_bytes(arch, tokens, b, lay.tp, lay.sequence_parallel)
+        fwd_layer = forward_activation_bytes(arch, tokens, b, lay.tp, lay.sequence_parallel, lay.etp)
         resident = dict(base, **(eng if not off.release_engine else {}))
 
         rollout = dict(base, **eng)
@@ -530,7 +563,7 @@ class _Planner:
                 rollout[k] = 0
         if on_engine_gpu and not engine.is_sglang:
             prefill = min(HF_ENGINE_BATCH, self.seqs) * self.opts.prompt_tokens
-            rollout["activations"] = layer_activation_bytes(arch, prefill, b)
+            rollout["activations"] = forward_activation_bytes(arch, prefill, b)
 
         logprobs = dict(resident, activations=fwd_layer, buffers=2 * self.seqs * self.seq * 4,
                         logits=logits_bytes(arch, tokens, b, lay.tp, train=False) if last else 0)
@@ -543,8 +576,8 @@ class _Planner:
         if self.rm is not None:
             rm_seq = min(self.seq, self.rm.max_position_embeddings)
             score_tokens = max(budget, rm_seq) if budget else self.mbs * rm_seq
-            rm_score["activations"] = layer_activation_bytes(self.rm, score_tokens, b, lay.tp,
-                                                             lay.sequence_parallel)
+            rm_score["activations"] = forward_activation_bytes(self.rm, score_tokens, b, lay.tp,
+                                                               lay.sequence_parallel, lay.etp)
             if cfg.reward.mode.trains_rm:
                 pairs = min(self.mbs, self.prompts)
                 pair_tokens = max(budget, 2 * rm_seq) if budget else 2 * pairs * rm_seq

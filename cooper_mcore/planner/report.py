@@ -31,7 +31,7 @@ from cooper_mcore.planner.plan import (
     assistant_problem,
     plan,
 )
-from cooper_mcore.planner.sizes import GIB, model_numel, stage_numel
+from cooper_mcore.planner.sizes import GIB, active_numel, model_numel, stage_expert_numel, stage_numel
 
 _SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer": "pol.opt", "rm_params": "rm.p",
           "rm_grads": "rm.g", "rm_optimizer": "rm.opt", "engine_weights": "eng.w", "engine_kv": "eng.kv",
@@ -100,12 +100,41 @@ def _evaluation_dict(ev: Evaluation) -> dict[str, Any]:
     }
 
 
-def _arch_dict(arch: ArchSpec, plan: Plan) -> dict[str, Any]:
+def _per_stage(arch: ArchSpec, plan: Plan) -> tuple[list[int], list[int]]:
+    """Parameters and, of them, expert parameters on one GPU of each pipeline stage."""
     lay = plan.layout
-    per_stage = [stage_numel(arch, lay.tp, lay.pp, s) for s in range(lay.pp)]
+    return ([stage_numel(arch, lay.tp, lay.pp, s, lay.ep, lay.etp) for s in range(lay.pp)],
+            [stage_expert_numel(arch, lay.pp, s, lay.ep, lay.etp) for s in range(lay.pp)])
+
+
+def _moe_dict(arch: ArchSpec, plan: Plan) -> Optional[dict[str, Any]]:
+    if arch.moe is None:
+        return None
+    m, lay = arch.moe, plan.layout
+    return {"num_experts": m.num_experts, "experts_per_token": m.experts_per_token,
+            "expert_ffn_hidden_size": m.expert_ffn_hidden_size, "sparse_layers": sum(arch.moe_layers()),
+            "ep": lay.ep, "etp": lay.etp, "expert_dp": lay.expert_dp,
+            "expert_params_per_gpu_by_stage": _per_stage(arch, plan)[1]}
+
+
+def _arch_dict(arch: ArchSpec, plan: Plan) -> dict[str, Any]:
     return {"family": arch.family, "model_type": arch.model_type, "params": model_numel(arch),
-            "params_per_gpu_by_stage": per_stage, "layers": arch.num_layers, "hidden_size": arch.hidden_size,
-            "kv_heads": arch.num_query_groups, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size}
+            "active_params_per_token": active_numel(arch), "params_per_gpu_by_stage": _per_stage(arch, plan)[0],
+            "layers": arch.num_layers, "hidden_size": arch.hidden_size, "kv_heads": arch.num_query_groups,
+            "head_dim": arch.head_dim, "vocab_size": arch.vocab_size, "moe": _moe_dict(arch, plan)}
+
+
+def _arch_line(name: str, arch: ArchSpec, plan: Plan) -> str:
+    """One model's parameter counts: total, per GPU by stage; for MoE also active and experts per GPU."""
+    per, experts = _per_stage(arch, plan)
+    line = (f"{name}: {arch.family}, {model_numel(arch):,} parameters; per GPU by pipeline stage: "
+            + ", ".join(f"{n:,}" for n in per))
+    if arch.moe is None:
+        return line
+    m = arch.moe
+    return (line + f"; MoE: {m.num_experts} experts (top {m.experts_per_token}) in {sum(arch.moe_layers())} "
+            f"layers, {active_numel(arch):,} active per token; experts per GPU by stage "
+            + ", ".join(f"{n:,}" for n in experts))
 
 
 def _assistant_dict(a: Optional[AssistantInfo]) -> Optional[dict[str, Any]]:
@@ -161,6 +190,14 @@ def _phase_table(ev: Evaluation) -> list[str]:
     return rows
 
 
+def _expert_layout(plan: Plan) -> str:
+    """`` ep=.. etp=.. expert_dp=..`` when a model has experts, else nothing."""
+    lay = plan.layout
+    if all(a is None or a.moe is None for a in (plan.policy, plan.rm)):
+        return ""
+    return f" ep={lay.ep} etp={lay.etp} expert_dp={lay.expert_dp}"
+
+
 def _offload_text(ev: Evaluation) -> str:
     on = [f for f in OFFLOAD_FLAGS if getattr(ev.offload, f)]
     return ", ".join(on) if on else "none"
@@ -171,13 +208,11 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
     o, lay, ev, eng = plan.options, plan.layout, plan.given, plan.given.engine
     cap = o.gpu_memory_gib
     lines = [f"cooper plan: {o.nodes} node(s) x {o.gpus_per_node} GPUs, {cap:g} GiB each; tp={lay.tp} pp={lay.pp} "
-             f"dp={lay.dp}{' sp' if lay.sequence_parallel else ''}; {_text(cfg.model.dtype)}; reward mode "
-             f"{_text(cfg.reward.mode)}"]
+             f"dp={lay.dp}{' sp' if lay.sequence_parallel else ''}{_expert_layout(plan)}; "
+             f"{_text(cfg.model.dtype)}; reward mode {_text(cfg.reward.mode)}"]
     for name, arch in (("policy", plan.policy), ("reward model", plan.rm)):
         if arch is not None:
-            per = [stage_numel(arch, lay.tp, lay.pp, s) for s in range(lay.pp)]
-            lines.append(f"{name}: {arch.family}, {model_numel(arch):,} parameters; per GPU by pipeline stage: "
-                         + ", ".join(f"{n:,}" for n in per))
+            lines.append(_arch_line(name, arch, plan))
     lines.append(f"sequences: {o.prompt_tokens} prompt + {cfg.rollout.max_new_tokens} new tokens, "
                  f"{eng.sequences} per "
                  f"data-parallel rank, micro-batch {cfg.train.micro_batch_size}; activations "

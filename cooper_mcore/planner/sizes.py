@@ -1,5 +1,11 @@
 """Sizes for the memory planner (:mod:`cooper_mcore.planner.plan`): parameters of a model or of one
-TP/PP rank as megatron-core lays them out, training state, KV cache, activations and logits.
+TP/PP/EP rank as megatron-core lays them out, training state, KV cache, activations and logits.
+
+Mixture-of-experts models (Qwen3-MoE, :class:`~cooper_mcore.models.arch.MoeSpec`): a sparse layer
+holds the router (``E h``, replicated) and ``E / ep`` experts of ``3 h I_e / etp`` parameters on
+each rank instead of the dense MLP; expert optimizer state is sharded over the expert
+data-parallel group (``world / (ep etp pp)``), the rest over DP; the experts' activations are
+counted per routed token copy and the all-to-all buffers once per pass.
 
 Pure arithmetic on :class:`~cooper_mcore.models.arch.ArchSpec`; the conventions (what autograd
 keeps, which copies the loss makes) are documented in :mod:`cooper_mcore.planner.plan`.
@@ -11,8 +17,11 @@ import math
 
 from cooper_mcore.models.arch import ArchSpec
 
-__all__ = ["CUDA_CONTEXT_GIB", "DTYPE_BYTES", "GIB", "H100_80GB_GIB", "check_layout", "kv_bytes_per_token",
-           "layer_activation_bytes", "layer_numel", "logits_bytes", "model_numel", "stage_numel", "training_state"]
+__all__ = ["CUDA_CONTEXT_GIB", "DTYPE_BYTES", "GIB", "H100_80GB_GIB", "MOE_ROUTING_MARGIN", "active_numel",
+           "check_layout", "dispatch_buffer_bytes", "expert_layer_numel", "forward_activation_bytes",
+           "kv_bytes_per_token", "layer_activation_bytes", "layer_numel", "logits_bytes", "model_numel",
+           "moe_activation_bytes", "routed_tokens", "serving_numel", "stage_expert_numel", "stage_layers",
+           "stage_numel", "training_state"]
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -21,40 +30,85 @@ CUDA_CONTEXT_GIB = 0.75
 matmul) measured with nvidia-smi for torch 2.11+cu130 on an H100 80GB HBM3, driver 580.159."""
 H100_80GB_GIB = 79.18
 """What ``torch.cuda.mem_get_info()`` reports as the total memory of an H100 80GB HBM3 (measured)."""
+MOE_ROUTING_MARGIN = 1.5
+"""Token copies one EP rank's experts receive, as a multiple of the mean (``experts_per_token`` per
+token): an allowance for uneven routing, not measured. Megatron's dispatcher is dropless here (no
+capacity factor), so the worst case is every token on one rank's experts."""
 
 
-def check_layout(arch: ArchSpec, tp: int, pp: int, name: str = "model") -> None:
-    """Raise ValueError if ``arch`` cannot be split ``tp`` x ``pp`` (as the model builder requires).
-
-    Mixture-of-experts models are refused: these sizes count dense MLPs only.
-    """
-    arch.require_dense("the memory planner (cooper_mcore/planner/sizes.py)")
-    checks = (("num_layers", arch.num_layers, "pp", pp), ("num_key_value_heads", arch.num_query_groups, "tp", tp),
-              ("num_attention_heads", arch.num_attention_heads, "tp", tp), ("vocab_size", arch.vocab_size, "tp", tp))
+def check_layout(arch: ArchSpec, tp: int, pp: int, name: str = "model", ep: int = 1, etp: int = 1) -> None:
+    """Raise ValueError if ``arch`` cannot be split ``tp`` x ``pp`` (and its experts ``ep`` x ``etp``)
+    as the model builder requires."""
+    checks = [("num_layers", arch.num_layers, "pp", pp), ("num_key_value_heads", arch.num_query_groups, "tp", tp),
+              ("num_attention_heads", arch.num_attention_heads, "tp", tp), ("vocab_size", arch.vocab_size, "tp", tp)]
+    if arch.moe is not None:
+        checks += [("num_experts", arch.moe.num_experts, "ep", ep),
+                   ("moe_intermediate_size", arch.moe.expert_ffn_hidden_size, "etp", etp)]
     for what, value, by, div in checks:
         if value % div:
             raise ValueError(f"{name}: {what}={value} is not divisible by {by}={div}")
 
 
-def layer_numel(arch: ArchSpec, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one TP rank."""
-    arch.require_dense("the memory planner (cooper_mcore/planner/sizes.py)")
+def _attention_numel(arch: ArchSpec, tp: int) -> int:
+    """Norms and attention of one layer on one TP rank."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, 2 * arch.num_query_groups * d
     n = 2 * h  # input and pre-MLP RMSNorm weights (replicated)
     n += (q + kv) * h // tp + ((q + kv) // tp if arch.qkv_bias else 0)
     n += 2 * d if arch.qk_norm else 0
     n += h * q // tp  # attention output projection
-    n += 3 * h * arch.ffn_hidden_size // tp  # gate+up, down
     return n
 
 
-def stage_numel(arch: ArchSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Parameters on one rank of pipeline stage ``stage`` (megatron-core's layout)."""
-    assert 0 <= stage < pp
+def expert_layer_numel(arch: ArchSpec, ep: int = 1, etp: int = 1) -> int:
+    """Expert parameters of one sparse layer on one rank: ``E/ep`` experts of ``3 h I_e / etp`` each
+    (gate+up, down); 0 for a dense model."""
+    if arch.moe is None:
+        return 0
+    m = arch.moe
+    return m.num_experts // ep * 3 * arch.hidden_size * m.expert_ffn_hidden_size // etp
+
+
+def layer_numel(arch: ArchSpec, tp: int = 1, sparse: bool = False, ep: int = 1, etp: int = 1) -> int:
+    """Parameters of one transformer layer on one rank.
+
+    Args:
+        arch: the model.
+        tp: tensor-parallel size (attention and dense MLP).
+        sparse: a mixture-of-experts layer: router ``E h`` (replicated) and the local experts
+            (:func:`expert_layer_numel`) instead of the dense MLP.
+        ep / etp: expert-parallel and expert tensor-parallel sizes (sparse layers only).
+
+    Raises:
+        ValueError: ``sparse`` for a dense model.
+    """
+    n = _attention_numel(arch, tp)
+    if not sparse:
+        return n + 3 * arch.hidden_size * arch.ffn_hidden_size // tp  # gate+up, down
+    if arch.moe is None:
+        raise ValueError(f"sparse=True: {arch.hf_architecture()} has no experts")
+    return n + arch.moe.num_experts * arch.hidden_size + expert_layer_numel(arch, ep, etp)
+
+
+def stage_layers(arch: ArchSpec, pp: int, stage: int) -> list[bool]:
+    """Whether each layer of pipeline stage ``stage`` is sparse (megatron splits the layers evenly)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} is not a pipeline stage of pp={pp}")
+    per = arch.num_layers // pp
+    return arch.moe_layers()[stage * per:(stage + 1) * per]
+
+
+def stage_expert_numel(arch: ArchSpec, pp: int = 1, stage: int = 0, ep: int = 1, etp: int = 1) -> int:
+    """Expert parameters on one rank of pipeline stage ``stage`` (those megatron reduces and shards
+    over the expert data-parallel group, ``allreduce=False``); 0 for a dense model."""
+    return sum(stage_layers(arch, pp, stage)) * expert_layer_numel(arch, ep, etp)
+
+
+def stage_numel(arch: ArchSpec, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1, etp: int = 1) -> int:
+    """Parameters on one rank of pipeline stage ``stage`` (megatron-core's layout), experts included."""
     h = arch.hidden_size
     embedding = arch.vocab_size * h // tp
-    n = arch.num_layers // pp * layer_numel(arch, tp)
+    n = sum(layer_numel(arch, tp, sparse, ep, etp) for sparse in stage_layers(arch, pp, stage))
     if stage == 0:
         n += embedding
     if stage == pp - 1:
@@ -66,18 +120,51 @@ def stage_numel(arch: ArchSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> int
     return n
 
 
+def serving_numel(arch: ArchSpec, tp: int = 1) -> int:
+    """Parameters on one GPU of an SGLang server at ``tp_size=tp``: attention, MLPs and vocabulary
+    split ``tp`` ways, and each expert's FFN too (SGLang's default MoE tensor parallelism, no EP)."""
+    etp = tp if arch.moe is not None and arch.moe.expert_ffn_hidden_size % tp == 0 else 1
+    return stage_numel(arch, tp, 1, 0, 1, etp)
+
+
 def model_numel(arch: ArchSpec) -> int:
     """Parameters of the whole model (equal to the Hugging Face count)."""
     return stage_numel(arch)
 
 
+def active_numel(arch: ArchSpec) -> int:
+    """Parameters one token computes with: all but the experts it is not routed to (each sparse
+    layer contributes its router and ``experts_per_token`` experts); the whole model if dense."""
+    if arch.moe is None:
+        return model_numel(arch)
+    unused = (arch.moe.num_experts - arch.moe.experts_per_token) * expert_layer_numel(arch) // arch.moe.num_experts
+    return model_numel(arch) - sum(arch.moe_layers()) * unused
+
+
 def training_state(numel: int, dtype_bytes: int, dp: int, distributed_optimizer: bool = True,
-                   trainable: bool = True) -> dict[str, int]:
-    """Bytes of parameters, gradients and Adam state for ``numel`` parameters on one rank."""
+                   trainable: bool = True, expert_numel: int = 0, expert_dp: int = 1) -> dict[str, int]:
+    """Bytes of parameters, gradients and Adam state on one rank.
+
+    Args:
+        numel: parameters on the rank, experts included.
+        dtype_bytes: bytes per parameter in the model dtype.
+        dp: data-parallel size: the distributed optimizer shards the non-expert state over it.
+        distributed_optimizer: shard the optimizer state (else every rank holds all of it).
+        trainable: False: parameters only.
+        expert_numel: of ``numel``, the expert parameters, whose state megatron shards over the
+            expert data-parallel group instead (``expert_dp = world / (ep * etp * pp)``).
+        expert_dp: that group's size.
+
+    Raises:
+        ValueError: ``expert_numel`` above ``numel``.
+    """
+    if not 0 <= expert_numel <= numel:
+        raise ValueError(f"expert_numel={expert_numel} must be in [0, numel={numel}]")
     if not trainable:
         return {"params": numel * dtype_bytes, "grads": 0, "optimizer": 0}
     per_param = 8 + (4 if dtype_bytes < 4 else 0)  # two fp32 moments (+ fp32 main params for bf16)
-    shard = math.ceil(numel / dp) if distributed_optimizer else numel
+    dense = numel - expert_numel
+    shard = (math.ceil(dense / dp) + math.ceil(expert_numel / expert_dp)) if distributed_optimizer else numel
     return {"params": numel * dtype_bytes, "grads": numel * 4, "optimizer": shard * per_param}
 
 
@@ -91,11 +178,61 @@ def kv_bytes_per_token(arch: ArchSpec, dtype_bytes: int, tp: int = 1) -> int:
 
 
 def layer_activation_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int = 1,
-                           sequence_parallel: bool = False) -> int:
-    """Bytes autograd keeps for one layer over ``tokens`` tokens (see the module docstring)."""
+                           sequence_parallel: bool = False, sparse: bool = False, etp: int = 1) -> int:
+    """Bytes autograd keeps for one layer over ``tokens`` tokens (see the module docstring of
+    :mod:`cooper_mcore.planner.plan`); a ``sparse`` layer keeps :func:`moe_activation_bytes`
+    instead of the dense MLP's."""
     q = arch.num_attention_heads * arch.head_dim
     replicated = 6 * arch.hidden_size // (tp if sequence_parallel else 1)
-    return tokens * dtype_bytes * (replicated + (5 * q + 4 * arch.ffn_hidden_size) // tp)
+    if not sparse:
+        return tokens * dtype_bytes * (replicated + (5 * q + 4 * arch.ffn_hidden_size) // tp)
+    attention = tokens * dtype_bytes * (replicated + 5 * q // tp)
+    return attention + moe_activation_bytes(arch, tokens, dtype_bytes, tp, sequence_parallel, etp)
+
+
+def routed_tokens(arch: ArchSpec, tokens: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Token copies one rank's experts process in one sparse layer: the rank's tokens (``tokens``
+    split over TP with sequence parallelism) x ``experts_per_token`` x :data:`MOE_ROUTING_MARGIN`
+    (routing is dropless: no capacity factor bounds a rank's share, the load-balancing loss only
+    pulls it towards the mean)."""
+    if arch.moe is None:
+        return 0
+    local = tokens // (tp if sequence_parallel else 1)
+    return math.ceil(local * arch.moe.experts_per_token * MOE_ROUTING_MARGIN)
+
+
+def moe_activation_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int = 1,
+                         sequence_parallel: bool = False, etp: int = 1) -> int:
+    """Bytes autograd keeps for the MoE block of one sparse layer (megatron's alltoall dispatcher,
+    SequentialMLP experts): the router's fp32 logits and scores (2 E x 4 B per local token), and
+    per routed token copy (:func:`routed_tokens`) the dispatched input, the permuted expert input,
+    the expert output and the probability-weighted output (4 h), plus the expert FFN's gate/up
+    output, silu and product (4 I_e / etp) as in a dense MLP."""
+    if arch.moe is None:
+        raise ValueError(f"moe_activation_bytes: {arch.hf_architecture()} has no experts")
+    m, h = arch.moe, arch.hidden_size
+    local = tokens // (tp if sequence_parallel else 1)
+    router = local * 2 * m.num_experts * 4
+    return router + routed_tokens(arch, tokens, tp, sequence_parallel) * dtype_bytes * (
+        4 * h + 4 * m.expert_ffn_hidden_size // etp)
+
+
+def dispatch_buffer_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int = 1,
+                          sequence_parallel: bool = False) -> int:
+    """The all-to-all's transient send and receive buffers of one sparse layer (``h`` per routed
+    token copy each, :func:`routed_tokens`), counted once as workspace; 0 for a dense model."""
+    if not any(arch.moe_layers()):
+        return 0
+    return 2 * routed_tokens(arch, tokens, tp, sequence_parallel) * arch.hidden_size * dtype_bytes
+
+
+def forward_activation_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int = 1,
+                             sequence_parallel: bool = False, etp: int = 1) -> int:
+    """Workspace of a forward-only pass over ``tokens`` tokens: the largest layer's activations,
+    plus the all-to-all buffers if the model has sparse layers."""
+    kinds = set(arch.moe_layers())
+    worst = max(layer_activation_bytes(arch, tokens, dtype_bytes, tp, sequence_parallel, s, etp) for s in kinds)
+    return worst + dispatch_buffer_bytes(arch, tokens, dtype_bytes, tp, sequence_parallel)
 
 
 def logits_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int, train: bool) -> int:
