@@ -61,7 +61,9 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         max_positions: the models' ``max_position_embeddings``.
         sft_steps: steps of the policy's SFT on the ``n_train`` problems' worked solutions
             (:func:`cooper_mcore.jobs.sft.sft`); 0 leaves the policy random.
-        family / rm_family: the models' families (:data:`cooper_mcore.models.tiny.FAMILIES`).
+        family / rm_family: the models' families (:data:`cooper_mcore.models.tiny.FAMILIES`);
+            ``qwen3_moe`` gives a mixture-of-experts model (8 experts, top 2, the last layer dense)
+            of ``hidden_size`` / ``num_layers``, its experts ``moe_intermediate_size`` wide.
         shape: config fields of both models that override the above (attention heads, key/value
             heads, head_dim, ... or a whole shape: hidden and FFN sizes, layers, vocabulary).
         dtype: the models' parameter dtype (the SFT keeps fp32 main parameters in megatron's optimizer).
