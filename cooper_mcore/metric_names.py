@@ -63,6 +63,7 @@ _SCHEMA: list[Metric] = []
 _EVERY = "every step"
 _RM = "reward.mode static_rm, cooper"
 _COOPER = "reward.mode cooper"
+_MOE = "mixture-of-experts models"
 
 
 def _define(key: str, section: str, written: str, description: str) -> str:
@@ -105,12 +106,18 @@ class MetricKey:
     GRAD_NORM = _define("grad_norm", "policy", _EVERY,
                         "the policy's global gradient norm before clipping (NaN for a skipped update)")
     LR = _define("lr", "policy", _EVERY, "the policy's learning rate after the step's updates")
+    MOE_AUX_LOSS = _define("moe_aux_loss", "policy", _MOE,
+                           "the routers' load-balancing loss (coef x sum over sparse layers of E sum_i f_i P_i, "
+                           "mean over micro-batches; `train.moe_aux`)")
     SKIPPED_NONFINITE = _define("skipped/nonfinite", "policy", _EVERY,
                                 "updates (policy mini-batches + the RM's) skipped for a non-finite loss or "
                                 "gradient norm; `train.max_nonfinite_steps` such steps in a row stop the run")
 
     RM_LOSS = _define("rm/loss", "rm", _COOPER, "the RM's loss: pairwise loss + `rm.anchor_weight` x anchor")
     RM_PAIRWISE_LOSS = _define("rm/pairwise_loss", "rm", _COOPER, "the pairwise loss -logsigmoid(s_pos - s_neg)")
+    RM_MOE_AUX_LOSS = _define("rm/moe_aux_loss", "rm", f"{_COOPER}, mixture-of-experts RM",
+                              "the RM routers' load-balancing loss, as `moe_aux_loss` (not on a step without "
+                              "a valid pair)")
     RM_ANCHOR_LOSS = _define("rm/anchor_loss", "rm", _COOPER,
                              "the calibration anchor (BCE on each pair's own labels, unweighted)")
     RM_PAIR_ACC = _define("rm/pair_acc", "rm", _COOPER,

@@ -1,6 +1,6 @@
 """Pure tensor math of a Cooper step (torch only): GRPO advantages, the PPO policy loss, KL penalty,
-aggregation, entropy, the policy's reward from RM logits, reward-model losses and preference-pair
-selection."""
+aggregation, entropy, the policy's reward from RM logits, reward-model losses, preference-pair
+selection and the mixture-of-experts load-balancing loss."""
 
 from cooper_mcore.algo.advantages import broadcast_to_tokens, group_advantages
 from cooper_mcore.algo.losses import (
@@ -15,6 +15,7 @@ from cooper_mcore.algo.losses import (
     rm_pair_losses,
     rm_pairwise_loss,
 )
+from cooper_mcore.algo.moe import aux_loss_coeff_scale, load_balancing_loss
 from cooper_mcore.algo.pairs import (
     PairSelection,
     first_positive_index,
@@ -30,12 +31,14 @@ __all__ = [
     "PairSelection",
     "PolicyLossStats",
     "aggregate",
+    "aux_loss_coeff_scale",
     "broadcast_to_tokens",
     "entropy_from_logits",
     "first_positive_index",
     "gather_by_group",
     "group_advantages",
     "kl_penalty",
+    "load_balancing_loss",
     "masked_mean",
     "masked_sum",
     "policy_loss",

@@ -16,10 +16,8 @@ What it covers (see docs/training.md, "CPU mode"):
 3. ``Tensor.type()`` string checks for ``torch.cuda.FloatTensor`` (optimizer wrappers, grad
    clipping) and ``Tensor.cuda()``: answered as if on CUDA, but only for callers inside
    ``megatron.core`` (the calling frame's module name is checked), so nothing else changes.
-4. The alltoall MoE token dispatcher (expert parallelism): its split sizes become numpy arrays
-   (which ``all_to_all_single`` takes as sequences) only when moved off a GPU; on the CPU they stay
-   tensors, which the binding refuses. ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts
-   CPU tensors too.
+4. The MoE alltoall dispatcher's split sizes (expert parallelism): tensors off CUDA, which gloo's
+   ``all_to_all_single`` rejects; ``_AllToAll`` gets them as lists.
 
 Call :func:`enable_cpu_mode` once, after importing megatron-core and before building models.
 """
@@ -48,9 +46,9 @@ import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
 import megatron.core.pipeline_parallel.schedules  # noqa: F401
 import megatron.core.tensor_parallel  # noqa: F401
 import megatron.core.transformer  # noqa: F401
-import megatron.core.transformer.moe.token_dispatcher as _dispatcher
 import torch
 from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.tensor_parallel.mappings import _AllToAll
 
 logger = logging.getLogger(__name__)
 
@@ -199,18 +197,6 @@ def _patch_rng() -> None:
     mrandom._set_cuda_rng_state = set_state
 
 
-def _patch_moe_splits() -> None:
-    orig = _dispatcher.maybe_move_tensor_to_cpu
-
-    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-        tensor = orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
-        if as_numpy and torch.is_tensor(tensor):  # a CPU tensor, which the GPU path makes numpy too
-            return tensor.numpy()
-        return tensor
-
-    _dispatcher.maybe_move_tensor_to_cpu = move
-
-
 def _proxy_megatron_modules(proxy: _TorchOnCpu) -> int:
     n = 0
     for name, mod in list(sys.modules.items()):
@@ -218,6 +204,23 @@ def _proxy_megatron_modules(proxy: _TorchOnCpu) -> int:
             mod.torch = proxy
             n += 1
     return n
+
+
+def _split_sizes(sizes: Any) -> Any:
+    """Split sizes as a list of ints (gloo's ``all_to_all_single`` takes no tensor)."""
+    return sizes.tolist() if torch.is_tensor(sizes) else sizes
+
+
+def _patch_all_to_all() -> None:
+    """The MoE alltoall dispatcher under expert parallelism keeps its split sizes as tensors when they
+    are not on CUDA (``maybe_move_tensor_to_cpu`` converts only CUDA tensors to numpy); give
+    ``_AllToAll`` lists instead."""
+    forward = _AllToAll.forward
+
+    def forward_with_lists(ctx, group, input, output_split_sizes, input_split_sizes):  # noqa: A002 (megatron's name)
+        return forward(ctx, group, input, _split_sizes(output_split_sizes), _split_sizes(input_split_sizes))
+
+    _AllToAll.forward = staticmethod(forward_with_lists)
 
 
 def enable_cpu_mode(force: bool = False) -> bool:
@@ -242,7 +245,7 @@ def enable_cpu_mode(force: bool = False) -> bool:
         return True
     _patch_rng()
     _patch_tensor_methods()
-    _patch_moe_splits()
+    _patch_all_to_all()
     _ENABLED = True
     logger.info("megatron-core CPU mode: proxied torch in %d modules", n)
     return True

@@ -32,9 +32,11 @@ def validate(cfg: CooperConfig, world_size: int) -> None:
 
     Checks the parallel layout against the world size and against the models' architectures
     (read from the checkpoints' ``cooper_model.json``: attention heads, key/value heads and the
-    vocabulary divisible by TP, layers by PP), that the batch sizes divide (prompts per step by the
-    data-parallel size; each rank's ``prompts * group_size`` sequences by ``micro_batch_size *
-    mini_batches``), the choices and ranges of the settings, and that every path the run reads
+    vocabulary divisible by TP, layers by PP; with expert parallelism both models
+    mixture-of-experts, experts divisible by EP, expert FFN size by ETP, the world by
+    etp*ep*pp), that the batch sizes divide (prompts per step by the data-parallel size; each
+    rank's ``prompts * group_size`` sequences by ``micro_batch_size * mini_batches``), the
+    choices and ranges of the settings, and that every path the run reads
     exists.
 
     Args:
@@ -162,6 +164,36 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
         if name == "model.policy_ckpt" and dtype is not None and dtype != cfg.model.dtype:
             out.append(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype} weights; convert the "
                        "checkpoint in the dtype you train in")
+        out += _expert_model_problems(name, ckpt, arch, par.ep, par.etp)
+    return out + _expert_layout_problems(par.ep, par.etp, par.pp, world_size)
+
+
+def _expert_layout_problems(ep: int, etp: int, pp: int, world_size: int) -> list[str]:
+    """The expert-parallel layout against the world size (megatron's expert groups: ``etp*ep*pp``
+    must divide it, as ``tp*pp`` does for the dense layers)."""
+    if ep < 1 or etp < 1:
+        return [f"parallel.ep and parallel.etp must be >= 1, got ep={ep} etp={etp}"]
+    if world_size % (etp * ep * pp):
+        return [f"the world size {world_size} is not divisible by the expert layout etp*ep*pp = {etp}*{ep}*{pp}"]
+    return []
+
+
+def _expert_model_problems(name: str, ckpt: str, arch: dict[str, Any], ep: int, etp: int) -> list[str]:
+    """A model's experts against ``parallel.ep``/``etp``. The policy and the reward model share the
+    layout (one ``parallel`` section), so with ``ep`` or ``etp`` > 1 both must be mixture-of-experts
+    models whose experts split evenly."""
+    if ep < 1 or etp < 1 or (ep == 1 and etp == 1):
+        return []
+    moe = arch.get("moe")
+    if not isinstance(moe, dict):
+        return [f"parallel.ep={ep} / etp={etp} need mixture-of-experts models, but {name} ({ckpt}) is dense "
+                "(the policy and the reward model share the parallel layout)"]
+    out = []
+    experts, ffn = moe.get("num_experts"), moe.get("expert_ffn_hidden_size")
+    if isinstance(experts, int) and experts % ep:
+        out.append(f"{name} ({ckpt}) has {experts} experts per sparse layer, not divisible by parallel.ep={ep}")
+    if isinstance(ffn, int) and ffn % etp:
+        out.append(f"{name} ({ckpt}) has experts of FFN size {ffn}, not divisible by parallel.etp={etp}")
     return out
 
 

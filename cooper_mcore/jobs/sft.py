@@ -58,6 +58,7 @@ from cooper_mcore.job import JobRoom, job
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import OptimConfig, build_scheduler, train_step, wrap_for_training
 from cooper_mcore.train.tokens import build_token_batch, token_logprobs
 
@@ -197,7 +198,10 @@ def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
         return logits, loss_fn
 
     mbs = batch.micro_batches(MicroBatching(micro_batch_size))
-    result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), batch.input_ids.shape[1], micro_batch_size)
+    counts = AuxLossCounts.of_shapes(float(sum(mb.loss_mask.sum() for mb in mbs)),
+                                     [tuple(mb.input_ids.shape) for mb in mbs])
+    result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), batch.input_ids.shape[1], micro_batch_size,
+                        aux_counts=counts)
     loss_sum = float(sum(r["loss"] for r in result.metrics))  # last pipeline stage only
     tokens = float(sum(r["tokens"] for r in result.metrics))
     return loss_sum, tokens, result.grad_norm

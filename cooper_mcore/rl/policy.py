@@ -24,6 +24,7 @@ from cooper_mcore.collectives import broadcast_from_last_stage
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import sequence_multiple
 from cooper_mcore.rl.results import GRPOUpdate
+from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import train_step
 from cooper_mcore.train.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
 
@@ -87,9 +88,10 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
     Requires ``calculate_per_token_loss`` (``wrap_for_training(..., per_token_loss=True)``).
 
     Returns:
-        The update's means over this rank's response tokens, its gradient norm, and whether it was
-        skipped because the loss or the gradient norm was not finite (``nonfinite``; ``grad_norm``
-        is then NaN; see :func:`~cooper_mcore.train.step.guarded_step`).
+        The update's means over this rank's response tokens, its gradient norm, the routers'
+        load-balancing loss (mixture-of-experts policies), and whether it was skipped because the
+        loss or the gradient norm was not finite (``nonfinite``; ``grad_norm`` is then NaN;
+        see :func:`~cooper_mcore.train.step.guarded_step`).
 
     Raises:
         ValueError: ``kl_coef > 0`` without reference log-probabilities.
@@ -114,8 +116,9 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
 
     mbs = batch.micro_batches(batching, sequence_multiple(ddp), parallel_state.get_data_parallel_group())
     shapes = [mb.micro.shape for mb in mbs]
+    counts = AuxLossCounts.of_shapes(float(sum(mb.loss_mask.sum() for mb in mbs)), shapes)
     result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), max(s for _, s in shapes),
-                        max(b for b, _ in shapes), variable_shapes=len(set(shapes)) > 1)
+                        max(b for b, _ in shapes), variable_shapes=len(set(shapes)) > 1, aux_counts=counts)
     values = torch.zeros(len(TERMS), dtype=torch.float64)
     if result.metrics:  # the last pipeline stage
         tokens = float(sum(r["tokens"] for r in result.metrics))
@@ -123,4 +126,5 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
                               dtype=torch.float64)
     values = broadcast_from_last_stage(values)  # every stage reports the same metrics
     means = {k: float(v) for k, v in zip(TERMS, values.tolist())}
-    return GRPOUpdate(**means, grad_norm=result.grad_norm, nonfinite=not result.updated)
+    return GRPOUpdate(**means, grad_norm=result.grad_norm, nonfinite=not result.updated,
+                      moe_aux_loss=result.moe_aux_loss)

@@ -67,6 +67,7 @@ class GRPOUpdate:
         grad_norm: the global gradient norm (NaN when the update was skipped).
         nonfinite: the update was skipped because the loss or the gradient norm was not finite
             (the same on every rank).
+        moe_aux_loss: the routers' load-balancing loss (mixture-of-experts policies), else None.
     """
 
     loss: float
@@ -76,6 +77,7 @@ class GRPOUpdate:
     entropy: float
     grad_norm: float
     nonfinite: bool
+    moe_aux_loss: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class PolicyUpdate:
         loss, kl, ratio_mean, clip_frac, entropy, grad_norm: means over the updates.
         skipped: updates skipped for a non-finite loss or gradient norm.
         lr: the learning rate after the updates (and the schedule's steps).
+        moe_aux_loss: the mean of the updates' load-balancing losses (mixture-of-experts
+            policies), else None.
     """
 
     loss: float
@@ -96,6 +100,7 @@ class PolicyUpdate:
     grad_norm: float
     skipped: int
     lr: float
+    moe_aux_loss: Optional[float] = None
 
     @classmethod
     def mean_of(cls, updates: Sequence[GRPOUpdate], lr: float) -> PolicyUpdate:
@@ -106,12 +111,16 @@ class PolicyUpdate:
         return cls(loss=mean(u.loss for u in updates), kl=mean(u.kl for u in updates),
                    ratio_mean=mean(u.ratio_mean for u in updates), clip_frac=mean(u.clip_frac for u in updates),
                    entropy=mean(u.entropy for u in updates), grad_norm=mean(u.grad_norm for u in updates),
-                   skipped=sum(u.nonfinite for u in updates), lr=lr)
+                   skipped=sum(u.nonfinite for u in updates), lr=lr,
+                   moe_aux_loss=None if updates[0].moe_aux_loss is None else mean(u.moe_aux_loss for u in updates))
 
     def to_metrics(self) -> dict[str, float]:
         """The policy keys of a metrics line, but ``skipped/nonfinite`` (:meth:`StepResult.to_metrics`)."""
-        return {K.LOSS: self.loss, K.KL: self.kl, K.RATIO_MEAN: self.ratio_mean, K.CLIP_FRAC: self.clip_frac,
-                K.ENTROPY: self.entropy, K.GRAD_NORM: self.grad_norm, K.LR: self.lr}
+        m = {K.LOSS: self.loss, K.KL: self.kl, K.RATIO_MEAN: self.ratio_mean, K.CLIP_FRAC: self.clip_frac,
+             K.ENTROPY: self.entropy, K.GRAD_NORM: self.grad_norm, K.LR: self.lr}
+        if self.moe_aux_loss is not None:
+            m[K.MOE_AUX_LOSS] = self.moe_aux_loss
+        return m
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,8 @@ class RMUpdate:
         threshold_acc: share of the pairs' rows on the right side of logit 0 (NaN without one).
         nonfinite: the update was skipped because the loss or the gradient norm was not finite.
         pair_counts: the step's pairs, counted.
+        moe_aux_loss: the routers' load-balancing loss (mixture-of-experts RMs; None when no pair
+            was valid or the RM is dense).
     """
 
     loss: float
@@ -157,12 +168,15 @@ class RMUpdate:
     threshold_acc: float
     nonfinite: bool
     pair_counts: PairCounts
+    moe_aux_loss: Optional[float] = None
 
     def to_metrics(self) -> dict[str, float]:
         """The ``rm/*`` and ``pairs/*`` keys of a metrics line."""
-        return {K.RM_LOSS: self.loss, K.RM_PAIRWISE_LOSS: self.pairwise_loss, K.RM_ANCHOR_LOSS: self.anchor_loss,
-                K.RM_PAIR_ACC: self.pair_acc, K.RM_THRESHOLD_ACC: self.threshold_acc,
-                **self.pair_counts.to_metrics()}
+        m = {K.RM_LOSS: self.loss, K.RM_PAIRWISE_LOSS: self.pairwise_loss, K.RM_ANCHOR_LOSS: self.anchor_loss,
+             K.RM_PAIR_ACC: self.pair_acc, K.RM_THRESHOLD_ACC: self.threshold_acc, **self.pair_counts.to_metrics()}
+        if self.moe_aux_loss is not None:
+            m[K.RM_MOE_AUX_LOSS] = self.moe_aux_loss
+        return m
 
 
 @dataclass(frozen=True)

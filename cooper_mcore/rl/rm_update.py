@@ -71,7 +71,7 @@ def update_reward_model(rm: ModelState, pairs: Sequence[PreferencePair], cfg: Co
                             anchor_weight=cfg.rm.anchor_weight, batching=batching)
     update = RMUpdate(loss=m["loss"], pairwise_loss=m["pairwise_loss"], anchor_loss=m["anchor_loss"],
                       pair_acc=m["pair_acc"], threshold_acc=m["threshold_acc"], nonfinite=bool(m["nonfinite"]),
-                      pair_counts=pair_counts(pairs))
+                      pair_counts=pair_counts(pairs), moe_aux_loss=m.get("moe_aux_loss"))
     if not update.nonfinite:
         rm.scheduler.step(1)
     return update

@@ -52,6 +52,7 @@ from cooper_mcore.micro_batching.runner import (
 from cooper_mcore.models.builder import RewardGPTModel
 from cooper_mcore.models.forward import forward_only, position_ids_for, run_schedule, sequence_multiple, unwrap
 from cooper_mcore.parallel import device
+from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
 
 logger = logging.getLogger(__name__)
@@ -327,7 +328,7 @@ def bce_train_step(
     Returns:
         Global metrics, the same on every rank: ``loss`` (mean BCE before the step), ``acc``
         (share of rows with ``(sigmoid(s) >= 0.5) == label``), ``mean_score``, ``num_samples``,
-        ``grad_norm``.
+        ``grad_norm``, ``nonfinite``, ``moe_aux_loss`` (mixture-of-experts RMs, else None).
     """
     batch = _as_batch(batch, "batch")
     if batch.labels is None:
@@ -374,11 +375,13 @@ def bce_train_step(
 
         return out, loss_fn
 
-    result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, micro_batch_size)
+    counts = AuxLossCounts(float(keep.sum()), index.numel() * s)
+    result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, micro_batch_size, aux_counts=counts)
     sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "score"))
     n = sums["count"]
     return {"loss": sums["loss"] / n, "acc": sums["correct"] / n, "mean_score": sums["score"] / n,
-            "num_samples": int(n), "grad_norm": result.grad_norm, "nonfinite": not result.updated}
+            "num_samples": int(n), "grad_norm": result.grad_norm, "nonfinite": not result.updated,
+            "moe_aux_loss": result.moe_aux_loss}
 
 
 def _pair_forward_step(anchor_weight: float) -> Callable:
@@ -465,7 +468,8 @@ def pairwise_train_step(
         ``s(chosen) > s(rejected)``), ``threshold_acc`` (share of the pairs' rows on the right side of
         logit 0), ``num_valid``, ``mean_chosen``, ``mean_rejected``, ``grad_norm``, ``skipped`` and
         ``nonfinite`` (the update was skipped because the loss or the gradient norm was not finite;
-        ``grad_norm`` is then NaN). Without valid pairs: ``loss`` 0.0, the others NaN / None,
+        ``grad_norm`` is then NaN), ``moe_aux_loss`` (the routers' load-balancing loss of a
+        mixture-of-experts RM, else None). Without valid pairs: ``loss`` 0.0, the others NaN / None,
         ``num_valid`` 0, ``skipped`` True, ``nonfinite`` False.
     """
     chosen, rejected = _as_batch(chosen, "chosen"), _as_batch(rejected, "rejected")
@@ -485,13 +489,14 @@ def pairwise_train_step(
         nan = float("nan")
         return {"loss": 0.0, "pairwise_loss": 0.0, "anchor_loss": 0.0, "pair_acc": nan, "threshold_acc": nan,
                 "num_valid": 0, "mean_chosen": nan, "mean_rejected": nan, "grad_norm": None, "skipped": True,
-                "nonfinite": False}
+                "nonfinite": False, "moe_aux_loss": None}
     micro = _pair_micro_batches(chosen, rejected, valid, micro_batch_size, batching or MicroBatching(micro_batch_size),
                                 sequence_multiple(ddp), _groups(ddp)[2])
 
     shapes = [mb["micro"].shape for mb in micro]
     result = train_step(ddp, optimizer, _pair_forward_step(anchor_weight), iter(micro), len(micro),
-                        max(c for _, c in shapes), max(r for r, _ in shapes), variable_shapes=len(set(shapes)) > 1)
+                        max(c for _, c in shapes), max(r for r, _ in shapes), variable_shapes=len(set(shapes)) > 1,
+                        aux_counts=AuxLossCounts.of_shapes(float(valid.sum()), shapes))
     sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "chosen", "rejected", "pairwise", "anchor",
                                               "threshold_correct"))
     n = sums["count"]
@@ -500,4 +505,5 @@ def pairwise_train_step(
             "mean_chosen": sums["chosen"] / n, "mean_rejected": sums["rejected"] / n,
             "pairwise_loss": sums["pairwise"] / n, "anchor_loss": sums["anchor"] / n,
             "threshold_acc": sums["threshold_correct"] / (2 * n),
-            "grad_norm": result.grad_norm, "skipped": False, "nonfinite": not result.updated}
+            "grad_norm": result.grad_norm, "skipped": False, "nonfinite": not result.updated,
+            "moe_aux_loss": result.moe_aux_loss}

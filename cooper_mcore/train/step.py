@@ -9,6 +9,7 @@ writes a non-finite update (:func:`guarded_step`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.router import Router
 
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.models.forward import variable_seq_lengths
+from cooper_mcore.train.moe_aux import AuxLossCounts, AuxLossScope, is_moe
 
 #: the process groups megatron's DDP and optimizer read from an explicit collection (dense and expert)
 _TRAINING_GROUPS = ("dp", "dp_cp", "tp", "pp", "ep", "mp", "expt_dp", "tp_ep_pp", "intra_dist_opt")
@@ -73,10 +76,15 @@ def wrap_for_training(
             ``(loss_sum, count, metrics)`` and gradients are divided by the total count over
             micro-batches and data-parallel ranks (a global token / pair mean). Must be set here,
             before the DDP wrapper is built (it reads the flag to drop its own ``1/dp`` scaling).
+            MoE routers keep a copy of the flag (it multiplies their aux loss by their token
+            count); theirs is set too.
     """
     config = model.config
     pgs = _training_groups(model)
     config.calculate_per_token_loss = per_token_loss
+    for module in model.modules():  # megatron's MoE routers copy the flag when built, before this
+        if isinstance(module, Router):
+            module.calculate_per_token_loss = per_token_loss
     bf16 = config.params_dtype == torch.bfloat16
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -200,11 +208,14 @@ class StepResult:
         metrics: the per-micro-batch metric dicts of the last pipeline stage (empty elsewhere).
         grad_norm: the global gradient norm; NaN when the update was skipped.
         updated: whether the optimizer updated the weights.
+        moe_aux_loss: the routers' load-balancing loss (mixture-of-experts models, the same on
+            every rank; :mod:`cooper_mcore.train.moe_aux`), else None.
     """
 
     metrics: list[dict[str, Any]]
     grad_norm: float
     updated: bool
+    moe_aux_loss: Optional[float] = None
 
 
 def train_step(
@@ -216,6 +227,7 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     variable_shapes: bool = False,
+    aux_counts: Optional[AuxLossCounts] = None,
 ) -> StepResult:
     """One optimizer step over ``num_microbatches`` micro-batches (gradient accumulation).
 
@@ -230,11 +242,15 @@ def train_step(
         seq_length / micro_batch_size: the micro-batches' shape (the largest, with ``variable_shapes``).
         variable_shapes: the micro-batches differ in shape (micro-batches by a token budget):
             pipeline stages then exchange each activation's shape first.
+        aux_counts: this rank's loss units and routed tokens, which weigh the routers'
+            load-balancing loss of a mixture-of-experts model trained with per-token loss
+            (:class:`~cooper_mcore.train.moe_aux.AuxLossScope`); needed there, ignored for dense models.
     """
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    with variable_seq_lengths(ddp, variable_shapes):
+    aux = AuxLossScope(ddp, aux_counts, num_microbatches) if is_moe(ddp) else contextlib.nullcontext()
+    with aux, variable_seq_lengths(ddp, variable_shapes):
         metrics = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=microbatches,
@@ -248,7 +264,7 @@ def train_step(
     loss_finite = all(bool(torch.isfinite(torch.as_tensor(m["loss"])).all())
                       for m in metrics if isinstance(m, dict) and "loss" in m)
     updated, grad_norm = guarded_step(optimizer, loss_finite)
-    return StepResult(metrics, grad_norm, updated)
+    return StepResult(metrics, grad_norm, updated, aux.value if isinstance(aux, AuxLossScope) else None)
 
 
 @torch.no_grad()

@@ -200,3 +200,39 @@ def test_cooper_train_reports_all_problems_before_any_work(paths, tmp_path, capl
     assert "  - reward.mode must be one of ('rule', 'static_rm', 'cooper'), got 'nope'" in caplog.text
     assert "  - model.rm_ckpt: '/missing' does not exist" in caplog.text
     assert not out.exists()
+
+
+def _moe_ckpt(path, experts=8, expert_ffn=32):
+    ckpt = _ckpt(path)
+    meta_path = os.path.join(ckpt, "cooper_model.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["arch"]["moe"] = {"num_experts": experts, "experts_per_token": 2, "expert_ffn_hidden_size": expert_ffn}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    return ckpt
+
+
+def test_expert_parallel_layout(paths, tmp_path):
+    """ep/etp against the world size and both models: the policy and the RM share the layout, so a dense
+    RM under ep > 1 is named; experts must split over ep, the expert FFN over etp."""
+    moe = {**paths, "model.policy_ckpt": _moe_ckpt(tmp_path / "moe_policy"),
+           "model.rm_ckpt": _moe_ckpt(tmp_path / "moe_rm")}
+    assert config_problems(_cfg(moe, "parallel.ep=2"), 2) == []
+    assert config_problems(_cfg(moe, "parallel.ep=4", "parallel.etp=2"), 8) == []
+    assert config_problems(_cfg(moe, "parallel.ep=4"), 2) == [
+        "the world size 2 is not divisible by the expert layout etp*ep*pp = 1*4*1"]
+    odd = {**moe, "model.policy_ckpt": _moe_ckpt(tmp_path / "odd", experts=6, expert_ffn=33)}
+    pol = f"model.policy_ckpt ({odd['model.policy_ckpt']}) has"
+    assert config_problems(_cfg(odd, "parallel.ep=4", "parallel.etp=2", "train.prompts_per_step=8"), 8) == [
+        f"{pol} 6 experts per sparse layer, not divisible by parallel.ep=4",
+        f"{pol} experts of FFN size 33, not divisible by parallel.etp=2"]
+    dense_rm = {**moe, "model.rm_ckpt": paths["model.rm_ckpt"]}
+    assert config_problems(_cfg(dense_rm, "parallel.ep=2"), 2) == [
+        f"parallel.ep=2 / etp=1 need mixture-of-experts models, but model.rm_ckpt ({paths['model.rm_ckpt']}) is "
+        "dense (the policy and the reward model share the parallel layout)"]
+    # rule mode does not read the RM; a dense policy is refused all the same
+    assert config_problems(_cfg(dense_rm, "parallel.ep=2", "reward.mode=rule"), 2) == []
+    assert len(config_problems(_cfg(paths, "parallel.ep=2", "reward.mode=rule"), 2)) == 1
+    assert config_problems(_cfg(moe, "parallel.ep=0"), 2) == [
+        "parallel.ep and parallel.etp must be >= 1, got ep=0 etp=1"]

@@ -1,0 +1,79 @@
+"""Worker: one GRPO update of a tiny Qwen3-MoE policy (the trainer's ``policy_update``, distributed
+optimizer) and one pairwise update of a tiny Qwen3-MoE reward model (plain optimizer, so that every
+rank keeps its full reduced gradients) at an expert-parallel size, with the same data on each
+data-parallel rank whatever the layout. Every rank saves its parameters (updated) and the RM's
+gradients under global names (expert numbers with the rank's expert offset), and the step metrics.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from cooper_mcore.checkpoint.model import load_checkpoint_model
+from cooper_mcore.micro_batching.runner import MicroBatching
+from cooper_mcore.models.hf_mapping import canonical_mcore_name
+from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
+from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.train.reward_model import RMBatch, pairwise_train_step, wrap_reward_model
+from cooper_mcore.train.step import OptimConfig, wrap_for_training
+from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
+
+
+def global_names(model, tensors) -> dict[str, torch.Tensor]:
+    """``{global name: tensor.clone()}`` of ``tensors(param)`` for every parameter of this rank."""
+    local = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+    offset = parallel_state.get_expert_model_parallel_rank() * local
+    return {canonical_mcore_name(n, expert_offset=offset): tensors(p).detach().clone().cpu()
+            for n, p in model.named_parameters()}
+
+
+def policy(args, parallel: ParallelConfig, rank: int) -> dict:
+    g = torch.Generator().manual_seed(100 + rank)  # this data-parallel rank's rows, the same at every EP
+    model, arch = load_checkpoint_model(args.policy, parallel)
+    ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=True),
+                                 per_token_loss=True)
+    prompts = [torch.randint(1, arch.vocab_size, (int(n),), generator=g).tolist() for n in (3, 5, 4, 2)]
+    responses = [torch.randint(1, arch.vocab_size, (int(n),), generator=g).tolist() for n in (4, 2, 6, 3)]
+    batch = build_token_batch(prompts, responses, pad_id=0)
+    batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    noise = 0.1 * torch.randn(batch.input_ids.shape, generator=g)
+    batch.old_logp = compute_logprobs(model, batch, MicroBatching(2)) + noise
+    initial = global_names(model, lambda p: p)
+    m = policy_update(ddp, opt, batch, MicroBatching(2), GRPOLoss(clip_low=0.2, clip_high=0.2))
+    return {"policy_params": global_names(model, lambda p: p), "policy_initial": initial, "policy_loss": m.loss,
+            "policy_grad_norm": m.grad_norm, "policy_aux": m.moe_aux_loss}
+
+
+def reward_model(args, parallel: ParallelConfig, rank: int) -> dict:
+    g = torch.Generator().manual_seed(200 + rank)
+    rm, arch = load_checkpoint_model(args.rm, parallel)
+    ddp, opt = wrap_reward_model(rm, OptimConfig(lr=1e-3, clip_grad=0.0, distributed_optimizer=False))
+    ids = torch.randint(1, arch.vocab_size, (6, 12), generator=g)
+    lengths = torch.tensor([12, 9, 7, 12, 10, 5])
+    chosen, rejected = RMBatch(ids[:3], lengths[:3]), RMBatch(ids[3:], lengths[3:])
+    m = pairwise_train_step(ddp, opt, chosen, rejected, torch.ones(3, dtype=torch.bool), 2)
+    return {"rm_grads": global_names(rm, lambda p: p.main_grad), "rm_loss": m["loss"],
+            "rm_grad_norm": m["grad_norm"], "rm_aux": m["moe_aux_loss"]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--policy", required=True)
+    p.add_argument("--rm", required=True)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    parallel = ParallelConfig(ep=args.ep)
+    init_distributed(parallel)
+    rank = dist.get_rank()
+    result = {"rank": rank, "ep": parallel_state.get_expert_model_parallel_world_size()}
+    result.update(policy(args, parallel, parallel_state.get_data_parallel_rank()))
+    result.update(reward_model(args, parallel, parallel_state.get_data_parallel_rank()))
+    torch.save(result, f"{args.out}.{rank}")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
