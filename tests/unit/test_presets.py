@@ -10,6 +10,7 @@ placeholders (``/models/...``), so validation runs with those paths pointed at e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -25,7 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "examples").glob("*.yaml"))
 CONFIGS = ROOT / "examples" / "model_configs"
 POLICY_CONFIGS = {"Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b-instruct", "Llama-3.2-1B-Instruct": "llama-3.2-1b-instruct",
-                  "Qwen2.5-7B-Instruct": "qwen2.5-7b-instruct"}
+                  "Qwen2.5-7B-Instruct": "qwen2.5-7b-instruct", "Qwen3-30B-A3B": "qwen3-30b-a3b"}
+# the RM each policy's preset trains: VerifyRM (Qwen2.5-Math-1.5B's shape) unless named here
+RM_CONFIGS = {"Qwen3-30B-A3B": "qwen3-4b"}
+RM_SHAPES = {"Qwen3-30B-A3B": "verifyrm-qwen3-4b"}
 HEADROOM = 0.10  # of the GPU left free by the predicted peak: the planner's figures are estimates, not measured
 PATH_FIELDS = [("model", "policy_ckpt"), ("model", "policy_hf"), ("model", "rm_ckpt"),
                ("data", "train_path"), ("data", "eval_path")]
@@ -41,6 +45,13 @@ REAL_CONFIGS = {
     "Llama-3.2-1B-Instruct": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
                                   num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                                   head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True),
+    "verifyrm-qwen3-4b": dict(architectures=["Qwen3ForSequenceClassification"], num_labels=1, hidden_size=2560,
+                              intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                              num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     # VerifyRM: Qwen2ForSequenceClassification(num_labels=1) on Qwen2.5-Math-1.5B-Instruct
     "verifyrm": dict(architectures=["Qwen2ForSequenceClassification"], num_labels=1, hidden_size=1536,
                      intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -107,11 +118,14 @@ def test_cluster_preset_layout_fits_its_models(preset):
     cfg = load_config(str(preset))
     policy = Path(cfg.model.policy_hf).name
     assert policy in REAL_CONFIGS, f"{preset.name}: no recorded shape for {policy}"
-    parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+    parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
                               sequence_parallel=cfg.parallel.sequence_parallel)
-    for name in (policy, "verifyrm"):
+    for name in (policy, RM_SHAPES.get(policy, "verifyrm")):
         arch = ArchSpec.from_hf_config(dict(REAL_CONFIGS[name]))
-        config = transformer_config(arch, parallel, torch.bfloat16, init_weights=False)
+        # a dense RM next to an MoE policy has no experts: only its TP/PP apply (the builder still
+        # refuses ep > 1 for a dense model; rl/setup.py must pass ep=etp=1 for it, docs/moe.md)
+        layout = parallel if arch.moe is not None else dataclasses.replace(parallel, ep=1, etp=1)
+        config = transformer_config(arch, layout, torch.bfloat16, init_weights=False)
         assert config.num_layers // parallel.pp * parallel.pp == config.num_layers
     assert cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "sglang"
     assert cfg.model.policy_hf.startswith("/models/"), "model paths are the documented placeholders"
@@ -206,13 +220,14 @@ def test_preset_fits_its_gpus_with_its_colocated_assistant(preset, capsys):
 
     cfg = load_config(str(preset))
     policy = POLICY_CONFIGS[Path(cfg.model.policy_hf).name]
+    rm = RM_CONFIGS.get(Path(cfg.model.policy_hf).name, "qwen2.5-1.5b-instruct")
     nodes, per_node, gib = launch_line(preset)
     assert gib > 0, f"{preset.name}: the launch line states no GPU memory"
     for n in nodes:
         # VerifyRM's backbone (Qwen2.5-Math-1.5B-Instruct) has Qwen2.5-1.5B-Instruct's shape
         assert main(["plan", "--config", str(preset), "--nodes", str(n), "--gpus-per-node", str(per_node),
                      "--gpu-memory-gib", str(gib), "--policy-config", str(CONFIGS / f"{policy}.json"),
-                     "--rm-config", str(CONFIGS / "qwen2.5-1.5b-instruct.json"), "--json"]) == 0
+                     "--rm-config", str(CONFIGS / f"{rm}.json"), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         peak = doc["as_configured"]["peak"]
         assert doc["fits"] is True and doc["needed_overrides"] == {}, (n, peak, doc["as_configured"]["problems"])
