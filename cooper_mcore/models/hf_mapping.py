@@ -172,6 +172,13 @@ def to_hf(m: ParamMapping, tensor: torch.Tensor, arch: ArchSpec) -> list[torch.T
     return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
 
 
+def is_expert_param(name: str) -> bool:
+    """Whether a live model's parameter is a ``SequentialMLP`` expert's weight (split over the
+    expert-parallel group, numbered locally)."""
+    match = _LAYER_RE.match(canonical_mcore_name(name))
+    return bool(match and _LOCAL_EXPERT_RE.match(match.group(2)))
+
+
 def canonical_mcore_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
     """Map a live model's parameter name to the mapping's name.
 

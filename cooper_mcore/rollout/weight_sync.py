@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -32,7 +33,7 @@ from megatron.core import parallel_state
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.forward import unwrap
-from cooper_mcore.models.hf_mapping import canonical_mcore_name, param_mappings, to_hf
+from cooper_mcore.models.hf_mapping import canonical_mcore_name, is_expert_param, param_mappings, to_hf
 from cooper_mcore.rollout.base import RolloutEngine, bucketize
 from cooper_mcore.rollout.sglang_payload import gather_rank_payloads, rank_payload
 
@@ -47,7 +48,8 @@ def layer_offset(model: torch.nn.Module) -> int:
 
 def _gather_tp(name: str, param: torch.Tensor, tp_group, everywhere: bool = False) -> Optional[torch.Tensor]:
     """The full tensor of a (possibly) tensor-parallel parameter, on TP rank 0 (None elsewhere), or
-    on every TP rank when ``everywhere``."""
+    on every TP rank when ``everywhere``. ``tp_group`` is the group the parameter is split over (the
+    expert tensor-parallel group for experts)."""
     tp = dist.get_world_size(tp_group)
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
@@ -60,101 +62,115 @@ def _gather_tp(name: str, param: torch.Tensor, tp_group, everywhere: bool = Fals
         dist.gather(param.detach().contiguous(), shards, dst=root, group=tp_group)
         if shards is None:
             return None
-    if name.endswith("mlp.linear_fc1.weight"):  # each shard is [gate_r; up_r]
+    if name.endswith(".linear_fc1.weight"):  # each shard is [gate_r; up_r]
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=param.partition_dim)
 
 
-def gathered_params(model: torch.nn.Module, tp_group, pp_group,
-                    every_tp_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_experts(name: str, param: torch.Tensor, ep_group, etp_group) -> list[torch.Tensor]:
+    """One local expert weight's full tensor from every EP rank, in EP-rank order, on every rank.
+
+    Expert weights are split over the expert-parallel group (whole experts) and, within one expert,
+    over the expert tensor-parallel group, not the TP group. Every EP rank may be some data-parallel
+    replica's first rank (at TP=PP=1 each rank is a replica), so the experts are all-gathered.
+    """
+    full = _gather_tp(name, param, etp_group, everywhere=True)
+    ep = dist.get_world_size(ep_group)
+    if ep == 1:
+        return [full]
+    out = [torch.empty_like(full) for _ in range(ep)]
+    dist.all_gather(out, full.contiguous(), group=ep_group)
+    return out
+
+
+@dataclass(frozen=True)
+class _Local:
+    """One parameter of this stage and the global names of the full tensors it gathers into.
+
+    Attributes:
+        param: the local parameter (a shard).
+        names: one mapping name, or for an expert weight one per EP rank (global expert numbers).
+        shape: the full tensor's shape (each of ``names``).
+        expert: whether it is an expert weight (gathered over EP/ETP, not TP).
+    """
+
+    param: torch.Tensor
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    expert: bool
+
+
+def _local_params(inner: torch.nn.Module, tp: int, ep: int, etp: int) -> list[_Local]:
+    """This stage's parameters with their global names and full shapes (no collectives)."""
+    offset = layer_offset(inner)
+    local_experts = (inner.config.num_moe_experts or 0) // ep
+    out = []
+    for n, p in inner.named_parameters():
+        if is_expert_param(n):
+            names = tuple(canonical_mcore_name(n, offset, r * local_experts) for r in range(ep))
+            out.append(_Local(p, names, _full_shape(p, etp), True))
+        else:
+            out.append(_Local(p, (canonical_mcore_name(n, offset),), _full_shape(p, tp), False))
+    return out
+
+
+def gathered_params(model: torch.nn.Module, tp_group, pp_group, every_tp_rank: bool = False,
+                    ep_group=None, etp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(mapping name, full tensor)`` of every parameter of the whole pipeline, on the
     replica's first rank (on every TP rank of the first stage with ``every_tp_rank``); other ranks
     take part in the collectives and yield nothing.
 
     TP shards are gathered to TP rank 0 of each stage (all-gathered with ``every_tp_rank``); the
+    experts of a mixture-of-experts layer are all-gathered over the expert tensor-parallel and then
+    the expert-parallel group (:func:`_gather_experts`), named with global expert numbers. The
     stages' TP-rank-0 processes (every TP rank's) then broadcast along their pipeline group, which
-    contains the first stage's rank of the same TP rank. A mixture-of-experts model's expert
-    parameters are all-gathered over the expert-parallel group first (one parameter at a time):
-    a replica holds only its EP rank's experts, the engine needs all of them.
+    contains the first stage's rank of the same TP rank.
+
+    Args:
+        ep_group / etp_group: the expert-parallel and expert tensor-parallel groups; needed when the
+            model has experts.
     """
     inner = unwrap(model)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     tp_root = every_tp_rank or dist.get_rank(tp_group) == 0
     receiver = tp_root and pp_rank == 0
-    experts = _ExpertGather(inner)
-    local = experts.entries(inner, layer_offset(inner))
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    etp = dist.get_world_size(etp_group) if etp_group is not None else 1
+    local = _local_params(inner, dist.get_world_size(tp_group), ep, etp)
+    assert ep_group is not None or not any(x.expert for x in local), "a model with experts needs ep_group"
     pp_ranks = dist.get_process_group_ranks(pp_group)
-    tp = dist.get_world_size(tp_group)
     device = next(inner.parameters()).device
     for stage in range(pp_size):
-        if stage == pp_rank:  # this stage's parameters: gather TP shards to TP rank 0
-            meta = [[(n, _full_shape(p, tp if slot is None else 1), p.dtype) for n, p, slot in local]]
+        if stage == pp_rank:
+            meta = [[(x.names, x.shape, x.param.dtype) for x in local]]
         else:
             meta = [None]
         if pp_size > 1 and tp_root:
             dist.broadcast_object_list(meta, src=pp_ranks[stage], group=pp_group)
         if stage != pp_rank and not tp_root:
             continue  # only TP rank 0 of each stage joins the pipeline broadcasts
-        for i, (name, shape, dtype) in enumerate(meta[0]):
-            full = None
+        for i, (names, shape, dtype) in enumerate(meta[0]):
+            fulls: list[Optional[torch.Tensor]] = [None] * len(names)
             if stage == pp_rank:
-                _, param, slot = local[i]
-                full = (_gather_tp(name, param, tp_group, every_tp_rank) if slot is None
-                        else experts.gather(param, slot))
+                x = local[i]
+                fulls = (_gather_experts(names[0], x.param, ep_group, etp_group) if x.expert
+                         else [_gather_tp(names[0], x.param, tp_group, every_tp_rank)])
             if not tp_root:
                 continue
-            if full is None:
-                full = torch.empty(shape, dtype=dtype, device=device)
-            assert tuple(full.shape) == shape, (name, full.shape, shape)
-            if pp_size > 1:
-                full = full.contiguous()
-                dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
-            if receiver:
-                yield name, full
-
-
-class _ExpertGather:
-    """The expert parameters of a stage over its expert-parallel group (expert TP of 1).
-
-    Each local expert parameter stands for ``ep`` entries, one per EP rank, in rank order; the
-    first entry all-gathers the parameter and the rest read the gathered copies.
-    """
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        config = getattr(inner, "config", None)
-        self.num_experts = getattr(config, "num_moe_experts", None) or 0
-        self.group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
-        self.ep = dist.get_world_size(self.group) if self.num_experts and self.group is not None else 1
-        if self.num_experts and getattr(config, "expert_tensor_parallel_size", 1) != 1:
-            raise ValueError("weight sync of expert parameters needs parallel.etp=1, got "
-                             f"{config.expert_tensor_parallel_size}")
-        self._gathered: list[torch.Tensor] = []
-
-    def entries(self, inner: torch.nn.Module, offset: int) -> list[tuple[str, torch.Tensor, Optional[int]]]:
-        """``(mapping name, local parameter, EP rank or None for a non-expert parameter)``."""
-        local_experts = self.num_experts // self.ep if self.num_experts else 0
-        out: list[tuple[str, torch.Tensor, Optional[int]]] = []
-        for n, p in inner.named_parameters():
-            if self.ep == 1 or ".local_experts." not in n:
-                out.append((canonical_mcore_name(n, offset), p, None))
-                continue
-            out += [(canonical_mcore_name(n, offset, k * local_experts), p, k) for k in range(self.ep)]
-        return out
-
-    def gather(self, param: torch.Tensor, slot: int) -> torch.Tensor:
-        """EP rank ``slot``'s copy of ``param`` (collective over the EP group at ``slot == 0``)."""
-        if slot == 0:
-            self._gathered = [torch.empty_like(param) for _ in range(self.ep)]
-            dist.all_gather(self._gathered, param.detach().contiguous(), group=self.group)
-        full = self._gathered[slot]
-        if slot == self.ep - 1:
-            self._gathered = []
-        return full
+            for name, full in zip(names, fulls):
+                if full is None:
+                    full = torch.empty(shape, dtype=dtype, device=device)
+                assert tuple(full.shape) == shape, (name, full.shape, shape)
+                if pp_size > 1:
+                    full = full.contiguous()
+                    dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
+                if receiver:
+                    yield name, full
 
 
 def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
-    """Shape of a parameter once its tensor-parallel shards are gathered."""
+    """Shape of a parameter once its shards over a tensor-parallel group of size ``tp`` are gathered."""
     shape = list(param.shape)
     if tp > 1 and getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp
@@ -162,12 +178,17 @@ def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
 
 
 def hf_named_tensors(
-    model: torch.nn.Module, arch: ArchSpec, tp_group, pp_group, every_tp_rank: bool = False
+    model: torch.nn.Module, arch: ArchSpec, tp_group, pp_group, every_tp_rank: bool = False,
+    ep_group=None, etp_group=None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for the whole model on the replica's first rank (every TP rank of
-    the first stage with ``every_tp_rank``)."""
+    the first stage with ``every_tp_rank``). ``ep_group``/``etp_group``: the expert groups (a
+    mixture-of-experts model; default megatron-core's)."""
+    if arch.moe is not None:
+        ep_group = ep_group or parallel_state.get_expert_model_parallel_group()
+        etp_group = etp_group or parallel_state.get_expert_tensor_parallel_group()
     by_name = {m.mcore: m for m in param_mappings(arch)}
-    for name, full in gathered_params(model, tp_group, pp_group, every_tp_rank):
+    for name, full in gathered_params(model, tp_group, pp_group, every_tp_rank, ep_group, etp_group):
         m = by_name.get(name)
         if m is None:
             if name == "output_layer.weight" and arch.tie_word_embeddings:
@@ -185,6 +206,8 @@ def sync_weights(
     tp_group=None,
     pp_group=None,
     per_tp_rank: bool = False,
+    ep_group=None,
+    etp_group=None,
 ) -> dict[str, float]:
     """Push the model's weights into ``engine`` (given on the replica's first rank only).
 
@@ -195,6 +218,8 @@ def sync_weights(
         version: the new weight version.
         bucket_bytes: size of the buckets handed to the engine.
         tp_group / pp_group: the model's groups; default: megatron-core's global groups.
+        ep_group / etp_group: the expert-parallel and expert tensor-parallel groups of a
+            mixture-of-experts model; default: megatron-core's.
         per_tp_rank: one payload per TP rank, made on that rank's device (an engine with
             ``update_weights_from_payloads`` and the model's TP size: SGLang on the same GPUs);
             ignored at TP=1.
@@ -219,7 +244,7 @@ def sync_weights(
     receiver = dist.get_rank(pp_group) == 0 and (per_tp_rank or first)
 
     def counted():
-        for name, t in hf_named_tensors(model, arch, tp_group, pp_group, every_tp_rank=per_tp_rank):
+        for name, t in hf_named_tensors(model, arch, tp_group, pp_group, per_tp_rank, ep_group, etp_group):
             stats["bytes"] += t.numel() * t.element_size()
             yield name, t
 

@@ -17,6 +17,7 @@ from cooper_mcore.models.hf_mapping import (
     ParamMapping,
     canonical_mcore_name,
     hf_shapes,
+    is_expert_param,
     moe_mappings,
     param_mappings,
     to_hf,
@@ -162,6 +163,15 @@ def test_canonical_name_adds_the_expert_offset():
     assert canonical_mcore_name(name, layer_offset=2, expert_offset=4) == \
         "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
     assert canonical_mcore_name("decoder.layers.0.mlp.router.weight", 0, 4) == "decoder.layers.0.mlp.router.weight"
+
+
+def test_is_expert_param_picks_the_sequential_mlp_experts():
+    """The weight sync gathers these over the expert groups instead of TP."""
+    assert is_expert_param("module.decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight")
+    assert is_expert_param("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight")
+    for name in ("decoder.layers.0.mlp.router.weight", "decoder.layers.3.mlp.linear_fc1.weight",
+                 "decoder.layers.0.pre_mlp_layernorm.weight", "embedding.word_embeddings.weight"):
+        assert not is_expert_param(name), name
 
 
 def test_dense_arch_has_no_moe_mappings():
