@@ -152,6 +152,8 @@ class MetricKey:
                                    "rows of the step (the last batch of an epoch may be short)")
     RM_TRAIN_GRAD_NORM = _define("rm_train/grad_norm", "verify_rm", _EVERY,
                                  "global gradient norm before clipping (NaN for a skipped update)")
+    RM_TRAIN_MOE_AUX_LOSS = _define("rm_train/moe_aux_loss", "verify_rm", _MOE,
+                                    "the RM routers' load-balancing loss, as `moe_aux_loss`")
     RM_TRAIN_NONFINITE = _define("rm_train/nonfinite", "verify_rm", _EVERY,
                                  "1 when the update was skipped for a non-finite loss or gradient norm")
     RM_TRAIN_LR = _define("rm_train/lr", "verify_rm", _EVERY, "the learning rate (constant)")

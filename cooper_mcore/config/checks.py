@@ -146,6 +146,8 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
                 out.append(f"{per_rank} sequences per data-parallel rank (prompts_per_step {t.prompts_per_step} / "
                            f"dp {dp} * group_size {cfg.rollout.group_size}) are not divisible by "
                            f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
+    if cfg.model.moe_aux_loss_coef is not None and cfg.model.moe_aux_loss_coef < 0:
+        out.append(f"model.moe_aux_loss_coef must be >= 0, got {cfg.model.moe_aux_loss_coef}")
     models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
     if _uses_rm(cfg):
         models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
@@ -165,6 +167,9 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
             out.append(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype} weights; convert the "
                        "checkpoint in the dtype you train in")
         out += _expert_model_problems(name, ckpt, arch, par.ep, par.etp)
+        if isinstance(arch.get("moe"), dict) and par.tp > 1 and not par.sequence_parallel:
+            out.append(f"{name} ({ckpt}) is a mixture-of-experts model: parallel.tp={par.tp} needs "
+                       "parallel.sequence_parallel=true (megatron's MoE layer refuses to train without it)")
     return out + _expert_layout_problems(par.ep, par.etp, par.pp, world_size)
 
 

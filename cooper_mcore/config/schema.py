@@ -89,6 +89,9 @@ class ModelConfig:
     """Parameter dtype of both models; the checkpoints must hold it."""
     trust_remote_code: bool = False
     """Let transformers run Python code shipped with a model folder (off: that code is untrusted)."""
+    moe_aux_loss_coef: Optional[float] = None
+    """Weight of the routers' load-balancing loss of mixture-of-experts models (policy and RM, >= 0);
+    unset: each checkpoint's HF ``router_aux_loss_coef``."""
 
 
 @dataclass

@@ -386,10 +386,13 @@ def _train_epoch(run: _RMRun, epoch: int, steps_per_epoch: int) -> list[dict[str
 
 def _train_line(m: dict[str, Any], epoch: float, lr: float, seconds: float) -> dict[str, float]:
     """A training step's ``metrics.jsonl`` line."""
-    return {K.RM_TRAIN_LOSS: m["loss"], K.RM_TRAIN_ACC: m["acc"], K.RM_TRAIN_MEAN_SCORE: m["mean_score"],
+    line = {K.RM_TRAIN_LOSS: m["loss"], K.RM_TRAIN_ACC: m["acc"], K.RM_TRAIN_MEAN_SCORE: m["mean_score"],
             K.RM_TRAIN_NUM_SAMPLES: m["num_samples"], K.RM_TRAIN_GRAD_NORM: m["grad_norm"],
             K.RM_TRAIN_NONFINITE: float(m["nonfinite"]), K.RM_TRAIN_LR: lr, K.RM_TRAIN_SECONDS: seconds,
             K.RM_EPOCH: epoch}
+    if m.get("moe_aux_loss") is not None:
+        line[K.RM_TRAIN_MOE_AUX_LOSS] = m["moe_aux_loss"]
+    return line
 
 
 def _evaluate(run: _RMRun, epoch: float) -> None:

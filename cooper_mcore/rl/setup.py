@@ -34,6 +34,7 @@ from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
 from cooper_mcore.train.model_state import ModelState
+from cooper_mcore.train.moe_aux import set_aux_loss_coef
 from cooper_mcore.train.offload import ModelOffloader, ReferenceSwap
 from cooper_mcore.train.step import OptimConfig, build_scheduler, wrap_for_training
 from cooper_mcore.types import Prompt
@@ -128,6 +129,8 @@ def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Option
     if tokenizer is not None:  # before the load: no IndexError in a forward
         check_tokenizer_fits(tokenizer, ckpt_arch.vocab_size, ckpt)
     module, arch = load_checkpoint_model(ckpt, cfg.parallel)
+    if cfg.model.moe_aux_loss_coef is not None and arch.moe is not None:
+        set_aux_loss_coef(module, cfg.model.moe_aux_loss_coef)
     ddp = optimizer = scheduler = None
     if optim is not None:
         ddp, optimizer = wrap_for_training(module, _optim(optim), per_token_loss=True)

@@ -66,6 +66,20 @@ def clear_tracker() -> None:
     get_moe_layer_wise_logging_tracker().clear()
 
 
+def set_aux_loss_coef(model: torch.nn.Module, coef: float) -> None:
+    """Give a mixture-of-experts model's routers the load-balancing weight ``coef`` (they read it
+    from the model's config at every forward; the builder set HF's ``router_aux_loss_coef``).
+
+    Raises:
+        ValueError: ``model`` is dense, or ``coef`` is negative.
+    """
+    if not is_moe(model):
+        raise ValueError("model.moe_aux_loss_coef is set but the model has no mixture-of-experts layers")
+    if coef < 0:
+        raise ValueError(f"model.moe_aux_loss_coef must be >= 0, got {coef}")
+    unwrap(model).config.moe_aux_loss_coeff = float(coef)
+
+
 class AuxLossScope:
     """``with AuxLossScope(ddp, counts, n) as aux: <the step>``; then ``aux.value`` is the step's aux loss.
 

@@ -60,6 +60,9 @@ def test_policy_and_rm_steps_at_ep2_equal_ep1(moe_ckpts, tmp_path):
         for key in ("policy_loss", "policy_grad_norm", "policy_aux", "rm_loss", "rm_grad_norm", "rm_aux"):
             assert a[key] is not None and b[key] == pytest.approx(a[key], rel=1e-5), key
         assert a["policy_aux"] > 0 and a["rm_aux"] > 0
+    for r in ep1 + ep2:  # expert weights have their own DDP buffers only under EP; offload moves them too
+        assert bool(r["expert_buffers"]) == (r["ep"] > 1) and r["round_trip_equal"]
+        assert r["param_bytes"] >= r["model_bytes"] and r["offloaded_bytes"] == 0
     p1, p2 = _merged(ep1, "policy_params"), _merged(ep2, "policy_params")
     assert p1.keys() == p2.keys() and sum("local_experts" in k for k in p1) == 3 * 8 * 2
     for name in p1:

@@ -235,5 +235,9 @@ def test_expert_parallel_layout(paths, tmp_path):
     # rule mode does not read the RM; a dense policy is refused all the same
     assert config_problems(_cfg(dense_rm, "parallel.ep=2", "reward.mode=rule"), 2) == []
     assert len(config_problems(_cfg(paths, "parallel.ep=2", "reward.mode=rule"), 2)) == 1
+    assert config_problems(_cfg(moe, "parallel.tp=2", "parallel.sequence_parallel=true"), 2) == []
+    assert config_problems(_cfg(moe, "parallel.tp=2", "reward.mode=rule"), 2) == [
+        f"model.policy_ckpt ({moe['model.policy_ckpt']}) is a mixture-of-experts model: parallel.tp=2 needs "
+        "parallel.sequence_parallel=true (megatron's MoE layer refuses to train without it)"]
     assert config_problems(_cfg(moe, "parallel.ep=0"), 2) == [
         "parallel.ep and parallel.etp must be >= 1, got ep=0 etp=1"]

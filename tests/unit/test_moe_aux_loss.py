@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, switch_load_balancing_loss_func
+from megatron.core.transformer.moe.router import Router
 
 from cooper_mcore.algo import aux_loss_coeff_scale, load_balancing_loss
 from cooper_mcore.models.arch import ArchSpec
@@ -20,7 +21,7 @@ from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.models.tiny import tiny_hf_config
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 from cooper_mcore.train import moe_aux
-from cooper_mcore.train.moe_aux import AuxLossCounts
+from cooper_mcore.train.moe_aux import AuxLossCounts, set_aux_loss_coef
 from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
 
 # fp32 sums of a few hundred terms in another order: a few ulps
@@ -129,3 +130,32 @@ def test_reported_aux_loss_equals_hand_computation(moe_world, monkeypatch):
     assert sum(per_layer) == pytest.approx(result.moe_aux_loss, rel=1e-6)
     assert per_layer[-1] == 0.0  # the dense last layer has no router
     assert not get_moe_layer_wise_logging_tracker()  # cleared after the step: the next model starts empty
+
+
+def test_config_coefficient_reaches_the_routers(moe_world):
+    """``model.moe_aux_loss_coef`` (``set_aux_loss_coef``) is the weight every router reads (the
+    step's scope scales and restores it from there); refused for a dense model and below 0."""
+    arch = moe_world
+    model = build_model(arch, ParallelConfig(), use_te=False)
+    set_aux_loss_coef(model, 3 * COEF)
+    assert all(r.get_aux_loss_coeff("aux_loss") == 3 * COEF for r in _routers(model))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        set_aux_loss_coef(model, -1.0)
+    dense = build_model(ArchSpec.from_hf_config(tiny_hf_config("qwen3").to_dict()), ParallelConfig(), use_te=False)
+    with pytest.raises(ValueError, match="no mixture-of-experts"):
+        set_aux_loss_coef(dense, 0.1)
+
+
+def _routers(model: torch.nn.Module) -> list[Router]:
+    return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def test_a_per_token_moe_step_without_counts_is_refused(moe_world):
+    """Without the step's counts the aux weight would be megatron's routed tokens / loss count: refused,
+    and the coefficient and the tracker are left as they were."""
+    model = build_model(moe_world, ParallelConfig(), use_te=False)
+    ddp, opt = wrap_for_training(model, OptimConfig(lr=0.0), per_token_loss=True)
+    ids = torch.randint(1, moe_world.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="aux_counts"):
+        train_step(ddp, opt, lambda it, m: None, iter([ids]), 1, 8, 2)
+    assert model.config.moe_aux_loss_coeff == COEF and not get_moe_layer_wise_logging_tracker()

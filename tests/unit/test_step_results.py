@@ -4,6 +4,7 @@ is a field that the schedule and the loop read."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from types import SimpleNamespace
@@ -69,6 +70,18 @@ def test_a_policy_update_is_the_mean_of_its_mini_batch_updates():
     assert (u.loss, u.clip_frac, u.grad_norm, u.ratio_mean, u.skipped, u.lr) == (2.0, 1.0, 3.0, 1.0, 0, 0.1)
     skipped = PolicyUpdate.mean_of([_grpo(1.0, 2.0, False), _grpo(3.0, math.nan, True)], lr=0.1)
     assert skipped.skipped == 1 and math.isnan(skipped.grad_norm) and skipped.loss == 2.0
+
+
+def test_mixture_of_experts_models_add_their_aux_losses():
+    """``moe_aux_loss`` (mean over the mini-batch updates) and ``rm/moe_aux_loss`` only for MoE models."""
+    updates = [dataclasses.replace(_grpo(1.0, 2.0, False), moe_aux_loss=a) for a in (0.01, 0.03)]
+    policy = PolicyUpdate.mean_of(updates, lr=0.1)
+    assert policy.moe_aux_loss == pytest.approx(0.02)
+    rm = dataclasses.replace(RM, moe_aux_loss=0.05)
+    metrics = StepResult(ROLLOUTS, policy, rm).to_metrics()
+    assert metrics["moe_aux_loss"] == pytest.approx(0.02) and metrics["rm/moe_aux_loss"] == 0.05
+    assert set(metrics) <= set(SCHEMA)
+    assert "moe_aux_loss" not in StepResult(ROLLOUTS, POLICY, RM).to_metrics()  # dense: no key
 
 
 class _Schedule:

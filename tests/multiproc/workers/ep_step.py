@@ -2,7 +2,8 @@
 optimizer) and one pairwise update of a tiny Qwen3-MoE reward model (plain optimizer, so that every
 rank keeps its full reduced gradients) at an expert-parallel size, with the same data on each
 data-parallel rank whatever the layout. Every rank saves its parameters (updated) and the RM's
-gradients under global names (expert numbers with the rank's expert offset), and the step metrics.
+gradients under global names (expert numbers with the rank's expert offset), the step metrics, and
+an offload/onload round trip of the policy (expert buffers included).
 """
 
 import argparse
@@ -16,6 +17,7 @@ from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.hf_mapping import canonical_mcore_name
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.train.offload import ModelOffloader
 from cooper_mcore.train.reward_model import RMBatch, pairwise_train_step, wrap_reward_model
 from cooper_mcore.train.step import OptimConfig, wrap_for_training
 from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
@@ -43,7 +45,22 @@ def policy(args, parallel: ParallelConfig, rank: int) -> dict:
     initial = global_names(model, lambda p: p)
     m = policy_update(ddp, opt, batch, MicroBatching(2), GRPOLoss(clip_low=0.2, clip_high=0.2))
     return {"policy_params": global_names(model, lambda p: p), "policy_initial": initial, "policy_loss": m.loss,
-            "policy_grad_norm": m.grad_norm, "policy_aux": m.moe_aux_loss}
+            "policy_grad_norm": m.grad_norm, "policy_aux": m.moe_aux_loss, **offload_round_trip(ddp, opt)}
+
+
+def offload_round_trip(ddp, opt) -> dict:
+    """Offload the policy's params, grads and optimizer state and bring them back: the expert buffers
+    (EP > 1: their own DDP buffers) are among what moves, and everything comes back bitwise."""
+    before = [p.detach().clone() for p in ddp.module.parameters()]
+    off = ModelOffloader(ddp, opt)
+    param_bytes = off.device_bytes("params")
+    off.offload()
+    emptied = off.device_bytes("params")
+    off.onload()
+    return {"expert_buffers": len(ddp.expert_parallel_buffers), "param_bytes": param_bytes,
+            "model_bytes": sum(p.numel() * p.element_size() for p in ddp.module.parameters()),
+            "offloaded_bytes": emptied,
+            "round_trip_equal": all(torch.equal(a, p) for a, p in zip(before, ddp.module.parameters()))}
 
 
 def reward_model(args, parallel: ParallelConfig, rank: int) -> dict:
