@@ -61,9 +61,10 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   launcher uses.
 * Mixture-of-experts models (Qwen3-MoE; :mod:`cooper_mcore.planner.sizes`): each rank holds the
   dense parameters split by TP as above, the routers replicated, and ``E / ep`` experts of each
-  sparse layer split ``etp`` ways; DDP keeps expert gradients in their own fp32 buffer, and the
-  distributed optimizer shards the experts' main params and moments over the expert data-parallel
-  group (``expert_dp = world / (ep etp pp)``), the rest over DP. Activations of a sparse layer:
+  sparse layer split ``etp`` ways; with EP > 1 DDP keeps expert gradients in their own fp32 buffer,
+  and the distributed optimizer shards the experts' main params and moments over the expert
+  data-parallel group (``expert_dp = world / (ep etp pp)``), the rest over DP (at EP=1 megatron
+  treats experts as ordinary parameters, sharded over DP). Activations of a sparse layer:
   attention as above, the router's fp32 logits and scores, and per routed token copy (each token's
   ``experts_per_token`` copies, times :data:`~cooper_mcore.planner.sizes.MOE_ROUTING_MARGIN` for
   uneven routing) the dispatched and permuted inputs, the expert output and its weighted copy (4 h)
@@ -495,9 +496,11 @@ class _Planner:
 
     def _state(self, arch: ArchSpec, stage: int, trainable: bool) -> dict[str, int]:
         lay = self.lay
+        # megatron marks experts allreduce=False (own DDP buffer, optimizer over expt_dp) only when
+        # EP > 1; at EP=1 they are ordinary parameters, sharded over DP
+        experts = stage_expert_numel(arch, lay.pp, stage, lay.ep, lay.etp) if lay.ep > 1 else 0
         return training_state(stage_numel(arch, lay.tp, lay.pp, stage, lay.ep, lay.etp), self.b, lay.dp,
-                              self.opts.distributed_optimizer, trainable,
-                              stage_expert_numel(arch, lay.pp, stage, lay.ep, lay.etp), lay.expert_dp)
+                              self.opts.distributed_optimizer, trainable, experts, lay.expert_dp)
 
     def _states(self, stage: int) -> dict[str, int]:
         out = {f"policy_{k}": v for k, v in self._state(self.policy, stage, True).items()}

@@ -3,7 +3,7 @@ TP/PP/EP rank as megatron-core lays them out, training state, KV cache, activati
 
 Mixture-of-experts models (Qwen3-MoE, :class:`~cooper_mcore.models.arch.MoeSpec`): a sparse layer
 holds the router (``E h``, replicated) and ``E / ep`` experts of ``3 h I_e / etp`` parameters on
-each rank instead of the dense MLP; expert optimizer state is sharded over the expert
+each rank instead of the dense MLP; with EP > 1 expert optimizer state is sharded over the expert
 data-parallel group (``world / (ep etp pp)``), the rest over DP; the experts' activations are
 counted per routed token copy and the all-to-all buffers once per pass.
 
@@ -91,7 +91,11 @@ def layer_numel(arch: ArchSpec, tp: int = 1, sparse: bool = False, ep: int = 1, 
 
 
 def stage_layers(arch: ArchSpec, pp: int, stage: int) -> list[bool]:
-    """Whether each layer of pipeline stage ``stage`` is sparse (megatron splits the layers evenly)."""
+    """Whether each layer of pipeline stage ``stage`` is sparse (megatron splits the layers evenly).
+
+    Raises:
+        ValueError: ``stage`` is not in ``[0, pp)``.
+    """
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} is not a pipeline stage of pp={pp}")
     per = arch.num_layers // pp
@@ -99,8 +103,8 @@ def stage_layers(arch: ArchSpec, pp: int, stage: int) -> list[bool]:
 
 
 def stage_expert_numel(arch: ArchSpec, pp: int = 1, stage: int = 0, ep: int = 1, etp: int = 1) -> int:
-    """Expert parameters on one rank of pipeline stage ``stage`` (those megatron reduces and shards
-    over the expert data-parallel group, ``allreduce=False``); 0 for a dense model."""
+    """Expert parameters on one rank of pipeline stage ``stage`` (with EP > 1, those megatron marks
+    ``allreduce=False``, reduces and shards over the expert data-parallel group); 0 for a dense model."""
     return sum(stage_layers(arch, pp, stage)) * expert_layer_numel(arch, ep, etp)
 
 
