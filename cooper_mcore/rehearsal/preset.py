@@ -13,8 +13,8 @@ GQA ratio, tied or untied embeddings and q/k norm; a mixture-of-experts family k
 family's 8 experts, top 2), the data (the tiny arithmetic task), the sizes (group 4, a few prompts
 per rank, short completions, a token budget scaled to them), the cadence (evaluation every step, a
 checkpoint every 2 steps, 4 steps with a stop signal in step 3), the data-parallel size (2 where
-``tp * pp <= 2``, else 1: at most 4 processes on 2 cores), expert TP (1: the weight sync gathers
-experts at ETP 1), and a rollout engine that is not installed (SGLang -> transformers).
+``tp * pp <= 2``, else 1: at most 4 processes on 2 cores), expert TP (halved after EP where the
+processes do not hold it), and a rollout engine that is not installed (SGLang -> transformers).
 """
 
 from __future__ import annotations
@@ -165,13 +165,17 @@ def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, i
 
 
 def _cap_experts(cfg: CooperConfig, world: int, subs: list[Substitution]) -> None:
-    """EP halved until ``world`` processes hold it (world divisible by ep * pp); ETP set to 1."""
+    """EP, then expert TP, halved until ``world`` processes hold them (world divisible by etp * ep * pp)."""
     par = cfg.parallel
-    _set(cfg, subs, "parallel.etp", 1, "the weight sync gathers expert parameters at expert TP 1")
-    ep = par.ep
-    while ep > 1 and world % (ep * par.pp):
-        ep //= 2
-    _set(cfg, subs, "parallel.ep", ep, f"{world} processes hold at most this many expert-parallel ranks")
+    ep, etp = par.ep, par.etp
+    while world % (etp * ep * par.pp):
+        if ep > 1:
+            ep //= 2
+        else:
+            etp //= 2
+    why = f"{world} processes hold the expert layout etp*ep*pp at most"
+    _set(cfg, subs, "parallel.ep", ep, why)
+    _set(cfg, subs, "parallel.etp", etp, why)
 
 
 def _set(cfg: CooperConfig, subs: list[Substitution], setting: str, value: Any, why: str) -> None:
