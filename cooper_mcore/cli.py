@@ -310,6 +310,9 @@ def _add_tool_commands(sub: Any) -> None:
     """The subcommands ``tiny-assets``, ``demo``, ``plan`` and ``rehearse``."""
     ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
     ta.add_argument("--out", default="runs/tiny_assets", help="output folder (existing pieces are reused)")
+    ta.add_argument("--family", default="qwen2_tied", help="the policy's family (cooper_mcore/models/tiny.py "
+                    "FAMILIES; qwen3_moe: mixture of experts)")
+    ta.add_argument("--rm-family", default="qwen2", help="the reward model's family (as --family)")
 
     demo = sub.add_parser("demo", help="the embedded default job: rule vs static RM vs Cooper on a tiny CPU setup")
     demo.add_argument("--out", default="", help="output folder (default runs/demo, runs/demo_full with --full)")

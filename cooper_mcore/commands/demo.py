@@ -16,7 +16,7 @@ logger = logging.getLogger("cooper_mcore")
 
 def tiny_assets(args: argparse.Namespace) -> None:
     check_output_folder(args.out)
-    for name, path in build_tiny_assets(args.out).items():
+    for name, path in build_tiny_assets(args.out, family=args.family, rm_family=args.rm_family).items():
         print(f"{name}: {path}")
 
 

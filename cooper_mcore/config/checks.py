@@ -151,6 +151,7 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
     if _uses_rm(cfg):
         models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
+    out += _dense_only_problems(cfg, models)
     for name, ckpt in models:
         arch, dtype = checkpoint_arch_fields(ckpt)
         if arch is None:
@@ -183,15 +184,15 @@ def _expert_layout_problems(ep: int, etp: int, pp: int, world_size: int) -> list
 
 
 def _expert_model_problems(name: str, ckpt: str, arch: dict[str, Any], ep: int, etp: int) -> list[str]:
-    """A model's experts against ``parallel.ep``/``etp``. The policy and the reward model share the
-    layout (one ``parallel`` section), so with ``ep`` or ``etp`` > 1 both must be mixture-of-experts
-    models whose experts split evenly."""
+    """A mixture-of-experts model's experts against ``parallel.ep``/``etp``: they must split evenly.
+    A dense model beside an MoE one (one ``parallel`` section for both) is built without the expert
+    layout (:func:`cooper_mcore.models.builder.build_model`); :func:`_dense_only_problems` refuses ep/etp
+    when neither model has experts."""
     if ep < 1 or etp < 1 or (ep == 1 and etp == 1):
         return []
     moe = arch.get("moe")
     if not isinstance(moe, dict):
-        return [f"parallel.ep={ep} / etp={etp} need mixture-of-experts models, but {name} ({ckpt}) is dense "
-                "(the policy and the reward model share the parallel layout)"]
+        return []
     out = []
     experts, ffn = moe.get("num_experts"), moe.get("expert_ffn_hidden_size")
     if isinstance(experts, int) and experts % ep:
@@ -199,6 +200,19 @@ def _expert_model_problems(name: str, ckpt: str, arch: dict[str, Any], ep: int, 
     if isinstance(ffn, int) and ffn % etp:
         out.append(f"{name} ({ckpt}) has experts of FFN size {ffn}, not divisible by parallel.etp={etp}")
     return out
+
+
+def _dense_only_problems(cfg: CooperConfig, models: list[tuple[str, str]]) -> list[str]:
+    """parallel.ep/etp > 1 need a mixture-of-experts model among ``models`` (the other may be dense)."""
+    par = cfg.parallel
+    if par.ep == 1 and par.etp == 1:
+        return []
+    archs = [checkpoint_arch_fields(ckpt)[0] for _, ckpt in models]
+    if any(a is None for a in archs) or any(isinstance(a.get("moe"), dict) for a in archs):
+        return []  # an unreadable checkpoint is reported by the path checks
+    named = " and ".join(f"{name} ({ckpt})" for name, ckpt in models)
+    return [f"parallel.ep={par.ep} / etp={par.etp} need a mixture-of-experts model, but {named} "
+            f"{'is' if len(models) == 1 else 'are'} dense"]
 
 
 def _policy_hf_problems(cfg: CooperConfig) -> list[str]:

@@ -26,7 +26,7 @@ from cooper_mcore.data.mathgen import MathTaskConfig, generate_prompts, tokenize
 from cooper_mcore.data.templates import rm_input
 from cooper_mcore.data.tokenizer import train_tiny_tokenizer
 from cooper_mcore.jobs.sft import math_sft_examples, sft
-from cooper_mcore.models.tiny import save_tiny_hf_model
+from cooper_mcore.models.tiny import FAMILIES, save_tiny_hf_model
 from cooper_mcore.types import Prompt
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         max_positions: the models' ``max_position_embeddings``.
         sft_steps: steps of the policy's SFT on the ``n_train`` problems' worked solutions
             (:func:`cooper_mcore.jobs.sft.sft`); 0 leaves the policy random.
-        family / rm_family: the models' families (:data:`cooper_mcore.models.tiny.FAMILIES`).
+        family / rm_family: the models' families (:data:`cooper_mcore.models.tiny.FAMILIES`);
+            ``qwen3_moe`` gives a mixture-of-experts model (8 experts, top 2, the last layer dense)
+            of ``hidden_size`` / ``num_layers``, its experts ``moe_intermediate_size`` wide.
         shape: config fields of both models that override the above (attention heads, key/value
             heads, head_dim, ... or a whole shape: hidden and FFN sizes, layers, vocabulary).
         dtype: the models' parameter dtype (the SFT keeps fp32 main parameters in megatron's optimizer).
@@ -71,10 +73,13 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
             (:func:`cooper_mcore.data.tokenizer.train_tiny_tokenizer`).
 
     Raises:
-        ValueError: ``sft_steps`` is negative.
+        ValueError: ``sft_steps`` is negative, or ``family`` / ``rm_family`` is not a tiny family.
     """
     if sft_steps < 0:
         raise ValueError(f"sft_steps must be >= 0, got {sft_steps}")
+    for what, name in (("family", family), ("rm_family", rm_family)):
+        if name not in FAMILIES:  # before the tokenizer and models are built
+            raise ValueError(f"{what} {name!r} is not a tiny family; choose from {FAMILIES}")
     task = task or TINY_TASK
     paths = {k: os.path.join(out, v) for k, v in {
         "train": "train.jsonl", "eval": "eval.jsonl", "tokenizer": "tokenizer", "policy_hf": "policy_hf",

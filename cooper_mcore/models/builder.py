@@ -9,6 +9,7 @@ can live in one process; by default megatron-core's global groups are used.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -254,6 +255,8 @@ def build_model(
         use_te: force the Transformer Engine spec on/off; default: on when available.
         recompute: full activation recomputation.
     """
+    if arch.moe is None:  # the expert layout is the MoE model's; a dense model beside it (a Cooper RM) has no experts
+        parallel = dataclasses.replace(parallel, ep=1, etp=1)
     config = transformer_config(arch, parallel, dtype, init_weights, recompute)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()

@@ -41,10 +41,12 @@ def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
         cls, prefix = transformers.Qwen3MoeConfig, "Qwen3Moe"
         common.update(head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[common["num_hidden_layers"] - 1], router_aux_loss_coef=0.001)
+                      router_aux_loss_coef=0.001)
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
     common.update(overrides)
+    if family == "qwen3_moe" and "mlp_only_layers" not in overrides:  # the last layer of the final depth
+        common["mlp_only_layers"] = [common["num_hidden_layers"] - 1]
     cfg = cls(**common)
     if model_type == "reward":
         cfg.architectures = [prefix + "ForSequenceClassification"]

@@ -4,15 +4,17 @@
 same job on CPU with gloo, with a tiny model of the preset's architecture family) and lists every
 setting it had to change, with the reason. Pure config work: nothing is built or run here.
 
-What is kept: TP, PP, sequence parallelism, the distributed optimizer (every run has one), the
-reward mode and ``rm_transform``, the negatives (an ``assistant`` is a local stand-in server), the
-micro-batching (fixed, token budget, packing) and ``mini_batches``, the offload and release flags,
-the GRPO and optimizer settings, the dtype. What changes: the model (tiny, of the same family, with
-the preset's GQA ratio, tied or untied embeddings and q/k norm), the data (the tiny arithmetic
-task), the sizes (group 4, a few prompts per rank, short completions, a token budget scaled to
-them), the cadence (evaluation every step, a checkpoint every 2 steps, 4 steps with a stop signal
-in step 3), the data-parallel size (2 where ``tp * pp <= 2``, else 1: at most 4 processes on 2
-cores), and a rollout engine that is not installed (SGLang -> transformers).
+What is kept: TP, PP, expert parallelism (EP, halved until the rehearsal's processes hold it),
+sequence parallelism, the distributed optimizer (every run has one), the reward mode and
+``rm_transform``, the negatives (an ``assistant`` is a local stand-in server), the micro-batching
+(fixed, token budget, packing) and ``mini_batches``, the offload and release flags, the GRPO and
+optimizer settings, the dtype. What changes: the model (tiny, of the same family, with the preset's
+GQA ratio, tied or untied embeddings and q/k norm; a mixture-of-experts family keeps the tiny
+family's 8 experts, top 2), the data (the tiny arithmetic task), the sizes (group 4, a few prompts
+per rank, short completions, a token budget scaled to them), the cadence (evaluation every step, a
+checkpoint every 2 steps, 4 steps with a stop signal in step 3), the data-parallel size (2 where
+``tp * pp <= 2``, else 1: at most 4 processes on 2 cores), expert TP (halved after EP where the
+processes do not hold it), and a rollout engine that is not installed (SGLang -> transformers).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class RehearsalPlan:
 
     def layout(self) -> str:
         p = self.cfg.parallel
-        return (f"tp={p.tp} pp={p.pp} dp={self.nproc // (p.tp * p.pp)} sequence_parallel="
+        experts = f"ep={p.ep} etp={p.etp} " if p.ep > 1 or p.etp > 1 else ""
+        return (f"tp={p.tp} pp={p.pp} dp={self.nproc // (p.tp * p.pp)} {experts}sequence_parallel="
                 f"{str(p.sequence_parallel).lower()} (world {self.nproc}), distributed optimizer")
 
     def features(self) -> str:
@@ -161,6 +164,20 @@ def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, i
     return new_tp, new_pp, dp
 
 
+def _cap_experts(cfg: CooperConfig, world: int, subs: list[Substitution]) -> None:
+    """EP, then expert TP, halved until ``world`` processes hold them (world divisible by etp * ep * pp)."""
+    par = cfg.parallel
+    ep, etp = par.ep, par.etp
+    while world % (etp * ep * par.pp):
+        if ep > 1:
+            ep //= 2
+        else:
+            etp //= 2
+    why = f"{world} processes hold the expert layout etp*ep*pp at most"
+    _set(cfg, subs, "parallel.ep", ep, why)
+    _set(cfg, subs, "parallel.etp", etp, why)
+
+
 def _set(cfg: CooperConfig, subs: list[Substitution], setting: str, value: Any, why: str) -> None:
     """Set a dotted setting of ``cfg`` and record it when it changes."""
     *path, name = setting.split(".")
@@ -199,6 +216,7 @@ def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optiona
     else:
         tp, pp, dp = _cap_layout(par.tp, par.pp, subs)
     par.tp, par.pp = tp, pp
+    _cap_experts(cfg, tp * pp * dp, subs)
     if par.sequence_parallel and tp == 1:
         _set(cfg, subs, "parallel.sequence_parallel", False, "needs tp > 1 after the cap")
     _set(cfg, subs, "parallel.timeout_minutes", TIMEOUT_MINUTES, "a rank-divergent collective fails fast")

@@ -74,6 +74,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SFT_STEPS = 150
 TABLE_KEYS = (K.REWARD_MEAN, K.RULE_ACC, K.LOSS, K.KL, K.GRAD_NORM, K.RM_LOSS, K.PAIRS_VALID, K.EVAL_ACC, K.TIME_STEP)
 _RANK_EXIT = re.compile(r"rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)")
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
@@ -330,10 +331,11 @@ def _same_metrics(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def _weights(ckpt: str) -> dict[str, torch.Tensor]:
     """The model's tensors in a checkpoint (not the optimizer's: megatron's ``dp_reshardable``
-    buckets hold uninitialised padding; the optimizer's state shows in the next step's weights)."""
+    buckets hold uninitialised padding; the optimizer's state shows in the next step's weights).
+    With expert parallelism the optimizer is chained (dense and expert parameters): ``chained_<i>.optimizer.``."""
     with single_process_world():
         return {k: v for k, v in load_plain_tensors(ckpt).items()
-                if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
+                if isinstance(v, torch.Tensor) and not _OPTIMIZER_KEY.match(k)}
 
 
 def _weights_differ(a: str, b: str) -> list[str]:

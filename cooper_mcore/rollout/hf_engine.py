@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
@@ -29,6 +31,12 @@ from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams, memory_tags
 
 logger = logging.getLogger(__name__)
+
+#: transformers 5 fuses a mixture-of-experts layer's experts into ``experts.gate_up_proj``
+#: ``[experts, 2 * ffn, hidden]`` (gate rows first) and ``experts.down_proj``; the pushed names are
+#: the safetensors files' per-expert ones
+_EXPERT_PIECE = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
 class HFEngine:
@@ -190,25 +198,49 @@ class HFEngine:
             raise RuntimeError("HFEngine.update_weights called while the weights are released; "
                                "resume_memory(['weights']) first")
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        seen = set()
+        seen: Counter[str] = Counter()  # pieces pushed per parameter (a fused experts' tensor has several)
         for bucket in buckets:
             for name, tensor in bucket:
-                param = self._params.get(name)
-                if param is None:
+                key, target = self._target(name)
+                if target is None:
                     if tied and name == "lm_head.weight":
                         continue
                     raise ValueError(f"update_weights: the engine's model has no parameter {name!r}")
-                if tuple(param.shape) != tuple(tensor.shape):
+                if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
-                                     f"engine's model {tuple(param.shape)}")
-                param.copy_(tensor.to(param.device, non_blocking=True))
-                seen.add(name)
-                self._stale.discard(name)
-        missing = set(self._params) - seen
+                                     f"engine's model {tuple(target.shape)}")
+                target.copy_(tensor.to(target.device, non_blocking=True))
+                seen[key] += 1
+                if seen[key] == self._pieces(key):
+                    self._stale.discard(key)
+        missing = [n for n in self._params if seen[n] < self._pieces(n)]
         if missing:
-            logger.warning("weight update v%d left %d parameters unchanged, e.g. %s",
+            logger.warning("weight update v%d left %d parameters (partly) unchanged, e.g. %s",
                            version, len(missing), sorted(missing)[:3])
         self.weight_version = version
+
+    def _target(self, name: str) -> tuple[str, Optional[torch.Tensor]]:
+        """The parameter a pushed tensor fills and the view of it (None: no such parameter)."""
+        if name in self._params:
+            return name, self._params[name]
+        m = _EXPERT_PIECE.match(name)
+        if m is None:
+            return name, None
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        key = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        param = self._params.get(key)
+        if param is None or param.dim() != 3 or expert >= param.shape[0]:
+            return name, None
+        if proj == "down_proj":
+            return key, param[expert]
+        half = param.shape[1] // 2
+        return key, param[expert, :half] if proj == "gate_proj" else param[expert, half:]
+
+    def _pieces(self, key: str) -> int:
+        """Pushed tensors that fill parameter ``key``: one, or one per expert (two for gate_up_proj)."""
+        if not _FUSED_EXPERTS.search(key) or len(self._shapes.get(key, ())) != 3:
+            return 1
+        return self._shapes[key][0] * (2 if key.endswith("gate_up_proj") else 1)
 
     @torch.no_grad()
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import pytest
 
@@ -20,6 +21,7 @@ def test_every_preset_is_found():
     names = {os.path.basename(p) for p in PRESETS}
     assert {"tiny_cpu.yaml", "qwen2.5-1.5b_8xh100.yaml", "llama3.2-1b_8xh100.yaml",
             "qwen2.5-7b_multinode.yaml"} <= names
+    assert any(n.startswith("qwen3-30b-a3b_") for n in names), "no mixture-of-experts (Qwen3-30B-A3B) preset"
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: os.path.splitext(os.path.basename(p))[0])
@@ -29,3 +31,6 @@ def test_preset_rehearses(preset, rehearsal_root):
     names = {c["name"] for c in report["checks"]}
     assert {"collectives", "evaluation", "checkpoints", "stop signal", "resume"} <= names
     assert "substituted:" in stdout and "layout:" in stdout
+    if os.path.basename(preset).startswith("qwen3-30b-a3b_"):  # expert parallelism kept, shrunk to the ranks
+        ep = re.search(r" ep=(\d+) etp=1 ", report["layout"])
+        assert ep and int(ep.group(1)) > 1 and "model:    qwen3_moe" in stdout

@@ -7,6 +7,11 @@ end on the uninterrupted run's metrics and weights bit for bit. With TP or PP > 
 engine, the trainer used to hang on the step after its first evaluation (the group leader alone
 pushed the weights again); the per-step limit names the ranks and the calls they wait in.
 The DP=2 case with a releasing engine is the tiny_cpu preset's own rehearsal (test_presets.py).
+
+The mixture-of-experts cases run the same rehearsal at EP=2 (2 gloo ranks, each with 4 of the 8
+experts) with a tiny Qwen3-MoE policy and a dense RM, and a dense policy with a Qwen3-MoE RM (the
+shapes' families from the shipped model configs): routing's all-to-all under DETAIL, the expert
+parameters' weight push into the transformers engine, their offload, checkpoints and the resume.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ from tests.rehearsal.conftest import rehearse
 pytestmark = [pytest.mark.multiproc, pytest.mark.rehearsal]
 LAYOUTS = {"tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",), "tp2xpp2": ("parallel.tp=2", "parallel.pp=2"),
            "dp2": ()}
+MODEL_CONFIGS = ROOT / "examples" / "model_configs"
+MOE, DENSE = str(MODEL_CONFIGS / "qwen3-30b-a3b.json"), str(MODEL_CONFIGS / "qwen2.5-1.5b-instruct.json")
+#: (policy config, RM config, overrides) of each mixture-of-experts case; the MoE model's params are offloaded
+MOE_CASES = {"ep2-moe-policy": (MOE, DENSE, ("offload.policy_params=true", "offload.policy_optimizer=true")),
+             "ep2-moe-rm": (DENSE, MOE, ("offload.rm_params=true", "offload.rm_optimizer=true",
+                                         "offload.release_engine=false"))}
 CASES = [(layout, release) for layout in LAYOUTS for release in (True, False) if (layout, release) != ("dp2", True)]
 
 
@@ -31,4 +42,15 @@ def test_layout_runs_evaluates_stops_and_resumes(layout, release, rehearsal_root
     dp = 2 if tp * pp <= 2 else 1
     assert report["layout"].startswith(f"tp={tp} pp={pp} dp={dp} ")
     assert f"release_engine {str(release).lower()}" in report["features"]
+    assert [c["name"] for c in report["checks"] if not c["ok"]] == []
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_layout_runs_evaluates_stops_and_resumes(case, rehearsal_root):
+    policy, rm, overrides = MOE_CASES[case]
+    stdout, report = rehearse(rehearsal_root, f"matrix-{case}", str(ROOT / "examples" / "tiny_cpu.yaml"),
+                              "--policy-config", policy, "--rm-config", rm, "parallel.ep=2", *overrides)
+    families = "qwen3_moe (rm qwen2)" if policy == MOE else "qwen2 (rm qwen3_moe)"
+    assert f"model:    {families}" in stdout
+    assert report["layout"].startswith("tp=1 pp=1 dp=2 ep=2 etp=1 ")
     assert [c["name"] for c in report["checks"] if not c["ok"]] == []

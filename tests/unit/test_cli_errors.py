@@ -182,3 +182,8 @@ def test_environment_error_messages(code, fragment):
     msg = environment_error(OSError(code, os.strerror(code), "/x/y"))
     assert msg is not None and msg.startswith(fragment) and "\n" not in msg
     assert environment_error(OSError(errno.ECONNRESET, "reset")) is None
+
+
+def test_tiny_assets_unknown_family(tmp_path, caplog, capsys):
+    assert main(["tiny-assets", "--out", str(tmp_path / "assets"), "--rm-family", "qwen9"]) == EXIT_USER_ERROR
+    _one_clear_line(caplog, capsys, "rm_family 'qwen9'", "is not a tiny family")

@@ -214,8 +214,8 @@ def _moe_ckpt(path, experts=8, expert_ffn=32):
 
 
 def test_expert_parallel_layout(paths, tmp_path):
-    """ep/etp against the world size and both models: the policy and the RM share the layout, so a dense
-    RM under ep > 1 is named; experts must split over ep, the expert FFN over etp."""
+    """ep/etp against the world size and the models: experts must split over ep, the expert FFN over
+    etp; a dense RM beside an MoE policy is built without the expert layout, two dense models are named."""
     moe = {**paths, "model.policy_ckpt": _moe_ckpt(tmp_path / "moe_policy"),
            "model.rm_ckpt": _moe_ckpt(tmp_path / "moe_rm")}
     assert config_problems(_cfg(moe, "parallel.ep=2"), 2) == []
@@ -228,9 +228,10 @@ def test_expert_parallel_layout(paths, tmp_path):
         f"{pol} 6 experts per sparse layer, not divisible by parallel.ep=4",
         f"{pol} experts of FFN size 33, not divisible by parallel.etp=2"]
     dense_rm = {**moe, "model.rm_ckpt": paths["model.rm_ckpt"]}
-    assert config_problems(_cfg(dense_rm, "parallel.ep=2"), 2) == [
-        f"parallel.ep=2 / etp=1 need mixture-of-experts models, but model.rm_ckpt ({paths['model.rm_ckpt']}) is "
-        "dense (the policy and the reward model share the parallel layout)"]
+    assert config_problems(_cfg(dense_rm, "parallel.ep=2"), 2) == []
+    assert config_problems(_cfg(paths, "parallel.ep=2"), 2) == [
+        f"parallel.ep=2 / etp=1 need a mixture-of-experts model, but model.policy_ckpt ({paths['model.policy_ckpt']})"
+        f" and model.rm_ckpt ({paths['model.rm_ckpt']}) are dense"]
     # rule mode does not read the RM; a dense policy is refused all the same
     assert config_problems(_cfg(dense_rm, "parallel.ep=2", "reward.mode=rule"), 2) == []
     assert len(config_problems(_cfg(paths, "parallel.ep=2", "reward.mode=rule"), 2)) == 1

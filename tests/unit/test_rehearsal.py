@@ -89,6 +89,20 @@ def test_a_layout_over_four_processes_is_capped_and_said():
     assert cap and cap[0].preset == "2/4" and cap[0].rehearsal == "1/4"
 
 
+@pytest.mark.parametrize("overrides,ep,etp,changed", [
+    ((), 4, 1, {"parallel.ep"}), (("parallel.etp=2",), 2, 2, {"parallel.ep"}),
+    (("parallel.tp=1",), 2, 1, {"parallel.ep"}),
+    (("parallel.tp=1", "parallel.etp=4"), 1, 2, {"parallel.ep", "parallel.etp"})])
+def test_the_moe_preset_keeps_expert_parallelism_within_its_processes(overrides, ep, etp, changed):
+    """EP, then ETP, halved until the rehearsal's processes hold them (world divisible by etp * ep * pp)."""
+    _, policy, plan = _plan(str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"), *overrides)
+    p = plan.cfg.parallel
+    assert policy.moe is not None and plan.shape.family == "qwen3_moe"  # model_configs/qwen3-30b-a3b.json
+    assert (p.ep, p.etp) == (ep, etp) and plan.nproc % (p.etp * p.ep * p.pp) == 0
+    assert f" ep={ep} etp={etp} " in plan.layout()
+    assert {s.setting for s in plan.substitutions if s.setting.startswith("parallel.e")} == changed
+
+
 def test_qwen3_traits_survive_the_shrink():
     policy = ArchSpec.from_hf_config(tiny_hf_config("qwen3", num_attention_heads=32, num_key_value_heads=8,
                                                     head_dim=128).to_dict())
