@@ -89,6 +89,7 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     if "{question}" not in cfg.data.template:
         out.append(f"data.template {cfg.data.template!r} has no {{question}} placeholder")
     out += _layout_problems(cfg, world_size)
+    out += _engine_problems(cfg)
     out += _path_problems(cfg)
     out += _policy_hf_problems(cfg)
     return out
@@ -213,6 +214,21 @@ def _dense_only_problems(cfg: CooperConfig, models: list[tuple[str, str]]) -> li
     named = " and ".join(f"{name} ({ckpt})" for name, ckpt in models)
     return [f"parallel.ep={par.ep} / etp={par.etp} need a mixture-of-experts model, but {named} "
             f"{'is' if len(models) == 1 else 'are'} dense"]
+
+
+def _engine_problems(cfg: CooperConfig) -> list[str]:
+    """What the rollout engine cannot serve. SGLang's Qwen3-MoE (``srt/models/qwen3_moe.py``, 0.5.x)
+    builds every layer sparse whatever ``mlp_only_layers``/``decoder_sparse_step`` say, so a policy
+    with dense layers would be served wrong (log-probabilities ~1e-2 off, measured) rather than refused."""
+    if not cfg.rollout.uses_sglang or not cfg.model.policy_ckpt:
+        return []
+    arch, _ = checkpoint_arch_fields(cfg.model.policy_ckpt)
+    moe = arch.get("moe") if arch else None
+    if isinstance(moe, dict) and (moe.get("mlp_only_layers") or moe.get("decoder_sparse_step", 1) != 1):
+        return [f"model.policy_ckpt ({cfg.model.policy_ckpt}) is a Qwen3-MoE with dense layers (mlp_only_layers="
+                f"{moe.get('mlp_only_layers')}, decoder_sparse_step={moe.get('decoder_sparse_step', 1)}), which "
+                "SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse"]
+    return []
 
 
 def _policy_hf_problems(cfg: CooperConfig) -> list[str]:

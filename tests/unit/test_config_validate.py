@@ -202,12 +202,13 @@ def test_cooper_train_reports_all_problems_before_any_work(paths, tmp_path, capl
     assert not out.exists()
 
 
-def _moe_ckpt(path, experts=8, expert_ffn=32):
+def _moe_ckpt(path, experts=8, expert_ffn=32, **pattern):
     ckpt = _ckpt(path)
     meta_path = os.path.join(ckpt, "cooper_model.json")
     with open(meta_path) as f:
         meta = json.load(f)
-    meta["arch"]["moe"] = {"num_experts": experts, "experts_per_token": 2, "expert_ffn_hidden_size": expert_ffn}
+    meta["arch"]["moe"] = {"num_experts": experts, "experts_per_token": 2, "expert_ffn_hidden_size": expert_ffn,
+                           **pattern}
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     return ckpt
@@ -241,3 +242,14 @@ def test_expert_parallel_layout(paths, tmp_path):
         "parallel.sequence_parallel=true (megatron's MoE layer refuses to train without it)"]
     assert config_problems(_cfg(moe, "parallel.ep=0"), 2) == [
         "parallel.ep and parallel.etp must be >= 1, got ep=0 etp=1"]
+
+
+def test_sglang_refuses_a_moe_policy_with_dense_layers(paths, tmp_path):
+    """SGLang's Qwen3-MoE builds every layer sparse: a policy with dense layers would be served wrong."""
+    mixed = _moe_ckpt(tmp_path / "mixed", mlp_only_layers=[3], decoder_sparse_step=1)
+    sparse = _moe_ckpt(tmp_path / "sparse", mlp_only_layers=[], decoder_sparse_step=1)
+    assert config_problems(_cfg({**paths, "model.policy_ckpt": mixed}, "rollout.engine=hf"), 1) == []
+    assert config_problems(_cfg({**paths, "model.policy_ckpt": sparse}, "rollout.engine=sglang"), 1) == []
+    assert config_problems(_cfg({**paths, "model.policy_ckpt": mixed}, "rollout.engine=sglang"), 1) == [
+        f"model.policy_ckpt ({mixed}) is a Qwen3-MoE with dense layers (mlp_only_layers=[3], decoder_sparse_step=1), "
+        "which SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse"]
