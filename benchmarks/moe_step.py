@@ -36,15 +36,13 @@ from typing import Any
 import megatron.core
 import torch
 import torch.distributed as dist
+from lm_step import megatron_lm_step  # benchmarks/lm_step.py (scripts run from their folder)
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
-from cooper_mcore.models.forward import position_ids_for
-from cooper_mcore.parallel import ParallelConfig, destroy_distributed, device, init_distributed
-from cooper_mcore.train.moe_aux import AuxLossCounts
-from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
+from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 
 logger = logging.getLogger("moe_step")
 
@@ -97,33 +95,8 @@ def make_step(shape: dict[str, Any], ep: int, batches: list[torch.Tensor],
               dtype: torch.dtype) -> Callable[[], float]:
     """A training step of the MoE model on ``batches`` (one optimizer step); returns the mean loss."""
     arch = ArchSpec.from_hf_config(dict(shape))
-    model = build_model(arch, ParallelConfig(ep=ep), dtype=dtype)
-    ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-6), per_token_loss=True)
-    dev = device()
-    mbs, seq = batches[0].shape
-
-    def forward_step(data_iterator, m):
-        ids = next(data_iterator).to(dev)
-        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-        per_token = m(ids, position_ids_for(ids), None, labels=labels)
-
-        def loss_fn(loss):
-            total = loss.float().sum()
-            n = torch.tensor(loss.numel(), device=loss.device)
-            return total, n.int(), {"loss": torch.stack([total.detach(), n.float()])}
-
-        return per_token, loss_fn
-
-    # every token is a loss unit (language-model loss), and every token is routed
-    counts = AuxLossCounts.of_shapes(sum(b.numel() for b in batches), [tuple(b.shape) for b in batches])
-
-    def step() -> float:
-        result = train_step(ddp, opt, forward_step, iter(batches), len(batches), seq, mbs, aux_counts=counts)
-        sums = torch.stack([m["loss"] for m in result.metrics]).sum(0)
-        return float(sums[0] / sums[1])
-
+    step, _ = megatron_lm_step(build_model(arch, ParallelConfig(ep=ep), dtype=dtype), batches)
     return step
-
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of a ``torchrun`` world: time the steps, rank 0 writes the figures to ``args.out``."""

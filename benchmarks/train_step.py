@@ -90,39 +90,16 @@ def time_steps(step: Callable[[], float], warmup: int, steps: int) -> tuple[floa
 def megatron_step_fn(shape: dict, batches: list[torch.Tensor], use_te: bool) -> tuple[Callable[[], float], list]:
     """A Megatron training step on ``batches`` (one optimizer step over all micro-batches)."""
     import transformers
+    from lm_step import megatron_lm_step  # benchmarks/lm_step.py (imports cooper_mcore, as here only)
 
     from cooper_mcore.models.arch import ArchSpec
     from cooper_mcore.models.builder import build_model
-    from cooper_mcore.models.forward import position_ids_for
-    from cooper_mcore.parallel import ParallelConfig, device
-    from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
+    from cooper_mcore.parallel import ParallelConfig
 
     cfg = transformers.Qwen2Config(**shape)
     cfg.architectures = ["Qwen2ForCausalLM"]
     arch = ArchSpec.from_hf_config(cfg.to_dict())
-    model = build_model(arch, ParallelConfig(), dtype=torch.bfloat16, use_te=use_te)
-    ddp, opt = wrap_for_training(model, OptimConfig(lr=1e-6), per_token_loss=True)
-    dev = device()
-    mbs, seq = batches[0].shape
-
-    def forward_step(data_iterator, m):
-        ids = next(data_iterator).to(dev)
-        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-        per_token = m(ids, position_ids_for(ids), None, labels=labels)
-
-        def loss_fn(loss):
-            n = torch.tensor(loss.numel(), device=loss.device)
-            total = loss.float().sum()
-            return total, n.int(), {"loss": torch.stack([total.detach(), n.float()])}
-
-        return per_token, loss_fn
-
-    def step() -> float:
-        result = train_step(ddp, opt, forward_step, iter(batches), len(batches), seq, mbs)
-        sums = torch.stack([m["loss"] for m in result.metrics]).sum(0)
-        return float(sums[0] / sums[1])
-
-    return step, [model, ddp, opt]
+    return megatron_lm_step(build_model(arch, ParallelConfig(), dtype=torch.bfloat16, use_te=use_te), batches)
 
 
 def transformers_step_fn(shape: dict, batches: list[torch.Tensor]) -> tuple[Callable[[], float], list]:
