@@ -77,7 +77,13 @@ def launch_worlds(path: Path) -> list[int]:
 def with_stand_in_paths(cfg, tmp_path: Path):
     """Point the preset's placeholder paths (which do not exist here) at empty stand-ins of the
     right kind: data files with the same suffix, an HF folder with a ``config.json``, checkpoints
-    with a ``cooper_model.json`` that records only the dtype (the shapes are checked below)."""
+    with a ``cooper_model.json`` that records the dtype and, for the policy, only whether it has experts
+    (the shapes are checked below; the expert-parallel checks need to know an MoE policy)."""
+    from cooper_mcore.models.arch import ArchSpec
+
+    real = REAL_CONFIGS.get(Path(cfg.model.policy_hf).name)
+    moe = ArchSpec.from_hf_config(dict(real)).moe if real else None
+    policy_arch = {"moe": dataclasses.asdict(moe)} if moe else {}
     for section, name in PATH_FIELDS:
         value = getattr(getattr(cfg, section), name)
         if value and not Path(value).exists():
@@ -89,7 +95,8 @@ def with_stand_in_paths(cfg, tmp_path: Path):
             else:
                 stand_in.mkdir(parents=True, exist_ok=True)
                 marker = "config.json" if name == "policy_hf" else "cooper_model.json"
-                (stand_in / marker).write_text(json.dumps({"arch": {}, "dtype": cfg.model.dtype}))
+                arch = policy_arch if name == "policy_ckpt" else {}
+                (stand_in / marker).write_text(json.dumps({"arch": arch, "dtype": cfg.model.dtype}))
             setattr(getattr(cfg, section), name, str(stand_in))
     return cfg
 
