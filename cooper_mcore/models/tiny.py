@@ -11,6 +11,10 @@ import torch
 import transformers
 
 FAMILIES = ("qwen2", "qwen2_tied", "llama", "qwen3", "qwen3_moe")
+#: config fields of the experts: overrides of these apply to the qwen3_moe family only, so that one set
+#: of overrides can shape an MoE model and a dense one (a rehearsal's policy and RM)
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef")
 
 
 def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
@@ -21,7 +25,8 @@ def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
             "qwen3_moe" (Qwen3-MoE: 8 experts, top 2, every layer sparse but the last, so that both
             kinds of layer are covered; ``mlp_only_layers=[]`` makes all sparse).
         model_type: "causal_lm" or "reward" (``...ForSequenceClassification``, one label).
-        overrides: config fields to change (e.g. hidden_size, num_hidden_layers).
+        overrides: config fields to change (e.g. hidden_size, num_hidden_layers); those of
+            :data:`MOE_FIELDS` only for the qwen3_moe family (a dense family ignores them).
     """
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -44,7 +49,7 @@ def tiny_hf_config(family: str, model_type: str = "causal_lm", **overrides):
                       router_aux_loss_coef=0.001)
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
-    common.update(overrides)
+    common.update({k: v for k, v in overrides.items() if family == "qwen3_moe" or k not in MOE_FIELDS})
     if family == "qwen3_moe" and "mlp_only_layers" not in overrides:  # the last layer of the final depth
         common["mlp_only_layers"] = [common["num_hidden_layers"] - 1]
     cfg = cls(**common)

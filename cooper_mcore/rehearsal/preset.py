@@ -132,10 +132,17 @@ def tiny_shape(policy: ArchSpec, rm: Optional[ArchSpec], tp: int, pp: int) -> Ti
     heads = kv * policy.heads_per_group
     head_dim = max(MIN_HEAD_DIM, (TINY_HIDDEN // heads) // 2 * 2)  # even: rotary embeddings pair dimensions
     fields = {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-              "tie_word_embeddings": policy.tie_word_embeddings}
+              "tie_word_embeddings": policy.tie_word_embeddings, **_tiny_moe_pattern(policy, rm)}
     rm_family = (rm or policy).family
     return TinyShape(family=policy.family, rm_family=rm_family, fields=fields, hidden_size=heads * head_dim,
                      num_layers=2 * pp)
+
+
+def _tiny_moe_pattern(policy: ArchSpec, rm: Optional[ArchSpec]) -> dict:
+    """All tiny MoE layers sparse when the preset's MoE model has no dense layer (Qwen3-30B-A3B): what
+    SGLang can serve (it builds every Qwen3-MoE layer sparse); else the tiny family's dense last layer."""
+    moe = next((a for a in (policy, rm) if a is not None and a.moe is not None), None)
+    return {"mlp_only_layers": []} if moe is not None and all(moe.moe_layers()) else {}
 
 
 def real_shape(policy: ArchSpec, rm: Optional[ArchSpec]) -> TinyShape:

@@ -198,7 +198,8 @@ def build_assets(shape: TinyShape, dtype: str, root: str) -> dict[str, str]:
     f = shape.fields
     key = (f"{shape.family}-{shape.rm_family}-l{shape.num_layers}-h{shape.hidden_size}-a{f['num_attention_heads']}"
            f"-kv{f['num_key_value_heads']}-{'tied' if f['tie_word_embeddings'] else 'untied'}-{dtype}"
-           + (f"-v{f['vocab_size']}-real" if shape.real else ""))
+           + (f"-v{f['vocab_size']}-real" if shape.real else "")
+           + ("-allsparse" if f.get("mlp_only_layers") == [] else ""))
     return build_tiny_assets(os.path.join(root, key), n_train=512, n_eval=16, hidden_size=shape.hidden_size,
                              num_layers=shape.num_layers, sft_steps=0 if shape.real else SFT_STEPS,
                              family=shape.family, rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])

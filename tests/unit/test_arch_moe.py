@@ -114,3 +114,14 @@ def test_planner_takes_moe():
     a = ArchSpec.from_hf_config(moe_config())
     check_layout(a, 1, 1)
     assert model_numel(a) > 0
+
+
+def test_tiny_moe_fields_shape_only_the_moe_family():
+    """One set of overrides shapes a rehearsal's MoE policy and its dense RM: the dense one ignores them."""
+    from cooper_mcore.models.tiny import tiny_hf_config
+
+    moe = tiny_hf_config("qwen3_moe", mlp_only_layers=[], num_hidden_layers=2)
+    assert moe.mlp_only_layers == [] and ArchSpec.from_hf_config(moe.to_dict()).moe_layers() == [True, True]
+    assert tiny_hf_config("qwen3_moe", num_hidden_layers=2).mlp_only_layers == [1]
+    dense = tiny_hf_config("qwen3", "reward", mlp_only_layers=[], num_experts=8)
+    assert "mlp_only_layers" not in dense.to_dict() and "num_experts" not in dense.to_dict()

@@ -98,6 +98,7 @@ def test_the_moe_preset_keeps_expert_parallelism_within_its_processes(overrides,
     _, policy, plan = _plan(str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"), *overrides)
     p = plan.cfg.parallel
     assert policy.moe is not None and plan.shape.family == "qwen3_moe"  # model_configs/qwen3-30b-a3b.json
+    assert plan.shape.fields["mlp_only_layers"] == []  # all sparse, as the real model (and SGLang serves)
     assert (p.ep, p.etp) == (ep, etp) and plan.nproc % (p.etp * p.ep * p.pp) == 0
     assert f" ep={ep} etp={etp} " in plan.layout()
     assert {s.setting for s in plan.substitutions if s.setting.startswith("parallel.e")} == changed
