@@ -214,6 +214,44 @@ class SGLangConfig:
         return args
 
 
+def _child_pids() -> set[int]:
+    """This process's descendants (psutil comes with SGLang; imported where SGLang is)."""
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+@contextlib.contextmanager
+def _kill_only(pids: frozenset[int]) -> Iterator[None]:
+    """Make ``sglang.Engine.shutdown`` stop only the engine's own processes.
+
+    SGLang 0.5's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``: every
+    child of this process, so also megatron's checkpoint writer and its queue manager, torch's resource
+    tracker, verifier workers and other engines. Within this block that call kills the trees of ``pids``
+    (none recorded: an engine this class did not start, e.g. a test double; nothing is patched).
+    """
+    if not pids:
+        yield
+        return
+    import sglang.srt.entrypoints.engine as engine_module
+
+    kill_tree = engine_module.kill_process_tree
+
+    def engine_trees_only(parent_pid: int, include_parent: bool = True, **kwargs: Any) -> None:
+        if parent_pid != os.getpid() or include_parent:
+            kill_tree(parent_pid, include_parent=include_parent, **kwargs)
+            return
+        for pid in sorted(pids):
+            with contextlib.suppress(Exception):  # already gone
+                kill_tree(pid, include_parent=True, **kwargs)
+
+    engine_module.kill_process_tree = engine_trees_only
+    try:
+        yield
+    finally:
+        engine_module.kill_process_tree = kill_tree
+
+
 @contextlib.contextmanager
 def preserve_root_logging() -> Iterator[None]:
     """Restore the root logger's handlers, level and filters, and every logger's ``disabled`` flag,
@@ -373,6 +411,8 @@ class SGLangEngine:
         self.weight_version = 0
         self._released: list[str] = []
         self._closed = False
+        #: the processes the offline engine started (its shutdown must stop these, and only these)
+        self.engine_pids: frozenset[int] = frozenset()
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -391,9 +431,12 @@ class SGLangEngine:
         _warn_version(getattr(sglang, "__version__", None), "this process")
         check_server_arg_names(args, installed_server_arg_names())
         logger.info("starting sglang.Engine: %s", args)
+        before = _child_pids()
         with preserve_root_logging():
             engine = sglang.Engine(**args)
-        return cls(engine=engine, tp_size=config.tp_size, device=config.device)
+        made = cls(engine=engine, tp_size=config.tp_size, device=config.device)
+        made.engine_pids = frozenset(_child_pids() - before)
+        return made
 
     @classmethod
     def launch(cls, config: SGLangConfig, ready_timeout_s: float = 900.0, python: str = sys.executable,
@@ -584,7 +627,8 @@ class SGLangEngine:
             return
         self._closed = True
         if self._engine is not None:
-            self._engine.shutdown()
+            with _kill_only(self.engine_pids):
+                self._engine.shutdown()
         if self._client is not None:
             self._client.close()
         proc = self._process
