@@ -878,3 +878,25 @@ def test_http_payloads_given_as_bytes_are_sent_as_base64(fake):
     eng.update_weights_from_payloads([raw], version=3)
     sent = fake.posts("/update_weights_from_tensor")[0]["serialized_named_tensors"]
     assert [base64.b64decode(s, validate=True) for s in sent] == raw
+
+
+def test_engine_shutdown_kills_only_the_engines_processes(monkeypatch):
+    """sglang.Engine.shutdown kills every child of this process; within _kill_only it kills the engine's."""
+    import os
+    import sys
+    import types
+
+    from cooper_mcore.rollout.sglang_engine import _kill_only
+
+    calls = []
+    fake = types.ModuleType("sglang.srt.entrypoints.engine")
+    fake.kill_process_tree = lambda pid, include_parent=True, **kw: calls.append((pid, include_parent))
+    for name in ("sglang", "sglang.srt", "sglang.srt.entrypoints"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.entrypoints.engine", fake)
+    original = fake.kill_process_tree
+    with _kill_only(frozenset({222, 111})):
+        fake.kill_process_tree(os.getpid(), include_parent=False, wait_timeout=60)  # what shutdown calls
+        fake.kill_process_tree(999)  # any other tree is left to SGLang
+    assert calls == [(111, True), (222, True), (999, True)]
+    assert fake.kill_process_tree is original
