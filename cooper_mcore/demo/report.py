@@ -47,6 +47,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import statistics
 from collections.abc import Mapping, Sequence
@@ -54,7 +55,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cooper_mcore.config.schema import RewardMode
-from cooper_mcore.demo.report_render import MODE_COLORS, MODE_LABELS, MODES, PLOT_FILES, markdown, plot, series
+from cooper_mcore.demo.report_render import (
+    MODE_COLORS,
+    MODES,
+    PLOT_FILES,
+    markdown,
+    mode_label,
+    plot,
+    report_modes,
+    series,
+)
 from cooper_mcore.demo.results import from_plain, omitted_when_none, to_plain
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import METRICS_FILE, read_metrics
@@ -237,7 +247,9 @@ def load_runs(root: str) -> dict[str, RunResult]:
         ValueError: naming the mode whose ``result.json`` is missing or malformed.
     """
     runs: dict[str, RunResult] = {}
-    for mode in MODES:
+    found = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    others = [d for d in found if d not in MODES and os.path.isfile(os.path.join(root, d, RESULT_FILE))]
+    for mode in (*MODES, *others):
         path = os.path.join(root, mode, RESULT_FILE)
         if not os.path.isfile(path):
             raise ValueError(f"mode {mode!r}: no {path}")
@@ -343,14 +355,15 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
     """Check one seed's inputs and read its metrics, before anything is written."""
     if not isinstance(runs, Mapping):
         raise ValueError(f"runs must be a dict of mode -> RunResult, got {type(runs).__name__}")
-    unknown = sorted(set(runs) - set(MODES))
-    if unknown:
-        raise ValueError(f"unknown reward mode(s) {unknown}; expected {list(MODES)}")
+    missing = [m for m in MODES if m not in runs]
+    if missing:
+        raise ValueError(f"missing reward mode(s) {missing}; the report needs {list(MODES)} (and may hold others)")
+    bad = [m for m in runs if not (isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_.-]+", m))]
+    if bad:
+        raise ValueError(f"bad reward mode name(s) {bad}: letters, digits, '_', '.' and '-' only (they name files)")
     results: dict[str, RunResult] = {}
     metrics: dict[str, list[dict[str, Any]]] = {}
-    for mode in MODES:
-        if mode not in runs:
-            raise ValueError(f"missing reward mode {mode!r}; the report needs {list(MODES)}")
+    for mode in report_modes(runs):
         r = runs[mode]
         if isinstance(r, Mapping):
             try:
@@ -368,7 +381,7 @@ def _validate(runs: Mapping[str, Any]) -> tuple[dict[str, RunResult], dict[str, 
             _check_acc(f"mode {mode!r}: {name}", getattr(r, name))
         for name in ("rm_acc_before", "rm_acc_after"):
             value = getattr(r, name)
-            if not RewardMode(mode).uses_rm and value is not None:
+            if mode in MODES and not RewardMode(mode).uses_rm and value is not None:
                 raise ValueError(f"mode {mode!r} has no reward model, but {name}={value!r}")
             _check_acc(f"mode {mode!r}: {name}", value, allow_none=True)
         path = metrics_file(r.metrics_path)
@@ -425,7 +438,7 @@ def aggregate_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> 
     (``sd``: population std, 0 for one seed) and the hacking signature on the means (with
     ``present_seeds``, the number of seeds in which it is present on its own)."""
     out: dict[str, dict[str, Any]] = {}
-    for mode in MODES:
+    for mode in report_modes(next(iter(per_seed.values()))):
         rows = [per_seed[s][mode] for s in per_seed]
         agg = _aggregate(rows)
         agg = dict(agg) if len(rows) > 1 else {k: v for k, v in rows[0].items()}
@@ -464,11 +477,11 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
     n = len(per_seed) if per_seed else 1
     of = f" (mean of {n} seeds)" if n > 1 else ""
     lines: list[str] = []
-    for mode in MODES:
+    for mode in report_modes(s):
         h = s[mode]["hacking"]
         seeds = f"; present in {h['present_seeds']} of {n} seeds" if n > 1 else ""
         lines.append(
-            f"{MODE_LABELS[mode]}: training reward {_moved(h['reward_start'], h['reward_end'])} while held-out "
+            f"{mode_label(mode)}: training reward {_moved(h['reward_start'], h['reward_end'])} while held-out "
             f"accuracy {_moved(h['acc_before'], h['acc_after'])}{of} (reward hacking signature "
             f"{'present' if h['present'] else 'not present'}{seeds}).")
     coop, rule = s["cooper"], s["rule"]
@@ -492,10 +505,10 @@ def _verdict(s: Mapping[str, Mapping[str, Any]],
         b, a = s[mode]["rm_acc_before"], s[mode]["rm_acc_after"]
         if b is None or a is None:
             rm_ok[mode] = None
-            lines.append(f"{MODE_LABELS[mode]}: RM accuracy on held-out labeled completions not measured.")
+            lines.append(f"{mode_label(mode)}: RM accuracy on held-out labeled completions not measured.")
         else:
             rm_ok[mode] = a >= b - _EPS
-            lines.append(f"{MODE_LABELS[mode]}: RM accuracy on held-out labeled completions {_moved(b, a)}{of} "
+            lines.append(f"{mode_label(mode)}: RM accuracy on held-out labeled completions {_moved(b, a)}{of} "
                          f"({'did not degrade' if rm_ok[mode] else 'degraded'}).")
     checks = _checks(s)
     failed = [k for k, ok in checks.items() if not ok]
@@ -600,7 +613,7 @@ def _control_summary(folder: str, out_dir: str) -> dict[str, Any]:
             "verdict": verdict,
             **{mode: {k: s[mode][k] for k in ("acc_before", "acc_after", "acc_change", "train_reward_initial",
                                              "train_reward_final", "rm_acc_before", "rm_acc_after", "sd")}
-               for mode in MODES}}
+               for mode in s.get("modes", MODES)}}
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -651,10 +664,14 @@ def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any
             results[seed], metrics[seed] = _validate(seed_runs)
         except ValueError as e:
             raise ValueError(f"seed {seed}: {e}" if len(seeds) > 1 else str(e)) from None
-    per_seed = {s: {mode: _summarize(results[s][mode], metrics[s][mode]) for mode in MODES} for s in seeds}
+    per_seed = {s: {mode: _summarize(results[s][mode], metrics[s][mode]) for mode in report_modes(results[s])}
+                for s in seeds}
+    if len({tuple(p) for p in per_seed.values()}) > 1:
+        raise ValueError(f"the seeds ran different reward modes: { {s: list(p) for s, p in per_seed.items()} }")
     summary: dict[str, Any] = aggregate_seeds(per_seed)
     paired = paired_difference({s: results[s] for s in seeds})
     summary["verdict"] = _verdict(summary, per_seed if len(seeds) > 1 else None, paired)
+    summary["modes"] = list(next(iter(per_seed.values())))
     summary["seeds"] = list(seeds)
     summary["per_seed"] = {str(s): per_seed[s] for s in seeds}
     summary["design"] = {str(s): design[s] for s in seeds} if design else None
@@ -665,7 +682,7 @@ def write_report(out_dir: str, runs: Mapping[Any, Any], config: Mapping[str, Any
     copies: dict[int, dict[str, str]] = {}
     for seed in seeds:
         copies[seed] = {}
-        for mode in MODES:
+        for mode in summary["modes"]:
             name = f"metrics_{mode}.jsonl" if len(seeds) == 1 else f"metrics_{mode}_seed{seed}.jsonl"
             src, dst = metrics_file(results[seed][mode].metrics_path), os.path.join(out_dir, name)
             if not (os.path.exists(dst) and os.path.samefile(src, dst)):

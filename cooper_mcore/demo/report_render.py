@@ -10,7 +10,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -20,12 +20,15 @@ from matplotlib.ticker import MaxNLocator
 from cooper_mcore.config.schema import RewardMode
 from cooper_mcore.metric_names import MetricKey as K
 
-__all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "PREDICTIONS", "markdown", "plot",
-           "series"]
+__all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "PREDICTIONS", "markdown",
+           "mode_color", "mode_label", "plot", "report_modes", "series"]
 
+#: the paper's three reward modes, which the verdict compares; a report may hold further ones (an ablation)
 MODES = tuple(m.value for m in RewardMode)  # rule, static_rm, cooper
 MODE_LABELS = {"rule": "rule", "static_rm": "static RM", "cooper": "Cooper"}
 MODE_COLORS = {"rule": "#1f77b4", "static_rm": "#d62728", "cooper": "#2ca02c"}
+#: colours of the further modes, in their order (none of MODE_COLORS')
+EXTRA_COLORS = ("#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 PLOT_FILES = {"train_reward": "train_reward.png", "eval_acc": "eval_acc.png", "rule_acc_gap": "rule_acc_gap.png",
               "rm_rewards": "rm_rewards.png"}
 MAX_EXAMPLES = 5
@@ -34,6 +37,25 @@ MAX_COMPLETION_CHARS = 600
 WINDOW_COLUMNS = {K.RULE_ACC: "rollout rule accuracy", K.RM_REWARD_CORRECT: "RM reward, rule-correct rollouts",
                   K.RM_REWARD_WRONG: "RM reward, rule-wrong rollouts", K.RM_PAIR_ACC: "RM pair accuracy",
                   K.RM_THRESHOLD_ACC: "RM threshold accuracy", K.PAIRS_VALID: "valid pairs", K.KL: "KL"}
+
+
+def report_modes(names: Iterable[str]) -> list[str]:
+    """The reward modes among ``names`` in report order: the paper's (:data:`MODES`) first, then the others by name."""
+    names = set(names)
+    return [m for m in MODES if m in names] + sorted(names - set(MODES))
+
+
+def mode_label(mode: str) -> str:
+    """A mode's name in tables and legends."""
+    return MODE_LABELS.get(mode, mode)
+
+
+def mode_color(mode: str, modes: Sequence[str]) -> str:
+    """A mode's colour in the plots; a further mode takes the next of :data:`EXTRA_COLORS` in ``modes``' order."""
+    if mode in MODE_COLORS:
+        return MODE_COLORS[mode]
+    extra = [m for m in modes if m not in MODE_COLORS]
+    return EXTRA_COLORS[extra.index(mode) % len(EXTRA_COLORS)]
 
 
 def series(metrics: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -60,13 +82,14 @@ def plot(out_dir: str, metrics: Mapping[int, Mapping[str, list[dict[str, Any]]]]
         metrics: seed -> mode -> the run's metrics lines.
         per_seed: seed -> mode -> its summary (``acc_before``, ``acc_after``, ``steps``).
     """
+    modes = report_modes(next(iter(metrics.values()), {}))
     specs = {  # plot -> (title, [(metrics key, y label, modes), ...] one panel each)
-        "train_reward": ("Training reward per step", [(K.REWARD_MEAN, f"training reward ({K.REWARD_MEAN})", MODES)]),
+        "train_reward": ("Training reward per step", [(K.REWARD_MEAN, f"training reward ({K.REWARD_MEAN})", modes)]),
         "eval_acc": ("Held-out accuracy (x: before and after, the same measurement)",
-                     [(K.EVAL_ACC, "held-out accuracy", MODES)]),
+                     [(K.EVAL_ACC, "held-out accuracy", modes)]),
         "rule_acc_gap": ("Rollout accuracy by math-verify, and reward - rule gap",
-                         [(K.RULE_ACC, f"rule accuracy ({K.RULE_ACC})", MODES),
-                          (K.REWARD_RULE_GAP, K.REWARD_RULE_GAP, MODES)]),
+                         [(K.RULE_ACC, f"rule accuracy ({K.RULE_ACC})", modes),
+                          (K.REWARD_RULE_GAP, K.REWARD_RULE_GAP, modes)]),
         "rm_rewards": ("RM reward of rule-correct (solid) and rule-wrong (dashed) rollouts",
                        [(K.RM_REWARD_CORRECT, "static RM", (RewardMode.static_rm.value,)),
                         (K.RM_REWARD_CORRECT, "Cooper", (RewardMode.cooper.value,))]),
@@ -85,7 +108,7 @@ def plot(out_dir: str, metrics: Mapping[int, Mapping[str, list[dict[str, Any]]]]
             for j, seed in enumerate(seeds):
                 style = {"linewidth": 1.6 if j == 0 else 0.9, "alpha": 1.0 if j == 0 else 0.55}
                 for mode in modes:
-                    color, label = MODE_COLORS[mode], (MODE_LABELS[mode] if j == 0 else None)
+                    color, label = mode_color(mode, modes), (mode_label(mode) if j == 0 else None)
                     steps, values = series(metrics[seed][mode], key)
                     ax.plot(steps, values, color=color, label=label, marker="o" if key == K.EVAL_ACC else None,
                             **style)
@@ -143,9 +166,9 @@ def table_rows(summary: Mapping[str, Mapping[str, Any]], n: int = 1) -> list[str
     rows = ["| reward mode | held-out acc before | held-out acc after | change | final training reward "
             "| RM acc before | RM acc after |",
             "|---|---:|---:|---:|---:|---:|---:|"]
-    for mode in MODES:
+    for mode in summary["modes"]:
         s = summary[mode]
-        rows.append(f"| {MODE_LABELS[mode]} | {_pm(s, 'acc_before', n)} | {_pm(s, 'acc_after', n)} | "
+        rows.append(f"| {mode_label(mode)} | {_pm(s, 'acc_before', n)} | {_pm(s, 'acc_after', n)} | "
                     f"{_pm(s, 'acc_change', n, signed=True)} | {_pm(s, 'train_reward_final', n)} | "
                     f"{_pm(s, 'rm_acc_before', n)} | {_pm(s, 'rm_acc_after', n)} |")
     return rows
@@ -155,9 +178,9 @@ def _seed_rows(summary: Mapping[str, Any]) -> list[str]:
     rows = ["| seed | reward mode | held-out acc before | after | training reward start -> final "
             "| RM acc before -> after | hacking signature |", "|---:|---|---:|---:|---:|---:|---|"]
     for seed, per_mode in summary["per_seed"].items():
-        for mode in MODES:
+        for mode in summary["modes"]:
             s = per_mode[mode]
-            rows.append(f"| {seed} | {MODE_LABELS[mode]} | {_fmt(s['acc_before'])} | {_fmt(s['acc_after'])} | "
+            rows.append(f"| {seed} | {mode_label(mode)} | {_fmt(s['acc_before'])} | {_fmt(s['acc_after'])} | "
                         f"{_fmt(s['train_reward_initial'])} -> {_fmt(s['train_reward_final'])} | "
                         f"{_arrow(s, 'rm_acc')} | "
                         f"{'present' if s['hacking']['present'] else 'no'} |")
@@ -165,15 +188,15 @@ def _seed_rows(summary: Mapping[str, Any]) -> list[str]:
 
 
 def _window_rows(summary: Mapping[str, Any]) -> list[str]:
-    cols = [k for k in WINDOW_COLUMNS if any(k in summary[m].get("windows", {}) for m in MODES)]
+    cols = [k for k in WINDOW_COLUMNS if any(k in summary[m].get("windows", {}) for m in summary["modes"])]
     if not cols:
         return []
     rows = ["| reward mode | " + " | ".join(WINDOW_COLUMNS[k] for k in cols) + " |",
             "|---|" + "---:|" * len(cols)]
-    for mode in MODES:
+    for mode in summary["modes"]:
         w = summary[mode].get("windows", {})
         cells = [f"{w[k]['start']:.3f} -> {w[k]['end']:.3f}" if k in w else "n/a" for k in cols]
-        rows.append(f"| {MODE_LABELS[mode]} | " + " | ".join(cells) + " |")
+        rows.append(f"| {mode_label(mode)} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -191,11 +214,12 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
     from_seeds = summary["seeds"]
     n = len(from_seeds)
     v = summary["verdict"]
-    windows = sorted({summary[m]["hacking"]["window"] for m in MODES})
+    windows = sorted({summary[m]["hacking"]["window"] for m in summary["modes"]})
     w = str(windows[0]) if len(windows) == 1 else "min(5, steps // 2)"
     h = summary["static_rm"]["hacking"]
-    intro = ("Three RL runs from the same start." if n == 1 else
-             f"Three RL runs from the same start, for each of {n} seeds ({', '.join(map(str, from_seeds))}: the SFT, "
+    runs = f"{len(summary['modes'])} RL runs from the same start, one per reward mode"
+    intro = (f"{runs}." if n == 1 else
+             f"{runs}, for each of {n} seeds ({', '.join(map(str, from_seeds))}: the SFT, "
              "RM and RL seeds move together); the table holds the means over the seeds ± their spread (population "
              "standard deviation), the rows of each seed follow.")
     out = ["# Cooper CPU demo: rule vs static RM vs Cooper", "",
@@ -215,10 +239,10 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
             f"{h['min_acc_drop']}.", "", "## Runs", "",
             "| reward mode | steps | train seconds (sum of `time/step`) | wall seconds | start training reward "
             "| final rollout rule accuracy |", "|---|---:|---:|---:|---:|---:|"]
-    for mode in MODES:
+    for mode in summary["modes"]:
         s = summary[mode]
         secs = [f"{x:.1f}" if x is not None else "n/a" for x in (s["train_seconds"], s["wall_seconds"])]
-        out.append(f"| {MODE_LABELS[mode]} | {s['steps']} | {secs[0]} | {secs[1]} | "
+        out.append(f"| {mode_label(mode)} | {s['steps']} | {secs[0]} | {secs[1]} | "
                    f"{_fmt(s['train_reward_initial'])} | {_fmt(s['rule_acc_final'])} |")
     curve = curve_rows(summary)
     if curve:
@@ -228,11 +252,11 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
     if window_rows:
         out += ["", f"In-training metrics, start -> end (means over the first and last {w} steps that logged "
                     "them):", "", *window_rows]
-    if any(summary[m]["details"] for m in MODES):
+    if any(summary[m]["details"] for m in summary["modes"]):
         out += ["", "Further measurements" + (" (means over the seeds)" if n > 1 else "") + ":", ""]
-        out += [f"- {MODE_LABELS[m]}: " + ", ".join(f"{k} = {_fmt(x) if isinstance(x, float) else x}"
+        out += [f"- {mode_label(m)}: " + ", ".join(f"{k} = {_fmt(x) if isinstance(x, float) else x}"
                                                     for k, x in summary[m]["details"].items())
-                for m in MODES if summary[m]["details"]]
+                for m in summary["modes"] if summary[m]["details"]]
     out += _hacks(results[from_seeds[0]] if from_seeds else {}, n)
     out += ["## Plots", ""]
     titles = {"train_reward": "Training reward per step", "eval_acc": "Held-out accuracy per eval step",
@@ -241,7 +265,7 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
     out += [f"[![{titles[k]}]({os.path.basename(p)})]({os.path.basename(p)})" for k, p in plots.items()]
     out += ["", "## Metrics files", ""]
     for seed, per_mode in copies.items():
-        out += [f"- {MODE_LABELS[m]}{f' (seed {seed})' if n > 1 else ''}: "
+        out += [f"- {mode_label(m)}{f' (seed {seed})' if n > 1 else ''}: "
                 f"[{os.path.basename(p)}]({os.path.basename(p)})" for m, p in per_mode.items()]
     if summary["config"] is not None:
         out += ["", "## Config", "", "```json", json.dumps(summary["config"], indent=2, sort_keys=True, default=str),
@@ -291,9 +315,9 @@ def family_rows(summary: Mapping[str, Any]) -> list[str]:
         return []
     rows = ["| reward mode | family | held-out acc (oracle) | held-out acc (rule) | answers `\\boxed{N.}` "
             "| RM benchmark acc |", "|---|---|---:|---:|---:|---:|"]
-    for mode in MODES:
+    for mode in summary["modes"]:
         for fam, f in summary[mode]["families"].items():
-            rows.append(f"| {MODE_LABELS[mode]} | {FAMILY_LABELS.get(fam, fam)} | {_arrow(f, 'acc')} | "
+            rows.append(f"| {mode_label(mode)} | {FAMILY_LABELS.get(fam, fam)} | {_arrow(f, 'acc')} | "
                         f"{_arrow(f, 'rule_acc')} | {_arrow(f, 'times_form')} | {_arrow(f, 'rm_acc')} |")
     return rows
 
@@ -306,12 +330,12 @@ def curve_rows(summary: Mapping[str, Any]) -> list[str]:
         return []
     rows = ["| reward mode | step | acc (oracle) | acc (rule) | `*` acc (oracle) | `*` acc (rule) "
             "| `*` answers `\\boxed{N.}` |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for mode in MODES:
+    for mode in report_modes(first):
         for point in first[mode]["curve"]:
             t = point.get("times")
             cells = ([_fmt(t["acc"]), _fmt(t["rule_acc"]), _fmt(t["forms"]["boxed_period"])] if t
                      else ["n/a"] * 3)
-            rows.append(f"| {MODE_LABELS[mode]} | {point['step']} | {_fmt(point['all']['acc'])} | "
+            rows.append(f"| {mode_label(mode)} | {point['step']} | {_fmt(point['all']['acc'])} | "
                         f"{_fmt(point['all']['rule_acc'])} | " + " | ".join(cells) + " |")
     return rows
 
@@ -319,7 +343,7 @@ def curve_rows(summary: Mapping[str, Any]) -> list[str]:
 def prediction_rows(summary: Mapping[str, Any]) -> list[str]:
     """The predictions beside what happened (oracle accuracy per family, the static RM's reward)."""
     rows = ["| reward mode | predicted (before running) | what happened |", "|---|---|---|"]
-    for mode in MODES:
+    for mode in summary["modes"]:
         s = summary[mode]
         fams = "; ".join(f"{FAMILY_LABELS.get(f, f)} {_fmt(x['acc_before'])} -> {_fmt(x['acc_after'])}"
                          for f, x in s.get("families", {}).items() if f != "all")
@@ -328,7 +352,7 @@ def prediction_rows(summary: Mapping[str, Any]) -> list[str]:
         happened = (f"held-out acc {_fmt(s['acc_before'])} -> {_fmt(s['acc_after'])}{fams}; training reward "
                     f"{_fmt(h['reward_start'])} -> {_fmt(h['reward_end'])}; hacking signature "
                     f"{'present' if h['present'] else 'not present'}")
-        rows.append(f"| {MODE_LABELS[mode]} | {_cell(PREDICTIONS[mode])} | {_cell(happened)} |")
+        rows.append(f"| {mode_label(mode)} | {_cell(PREDICTIONS.get(mode, 'none written'))} | {_cell(happened)} |")
     return rows
 
 
@@ -339,10 +363,10 @@ def control_rows(summary: Mapping[str, Any]) -> list[str]:
         return []
     rows = ["| reward mode | two-family task: acc before -> after | single-family control: acc before -> after |",
             "|---|---:|---:|"]
-    for mode in MODES:
+    for mode in summary["modes"]:
         s = summary[mode]
-        rows.append(f"| {MODE_LABELS[mode]} | {_fmt(s['acc_before'])} -> {_fmt(s['acc_after'])} | "
-                    f"{_fmt(c[mode]['acc_before'])} -> {_fmt(c[mode]['acc_after'])} |")
+        control = (f"{_fmt(c[mode]['acc_before'])} -> {_fmt(c[mode]['acc_after'])}" if mode in c else "not run")
+        rows.append(f"| {mode_label(mode)} | {_fmt(s['acc_before'])} -> {_fmt(s['acc_after'])} | {control} |")
     return rows
 
 
@@ -408,12 +432,12 @@ def _setting(config: Mapping[str, Any]) -> list[str]:
 def _hacks(results: Mapping[str, Any], n: int) -> list[str]:
     out = ["", "## Examples of hacks" + (" (first seed)" if n > 1 else ""), ""]
     any_hacks = False
-    for mode in MODES:
+    for mode in report_modes(results):
         hacks = results[mode].hacks if mode in results else []
         if not hacks:
             continue
         any_hacks = True
-        out += [f"### {MODE_LABELS[mode]} ({len(hacks)} collected, {min(len(hacks), MAX_EXAMPLES)} shown)", ""]
+        out += [f"### {mode_label(mode)} ({len(hacks)} collected, {min(len(hacks), MAX_EXAMPLES)} shown)", ""]
         for i, h in enumerate(hacks[:MAX_EXAMPLES], 1):
             text = h.completion
             if len(text) > MAX_COMPLETION_CHARS:

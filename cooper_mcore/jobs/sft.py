@@ -42,6 +42,7 @@ from megatron.core import parallel_state
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint_atomic
 from cooper_mcore.collectives import all_reduce
+from cooper_mcore.config.checks import validate
 from cooper_mcore.config.schema import SFTConfig
 from cooper_mcore.data.iterator import epoch_order
 from cooper_mcore.data.mathgen import (
@@ -58,6 +59,7 @@ from cooper_mcore.job import JobRoom, job
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.parallel import launched_world_size
 from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import OptimConfig, build_scheduler, train_step, wrap_for_training
 from cooper_mcore.train.tokens import build_token_batch, token_logprobs
@@ -240,9 +242,7 @@ def sft(cfg: SFTConfig, examples: Sequence[Example]) -> dict[str, Any]:
     arch, hf_config, dtype = check_sft(cfg, examples)
     with job(cfg.out, t.steps, parallel=cfg.parallel, seed=t.seed, write_metrics=False) as room:
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            raise ValueError(f"global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size * dp = "
-                             f"{t.micro_batch_size} * {dp}")
+        assert t.global_batch_size % (t.micro_batch_size * dp) == 0, "validate() checks the batch against dp"
         model, arch = load_checkpoint_model(cfg.ckpt, cfg.parallel)
         ddp, optimizer = wrap_for_training(
             model, OptimConfig(lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad), per_token_loss=True)
@@ -258,18 +258,13 @@ def sft(cfg: SFTConfig, examples: Sequence[Example]) -> dict[str, Any]:
 
 
 def check_sft(cfg: SFTConfig, examples: Sequence[Example]) -> tuple[Any, dict[str, Any], Any]:
-    """Check the job before any work; return the input checkpoint's ``(arch, hf_config, dtype)``.
+    """Check the job before any work (its config by :func:`cooper_mcore.config.checks.validate`, as
+    ``cooper train``'s, then the examples); return the input checkpoint's ``(arch, hf_config, dtype)``.
 
     Raises:
         ValueError / FileExistsError: as :func:`sft`.
     """
-    t, o = cfg.train, cfg.optim
-    if t.steps < 1 or o.lr <= 0 or t.global_batch_size < 1 or t.micro_batch_size < 1 or o.warmup_steps < 0:
-        raise ValueError(f"sft needs steps >= 1, lr > 0, batch sizes >= 1 and warmup_steps >= 0; got steps={t.steps} "
-                         f"lr={o.lr} global_batch_size={t.global_batch_size} micro_batch_size={t.micro_batch_size} "
-                         f"warmup_steps={o.warmup_steps}")
-    if t.min_lr is not None and not 0 <= t.min_lr <= o.lr:
-        raise ValueError(f"sft: min_lr must be in [0, lr={o.lr}], got {t.min_lr}")
+    validate(cfg, launched_world_size())
     if not examples:
         raise ValueError("sft: no examples")
     bad = next((i for i, (p, r) in enumerate(examples) if not p or not r), None)

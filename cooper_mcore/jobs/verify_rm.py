@@ -55,13 +55,14 @@ from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_new_model_checkpoint
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import all_gather
+from cooper_mcore.config.checks import validate
 from cooper_mcore.config.schema import VerifyRMConfig, to_dict
 from cooper_mcore.data.rm_data import RMExample, read_eval_examples, read_rm_examples
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, pad_id_of
 from cooper_mcore.job import JobRoom, job
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import write_json_atomic
-from cooper_mcore.parallel import ParallelConfig, job_world
+from cooper_mcore.parallel import ParallelConfig, job_world, launched_world_size
 from cooper_mcore.train.reward_model import (
     bce_train_step,
     pad_token_lists,
@@ -285,27 +286,14 @@ def train_rm(cfg: VerifyRMConfig) -> dict[str, Any]:
 
 
 def check_train_rm(cfg: VerifyRMConfig) -> None:
-    """Check the job's settings and output folder before any work.
+    """Check the job's config (:func:`cooper_mcore.config.checks.validate`, as ``cooper train``'s) and
+    output folder before any work.
 
     Raises:
-        ValueError: a setting out of range (named).
+        ValueError: every problem of the config, one per line.
         FileExistsError: ``cfg.out`` exists and is not empty.
     """
-    t, o = cfg.train, cfg.optim
-    for name, value in (("epochs", t.epochs), ("micro_batch_size", t.micro_batch_size),
-                        ("global_batch_size", t.global_batch_size)):
-        if int(value) != value or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value}")
-    for name, value in (("eval_every", t.eval_every), ("save_every", t.save_every)):
-        if int(value) != value or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value}")
-    if not o.lr > 0:
-        raise ValueError(f"lr must be > 0, got {o.lr}")
-    if o.warmup_steps:
-        raise ValueError(f"train-rm trains at a constant learning rate: optim.warmup_steps must be 0, "
-                         f"got {o.warmup_steps}")
-    if not 0.0 < t.threshold < 1.0:
-        raise ValueError(f"threshold must be in (0, 1), got {t.threshold}")
+    validate(cfg, launched_world_size())
     if os.path.isdir(cfg.out) and os.listdir(cfg.out):
         raise FileExistsError(f"out_dir {cfg.out!r} exists and is not empty")
 
@@ -339,9 +327,7 @@ def _setup_rm_run(cfg: VerifyRMConfig, room: JobRoom, train: Sequence[RMExample]
     """Load the model, tokenize the training rows and wrap the model for training (collective)."""
     t, o = cfg.train, cfg.optim
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ValueError(f"global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size * "
-                         f"data-parallel size = {t.micro_batch_size} * {dp}")
+    assert t.global_batch_size % (t.micro_batch_size * dp) == 0, "validate() checks the batch against dp"
     torch.manual_seed(t.seed)
     tokenizer = load_checkpoint_tokenizer(cfg.ckpt)
     model, arch, hf_config, dtype = _load_rm(cfg.ckpt, cfg.parallel, tokenizer)

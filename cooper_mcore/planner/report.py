@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from cooper_mcore.checkpoint.model import checkpoint_arch
+from cooper_mcore.config.presets import resolve_model_config, shipped_model_config
 from cooper_mcore.config.schema import CooperConfig, load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.planner.plan import (
@@ -41,10 +42,10 @@ _SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer":
 
 
 def _read_config(path: str) -> dict[str, Any]:
+    """An HF config: a ``config.json`` file, the model folder holding it, or a shipped model config's name."""
+    path = resolve_model_config(path)
     if os.path.isdir(path):
         return load_hf_config(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model config {path!r} not found")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -63,6 +64,10 @@ def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
         policy = ArchSpec.from_hf_config(load_hf_config(cfg.model.policy_hf), "causal_lm")
     elif (found := checkpoint_arch(cfg.model.policy_ckpt)) is not None:
         policy = found
+    elif (shipped := shipped_model_config(cfg.model.policy_hf)) is not None:
+        policy = ArchSpec.from_hf_config(_read_config(shipped), "causal_lm")
+        notes.append(f"policy shape from the shipped {os.path.basename(shipped)} (model.policy_hf has no "
+                     f"config.json here); pass --policy-config to set it")
     else:
         raise ValueError(f"no policy shape: model.policy_hf={cfg.model.policy_hf!r} has no config.json and "
                          f"model.policy_ckpt={cfg.model.policy_ckpt!r} is not a converted checkpoint; pass "

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cooper_mcore.config.presets import shipped_model_config
 from cooper_mcore.config.schema import CooperConfig
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.planner.report import load_shapes
@@ -284,14 +285,11 @@ def _sizes_real(cfg: CooperConfig, subs: list[Substitution]) -> None:
 def preset_shapes(cfg: CooperConfig, preset: str, policy_config: Optional[str] = None,
                   rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
     """The preset's architectures, as ``cooper plan`` finds them, else from the config shipped
-    beside the preset: ``model_configs/<name of model.policy_hf, lower case>.json``.
+    for ``model.policy_hf`` (:func:`~cooper_mcore.config.presets.shipped_model_config`).
 
     Raises:
         ValueError: no shape anywhere (naming the places looked at).
     """
     if policy_config is None and not os.path.isfile(os.path.join(cfg.model.policy_hf, "config.json")):
-        name = os.path.basename(os.path.normpath(cfg.model.policy_hf)).lower()
-        shipped = os.path.join(os.path.dirname(os.path.abspath(preset)), "model_configs", f"{name}.json")
-        if name and os.path.isfile(shipped):
-            policy_config = shipped
+        policy_config = shipped_model_config(cfg.model.policy_hf, preset)
     return load_shapes(cfg, policy_config, rm_config)

@@ -42,6 +42,7 @@ import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
 from cooper_mcore.config.checks import validate
+from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.config.schema import CooperConfig, load_config, save_config
 from cooper_mcore.demo.assets import build_tiny_assets
 from cooper_mcore.job import EXIT_PREEMPTED
@@ -498,6 +499,7 @@ def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str
     Raises:
         ValueError: the preset or its rehearsal config is invalid, or no model shape is found.
     """
+    preset = resolve_preset(preset)
     cfg = load_config(preset, overrides or [])
     try:
         policy, rm, _ = preset_shapes(cfg, preset, policy_config, rm_config)

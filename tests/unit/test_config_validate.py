@@ -253,3 +253,71 @@ def test_sglang_refuses_a_moe_policy_with_dense_layers(paths, tmp_path):
     assert config_problems(_cfg({**paths, "model.policy_ckpt": mixed}, "rollout.engine=sglang"), 1) == [
         f"model.policy_ckpt ({mixed}) is a Qwen3-MoE with dense layers (mlp_only_layers=[3], decoder_sparse_step=1), "
         "which SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse"]
+
+
+# ----------------------------------------------------------------------------- the other jobs' configs
+
+
+def _job(cls, *overrides):
+    from cooper_mcore.config.schema import SFTConfig, VerifyRMConfig  # noqa: F401 - cls is one of them
+
+    return load_config(None, list(overrides), cls=cls)
+
+
+def test_sft_configs_go_through_the_same_checks(tmp_path):
+    from cooper_mcore.config.schema import SFTConfig
+
+    ckpt = _ckpt(tmp_path / "policy", heads=4, kv=2, layers=4)
+    good = _job(SFTConfig, f"ckpt={ckpt}", "train.global_batch_size=8", "train.micro_batch_size=4")
+    validate(good, 1)
+    validate(good, 2)  # 8 = 4 * dp 2
+    bad = _job(SFTConfig, f"ckpt={ckpt}", "data.style=latex", "train.steps=0", "optim.lr=0", "train.min_lr=1",
+               "data.mix_wrong=1.5", "data.template=Q", "parallel.tp=3", "train.global_batch_size=6",
+               "train.micro_batch_size=4")
+    with pytest.raises(ValueError) as info:
+        validate(bad, 3)
+    msg = str(info.value)
+    lines = [ln for ln in msg.splitlines() if ln.startswith("  - ")]
+    assert msg.startswith(f"invalid config ({len(lines)} problems):")
+    for want in ("data.style must be one of ('boxed', 'gsm8k', 'boxed_period'), got 'latex'", "train.steps must be >= 1, got 0",
+                 "optim.lr must be > 0, got 0.0", "train.min_lr must be in [0, optim.lr=0.0]",
+                 "data.mix_wrong must be in [0, 1], got 1.5", "data.template 'Q' has no {question} placeholder",
+                 f"ckpt ({ckpt}) has 4 attention heads, not divisible by parallel.tp=3",
+                 "train.global_batch_size=6 is not a multiple of train.micro_batch_size * the data-parallel size = 4 * 1"):
+        assert any(want in ln for ln in lines), (want, lines)
+    with pytest.raises(ValueError, match=r"ckpt: '/missing' does not exist"):
+        validate(_job(SFTConfig, "ckpt=/missing"), 1)
+
+
+def test_verify_rm_configs_go_through_the_same_checks(tmp_path):
+    from cooper_mcore.config.schema import VerifyRMConfig
+
+    ckpt = _ckpt(tmp_path / "rm", heads=4, kv=2, layers=3)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "q", "reference": "1", "completion": "1", "label": true}\n')
+    good = _job(VerifyRMConfig, f"ckpt={ckpt}", f"data.train_path={rows}", "train.global_batch_size=4",
+                "train.micro_batch_size=2")
+    validate(good, 2)
+    bad = _job(VerifyRMConfig, f"ckpt={ckpt}", f"data.train_path={tmp_path}", "data.eval_path=/missing.jsonl",
+               "data.eval_format=csv", "train.epochs=0", "optim.warmup_steps=3", "train.threshold=1.0",
+               "parallel.pp=2", "train.global_batch_size=4", "train.micro_batch_size=4")
+    with pytest.raises(ValueError) as info:
+        validate(bad, 2)
+    lines = [ln for ln in str(info.value).splitlines() if ln.startswith("  - ")]
+    for want in ("data.eval_format must be one of ('auto', 'labeled', 'verifybench'), got 'csv'",
+                 "train.epochs must be >= 1, got 0", "optim.warmup_steps must be 0", "train.threshold must be in (0, 1)",
+                 f"data.train_path: '{tmp_path}' is a directory", "data.eval_path: '/missing.jsonl' does not exist",
+                 f"ckpt ({ckpt}) has 3 layers, not divisible by parallel.pp=2"):
+        assert any(want in ln for ln in lines), (want, lines)
+
+
+def test_cooper_sft_and_train_rm_report_every_problem_in_one_line_each(tmp_path, caplog):
+    """The commands stop with the same one-line-per-problem error as `cooper train`, before any work."""
+    ckpt = _ckpt(tmp_path / "rm")
+    with caplog.at_level(logging.ERROR):
+        rc = cli_main(["train-rm", "--ckpt", ckpt, "--train", "/missing.jsonl", "--out", str(tmp_path / "o"),
+                       "train.epochs=0"])
+    assert rc == 2
+    assert "invalid config (2 problems)" in caplog.text
+    assert "  - data.train_path: '/missing.jsonl' does not exist" in caplog.text
+    assert not (tmp_path / "o").exists()

@@ -302,7 +302,7 @@ def test_hacking_signature_rejects_bad_input(lines, before, after, window, match
 def test_missing_mode_is_named(tmp_path, mode):
     runs = load_runs(str(FIXTURE))
     del runs[mode]
-    with pytest.raises(ValueError, match=f"missing reward mode '{mode}'"):
+    with pytest.raises(ValueError, match=rf"missing reward mode\(s\) \['{mode}'\]"):
         write_report(str(tmp_path / "out"), runs)
     assert not (tmp_path / "out").exists()
 
@@ -338,11 +338,37 @@ def test_metrics_without_reward_unknown_mode_and_bad_config(tmp_path):
     with pytest.raises(ValueError, match=r"mode 'rule': metrics file .* has no 'reward/mean' values"):
         write_report(str(tmp_path / "out"), load_runs(str(root)))
     runs = load_runs(str(FIXTURE))
-    with pytest.raises(ValueError, match=r"unknown reward mode\(s\) \['static'\]"):
-        write_report(str(tmp_path / "out"), {**runs, "static": runs["static_rm"]})
+    with pytest.raises(ValueError, match=r"bad reward mode name\(s\) \['static rm/x'\]"):
+        write_report(str(tmp_path / "out"), {**runs, "static rm/x": runs["static_rm"]})
     with pytest.raises(ValueError, match="config must be a dict"):
         write_report(str(tmp_path / "out"), runs, config=["steps"])  # type: ignore[arg-type]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fourth_reward_mode_gets_a_row_a_colour_and_its_metrics(tmp_path):
+    """A report may hold more modes than the paper's three (an ablation): each is summarised, drawn in
+    a colour of its own and listed; the verdict still compares the paper's three."""
+    from matplotlib.image import imread
+
+    from cooper_mcore.demo.report_render import EXTRA_COLORS
+
+    root = _copy_fixture(tmp_path)
+    shutil.copytree(root / "static_rm", root / "cooper_frozen_rm")
+    runs = load_runs(str(root))
+    assert list(runs) == [*MODES, "cooper_frozen_rm"]
+    out = tmp_path / "out"
+    write_report(str(out), runs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["modes"] == [*MODES, "cooper_frozen_rm"]
+    assert summary["cooper_frozen_rm"]["acc_after"] == summary["static_rm"]["acc_after"] == pytest.approx(0.40)
+    md = (out / "report.md").read_text()
+    assert "4 RL runs from the same start" in md
+    assert md.count("| cooper_frozen_rm |") >= 2  # the results table and the runs table
+    assert any(line.startswith("cooper_frozen_rm: training reward") for line in summary["verdict"]["lines"])
+    assert (out / "metrics_cooper_frozen_rm.jsonl").read_bytes() == (root / "static_rm" / "metrics.jsonl").read_bytes()
+    rgb = imread(str(out / "train_reward.png"))[..., :3]
+    want = [int(EXTRA_COLORS[0][i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    assert (abs(rgb - want) < 0.02).all(axis=-1).sum() > 100
 
 
 def test_load_runs_names_missing_result_and_builds_dataclasses(tmp_path):

@@ -274,7 +274,7 @@ def test_sft_rejects_bad_arguments(assets, tmp_path):
     ckpt, out = assets["policy_ckpt"], str(tmp_path / "out")
     with pytest.raises(ValueError, match="empty prompt or response"):
         sft(sft_config(ckpt, out, steps=1, lr=1e-3, global_batch_size=1, micro_batch_size=1), [([5, 6], [])])
-    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+    with pytest.raises(ValueError, match="multiple of train.micro_batch_size"):
         sft(sft_config(ckpt, out, steps=1, lr=1e-3, global_batch_size=6, micro_batch_size=4), [([5, 6], [7, 4])])
     with pytest.raises(ValueError, match="causal-LM"):
         sft(sft_config(assets["rm_ckpt"], out, steps=1, lr=1e-3, global_batch_size=1, micro_batch_size=1),
