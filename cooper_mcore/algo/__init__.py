@@ -1,6 +1,6 @@
 """Pure tensor math of a Cooper step (torch only): GRPO advantages, the PPO policy loss, KL penalty,
-aggregation, entropy, the policy's reward from RM logits, reward-model losses, preference-pair
-selection and the mixture-of-experts load-balancing loss."""
+aggregation, entropy, log-probabilities from (vocab-parallel) logits in chunks, the policy's reward from RM logits,
+reward-model losses, preference-pair selection and the mixture-of-experts load-balancing loss."""
 
 from cooper_mcore.algo.advantages import broadcast_to_tokens, group_advantages
 from cooper_mcore.algo.losses import (
@@ -26,13 +26,16 @@ from cooper_mcore.algo.pairs import (
     verdict_codes,
 )
 from cooper_mcore.algo.reward_transforms import reward_from_logits, round_to_bf16
+from cooper_mcore.algo.vocab import VocabShard, chunked_logprobs_entropy
 
 __all__ = [
     "PairSelection",
     "PolicyLossStats",
+    "VocabShard",
     "aggregate",
     "aux_loss_coeff_scale",
     "broadcast_to_tokens",
+    "chunked_logprobs_entropy",
     "entropy_from_logits",
     "first_positive_index",
     "gather_by_group",

@@ -79,6 +79,7 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     ranges = [("train.steps", t.steps, 0), ("train.prompts_per_step", t.prompts_per_step, 1),
               ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
               ("train.micro_batch_size", t.micro_batch_size, 1), ("train.mini_batches", t.mini_batches, 1),
+              ("train.logprob_chunk_tokens", t.logprob_chunk_tokens, 1),
               ("rollout.group_size", ro.group_size, 2), ("rollout.max_new_tokens", ro.max_new_tokens, 1),
               ("rollout.bucket_mb", ro.bucket_mb, 1), ("reward.verifier_workers", r.verifier_workers, 1),
               ("rm.assistant_max_retries", cfg.rm.assistant_max_retries, 0), ("eval.every", cfg.eval.every, 0),

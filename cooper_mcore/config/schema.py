@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
+from cooper_mcore.algo.vocab import DEFAULT_CHUNK_TOKENS
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.parallel import ParallelConfig
@@ -279,6 +280,8 @@ class TrainConfig:
     """Sequences per forward/backward (when max_tokens_per_micro_batch is 0)."""
     max_tokens_per_micro_batch: int = 0
     """Form micro-batches by this token budget in all four passes instead of micro_batch_size (0: off)."""
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Positions per chunk when log-probs and entropy are read from the logits (fp32 temporaries: chunk x vocab/tp)."""
     pack_sequences: bool = False
     """With the token budget, pack each micro-batch's sequences into one row (no padding; thd attention)."""
     mini_batches: int = 1

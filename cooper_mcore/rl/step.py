@@ -74,10 +74,11 @@ def policy_batch(run: Run, groups: Sequence[RolloutGroup], advantages: torch.Ten
 
 def fill_logprobs(run: Run, batch: TokenBatch) -> None:
     """The old policy's log-probabilities, and the reference's when the KL term is on."""
-    batch.old_logp = compute_logprobs(run.policy.module, batch, run.batching)
+    chunk = run.cfg.train.logprob_chunk_tokens
+    batch.old_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
     if run.reference is not None:
         with run.reference.swapped():
-            batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching)
+            batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
 
 
 def update_policy(run: Run, batch: TokenBatch) -> PolicyUpdate:
@@ -85,7 +86,8 @@ def update_policy(run: Run, batch: TokenBatch) -> PolicyUpdate:
     (non-finite) update does not advance the schedule, as in megatron."""
     cfg, policy = run.cfg, run.policy
     loss = GRPOLoss(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_ratio_c,
-                    kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef)
+                    kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef,
+                    chunk_tokens=cfg.train.logprob_chunk_tokens)
     per_mini = len(batch) // cfg.train.mini_batches
     updates = []
     for i in range(cfg.train.mini_batches):

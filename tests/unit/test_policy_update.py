@@ -94,10 +94,13 @@ def _with_logprobs(ckpt: str, batch: TokenBatch, noise: float) -> TokenBatch:
     return batch
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied"])
-def test_update_gradient_equals_a_plain_torch_grpo_step(tiny_models, family):
+@pytest.mark.parametrize("family,chunk", [("qwen2", 1024), ("qwen2_tied", 1024), ("qwen2", 5)])
+def test_update_gradient_equals_a_plain_torch_grpo_step(tiny_models, family, chunk):
+    """The update's gradient, with the log-probabilities and the entropy bonus read from the logits
+    in one chunk and in chunks of 5 positions (the micro-batches of 2 rows span chunk boundaries)."""
     hf_dir, ckpt = tiny_models[(family, "causal_lm")]
-    loss = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_kind="low_var_kl", entropy_coef=0.01)
+    loss = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_kind="low_var_kl", entropy_coef=0.01,
+                    chunk_tokens=chunk)
     with single_process_world():
         batch = _with_logprobs(ckpt, _batch(vocab=128), noise=0.3)
         _, metrics, ours = _megatron_update(ckpt, batch, mbs=2, loss=loss)
@@ -219,16 +222,18 @@ def test_loss_is_token_mean_of_the_grpo_objective(tiny_models):
 
 
 def test_token_logprobs_leave_fp32_logits_intact():
-    """megatron's vocab-parallel cross entropy works in place: on fp32 logits (CPU runs) the entropy
-    computed after it would read shifted, exponentiated values; on bf16 (GPUs) ``.float()`` copies.
-    Both paths must leave the logits as they were."""
+    """The log-probabilities and the entropy are read from fp32 logits (CPU runs) without writing
+    them: what the loss reads after them is what the model returned."""
     from cooper_mcore.algo import entropy_from_logits
-    from cooper_mcore.train.tokens import token_logprobs, vocab_parallel_entropy
+    from cooper_mcore.train.tokens import token_logprobs, token_logprobs_and_entropy
 
     with single_process_world():
         logits = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
         before = logits.clone()
-        logp = token_logprobs(logits, torch.zeros(2, 5, dtype=torch.long))
+        labels = torch.zeros(2, 5, dtype=torch.long)
+        logp = token_logprobs(logits, labels)
         torch.testing.assert_close(logits, before, rtol=0, atol=0)
         torch.testing.assert_close(logp, torch.log_softmax(before, -1)[..., 0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(vocab_parallel_entropy(logits), entropy_from_logits(before), rtol=1e-5, atol=1e-5)
+        _, ent = token_logprobs_and_entropy(logits, labels, "metric", chunk_tokens=3)
+        torch.testing.assert_close(logits, before, rtol=0, atol=0)
+        torch.testing.assert_close(ent, entropy_from_logits(before), rtol=1e-5, atol=1e-5)
