@@ -1,6 +1,7 @@
 """Pure tensor math of a Cooper step (torch only): GRPO advantages, the PPO policy loss, KL penalty,
-aggregation, entropy, log-probabilities from (vocab-parallel) logits in chunks, the policy's reward from RM logits,
-reward-model losses, preference-pair selection and the mixture-of-experts load-balancing loss."""
+aggregation, entropy, log-probabilities from (vocab-parallel) logits in chunks, the rollout engine's
+log-probabilities against the trainer's (truncated importance sampling), the policy's reward from RM
+logits, reward-model losses, preference-pair selection and the mixture-of-experts load-balancing loss."""
 
 from cooper_mcore.algo.advantages import broadcast_to_tokens, group_advantages
 from cooper_mcore.algo.losses import (
@@ -15,6 +16,7 @@ from cooper_mcore.algo.losses import (
     rm_pair_losses,
     rm_pairwise_loss,
 )
+from cooper_mcore.algo.mismatch import logprob_mismatch_sums, truncated_is_weights
 from cooper_mcore.algo.moe import aux_loss_coeff_scale, load_balancing_loss
 from cooper_mcore.algo.pairs import (
     PairSelection,
@@ -42,6 +44,7 @@ __all__ = [
     "group_advantages",
     "kl_penalty",
     "load_balancing_loss",
+    "logprob_mismatch_sums",
     "masked_mean",
     "masked_sum",
     "policy_loss",
@@ -53,5 +56,6 @@ __all__ = [
     "select_negatives",
     "select_pairs",
     "select_positives",
+    "truncated_is_weights",
     "verdict_codes",
 ]

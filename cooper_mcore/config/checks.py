@@ -95,6 +95,9 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     out += [f"{name} must be >= 0, got {value}" for name, value in non_negative if not value >= 0]
     if cfg.algo.clip_ratio_c is not None and not cfg.algo.clip_ratio_c > 1:
         out.append(f"algo.clip_ratio_c must be > 1 (or null: no dual clip), got {cfg.algo.clip_ratio_c}")
+    out += [f"algo.{name} must be > 0 (or null: off), got {value}" for name, value in
+            (("tis_cap", cfg.algo.tis_cap), ("logprob_diff_guard", cfg.algo.logprob_diff_guard))
+            if value is not None and not value > 0]
     out += [f"{name} must be in (0, 1], got {value}" for name, value in
             (("rollout.top_p", ro.top_p), ("eval.top_p", cfg.eval.top_p)) if not 0 < value <= 1]
     if "{question}" not in cfg.data.template:

@@ -187,6 +187,10 @@ class AlgoConfig:
     """Minimum group std in the advantage's divisor, so tiny RM differences stay small (0: plain GRPO)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the loss (the paper: 0)."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling: token policy loss x min(exp(old - engine log-prob), tis_cap) (null: off)."""
+    logprob_diff_guard: Optional[float] = 0.5
+    """Stop at the first step if the engine's log-probs differ from the trainer's by more (mean nats; null: off)."""
 
 
 @dataclass

@@ -37,6 +37,8 @@ class TokenBatch:
         lengths: ``[n]`` real lengths (prompt + response).
         label_ids: ``[n, s]`` the labels, when they are not the shifted ids (packed rows).
         micro: the micro-batch this batch is (its forward pass), for micro-batches.
+        engine_logp: ``[n, s]`` label-aligned log-probabilities of the response tokens under the
+            rollout engine that sampled them (0 elsewhere); None when the engine gave none.
     """
 
     input_ids: torch.Tensor
@@ -47,6 +49,7 @@ class TokenBatch:
     lengths: Optional[torch.Tensor] = None
     label_ids: Optional[torch.Tensor] = None
     micro: Optional[MicroBatch] = None
+    engine_logp: Optional[torch.Tensor] = None
 
     @property
     def labels(self) -> torch.Tensor:
@@ -62,7 +65,8 @@ class TokenBatch:
             return None if t is None else t[start:end]
 
         return TokenBatch(self.input_ids[start:end], self.loss_mask[start:end], cut(self.advantages),
-                          cut(self.old_logp), cut(self.ref_logp), cut(self.lengths), cut(self.label_ids))
+                          cut(self.old_logp), cut(self.ref_logp), cut(self.lengths), cut(self.label_ids),
+                          engine_logp=cut(self.engine_logp))
 
     def micro_batches(self, batching: MicroBatching, multiple: int = 1,
                       dp_group: Optional[Any] = None) -> list[TokenBatch]:
@@ -72,32 +76,42 @@ class TokenBatch:
         labels = self.labels
         out = []
         for mb in split_micro_batches(self.input_ids, self.lengths, batching, multiple, dp_group):
-            old, ref = (None if t is None else mb.layout(t).to(dev) for t in (self.old_logp, self.ref_logp))
+            old, ref, engine = (None if t is None else mb.layout(t).to(dev)
+                                for t in (self.old_logp, self.ref_logp, self.engine_logp))
             adv = None if self.advantages is None else mb.per_row(self.advantages).to(dev)
             out.append(TokenBatch(mb.input_ids.to(dev), mb.layout(self.loss_mask).to(dev), adv, old, ref,
-                                  mb.lengths, mb.layout(labels).to(dev), mb))
+                                  mb.lengths, mb.layout(labels).to(dev), mb, engine))
         return out
 
 
 def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-                      pad_to_multiple: int = 8) -> TokenBatch:
-    """Right-pad ``prompt + response`` sequences into a :class:`TokenBatch`.
+                      pad_to_multiple: int = 8,
+                      response_logprobs: Optional[Sequence[Sequence[float]]] = None) -> TokenBatch:
+    """Right-pad ``prompt + response`` sequences into a :class:`TokenBatch`; with
+    ``response_logprobs`` (one per response token, the rollout engine's) also its ``engine_logp``.
 
     Raises:
-        ValueError: no sequences, or a sequence with an empty prompt.
+        ValueError: no sequences, a sequence with an empty prompt, or log-probabilities that do not
+            match their response's tokens.
     """
     if not prompts or len(prompts) != len(responses):
         raise ValueError(f"build_token_batch: {len(prompts)} prompts and {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("build_token_batch: a prompt has no tokens")
+    if response_logprobs is not None and [len(x) for x in response_logprobs] != [len(r) for r in responses]:
+        raise ValueError("build_token_batch: the engine's log-probabilities do not match the responses' tokens "
+                         f"({[len(x) for x in response_logprobs]} vs {[len(r) for r in responses]})")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width = round_up(max(lengths), pad_to_multiple)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.float32)
+    engine = None if response_logprobs is None else torch.zeros((len(prompts), width), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
         mask[i, len(p) - 1:len(p) + len(r) - 1] = 1.0  # labels p..p+r-1 are the response
-    return TokenBatch(ids, mask, lengths=torch.tensor(lengths))
+        if engine is not None:
+            engine[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(response_logprobs[i], dtype=torch.float32)
+    return TokenBatch(ids, mask, lengths=torch.tensor(lengths), engine_logp=engine)
 
 
 def tp_vocab_shard(partition: int) -> VocabShard:
