@@ -232,7 +232,7 @@ def report(out: Path, info: dict[str, str], steps: list[Step]) -> str:
     lines += [f"| {s.name} | {s.result} | {s.seconds:.0f} |" for s in steps]
     for s in steps:
         if s.name.startswith(TABLE_STEPS) and s.ok:
-            table = [ln for ln in s.log.splitlines() if ln.startswith(("|", "shape ", "one Cooper", "  "))]
+            table = [ln for ln in s.log.splitlines() if ln.startswith(("|", "- ", "shape ", "one Cooper", "  "))]
             lines += ["", f"## {s.name}", "", *table]
     for s in steps:
         if not s.ok and s.rc is not None:
