@@ -389,13 +389,16 @@ def main() -> None:
         raise SystemExit(f"cooper_step.py: unknown --variants {unknown}; choose from {sorted(VARIANTS)}")
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="cooper-bench-step-")
     write_assets(args.workdir, args.shape)  # once, before the timed processes
-    results = {v: launch(args, v) for v in args.variants.split(",")}
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"shape": args.shape, "prompts": args.prompts, "group": args.group,
-                       "max_new_tokens": args.max_new_tokens, "steps": args.steps,
-                       "results": {v: dataclasses.asdict(r) for v, r in results.items()}}, f, indent=2)
-    print(format_report(results, args))
+    results: dict[str, VariantResult] = {}
+    for variant in args.variants.split(","):
+        results[variant] = launch(args, variant)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"shape": args.shape, "prompts": args.prompts, "group": args.group,
+                           "max_new_tokens": args.max_new_tokens, "steps": args.steps,
+                           "results": {v: dataclasses.asdict(r) for v, r in results.items()}}, f, indent=2)
+        # the report so far after each setting: a run stopped at its time limit keeps what it measured
+        print(format_report(results, args) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -224,6 +224,14 @@ def versions() -> dict[str, str]:
 TABLE_STEPS = ("train_step", "cooper_step", "moe_step")
 
 
+def _last_table(log: str) -> list[str]:
+    """The last report a benchmark printed (the Cooper-step benchmark prints one after each setting)."""
+    lines = log.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(("shape ", "one Cooper"))]
+    tail = lines[starts[-1]:] if starts else lines
+    return [ln for ln in tail if ln.startswith(("|", "- ", "shape ", "one Cooper", "  "))]
+
+
 def report(out: Path, info: dict[str, str], steps: list[Step]) -> str:
     lines = [f"# gpu-check report ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              "| | |", "|---|---|"]
@@ -231,9 +239,10 @@ def report(out: Path, info: dict[str, str], steps: list[Step]) -> str:
     lines += ["", "## Steps", "", "| step | result | seconds |", "|---|---|---|"]
     lines += [f"| {s.name} | {s.result} | {s.seconds:.0f} |" for s in steps]
     for s in steps:
-        if s.name.startswith(TABLE_STEPS) and s.ok:
-            table = [ln for ln in s.log.splitlines() if ln.startswith(("|", "- ", "shape ", "one Cooper", "  "))]
-            lines += ["", f"## {s.name}", "", *table]
+        if s.name.startswith(TABLE_STEPS) and s.rc is not None:
+            table = _last_table(s.log)
+            if table:
+                lines += ["", f"## {s.name}" + ("" if s.ok else f" (its last report before {s.result})"), "", *table]
     for s in steps:
         if not s.ok and s.rc is not None:
             tail = "\n".join(s.log.strip().splitlines()[-40:])

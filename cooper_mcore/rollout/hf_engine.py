@@ -17,6 +17,7 @@ into released weight memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -29,8 +30,11 @@ import transformers
 
 try:  # transformers 5
     from transformers.initialization import no_init_weights
-except ImportError:  # transformers 4
-    from transformers.modeling_utils import no_init_weights
+except ImportError:
+    try:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
+    except ImportError:  # the weights are initialised, then overwritten by the first push: only slower
+        no_init_weights = contextlib.nullcontext
 
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams, memory_tags
