@@ -42,9 +42,12 @@ import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
 from cooper_mcore.config.checks import validate
+from cooper_mcore.config.model_shapes import ModelShape
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.config.schema import CooperConfig, load_config, save_config
-from cooper_mcore.demo.assets import build_tiny_assets
+from cooper_mcore.data.templates import longest_prompt_tokens
+from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.demo.assets import build_real_shape_assets, build_tiny_assets
 from cooper_mcore.job import EXIT_PREEMPTED
 from cooper_mcore.metric_names import TIME_PREFIX, Phase, memory_key, time_key
 from cooper_mcore.metric_names import MetricKey as K
@@ -52,7 +55,7 @@ from cooper_mcore.metrics import METRICS_FILE
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
 from cooper_mcore.parallel import single_process_world
-from cooper_mcore.planner.plan import PHASES, PlanOptions
+from cooper_mcore.planner.plan import PHASES, PlanOptions, largest_micro_batch
 from cooper_mcore.planner.plan import plan as plan_memory
 from cooper_mcore.planner.report import load_shapes
 from cooper_mcore.rehearsal.assistant import StandInAssistant
@@ -63,8 +66,9 @@ from cooper_mcore.rehearsal.preset import (
     RehearsalPlan,
     Substitution,
     TinyShape,
+    change_setting,
     plan_rehearsal,
-    preset_shapes,
+    preset_model_shapes,
 )
 from cooper_mcore.train.faults import FAULT_ENV, format_fault
 
@@ -128,6 +132,11 @@ class PhaseMeasure:
     planned_gib: Optional[float]
     """``cooper plan``'s per-GPU total for the phase (it also counts CUDA contexts and an overhead)."""
 
+    @property
+    def ratio(self) -> Optional[float]:
+        """Measured peak over planned."""
+        return self.peak_gib / self.planned_gib if self.peak_gib is not None and self.planned_gib else None
+
 
 @dataclass
 class RehearsalReport:
@@ -173,12 +182,30 @@ class RehearsalReport:
                                             for k in TABLE_KEYS]
             lines.append("  " + " ".join(cells))
         if self.phases:
-            lines.append(f"  {'phase':>14} {'seconds':>9} {'peak GiB':>9} {'planned GiB':>12}")
+            lines.append(f"  {'phase':>14} {'seconds':>9} {'peak GiB':>9} {'planned GiB':>12} {'peak/plan':>10}")
             lines += [f"  {m.phase:>14} {_cell(m.seconds, '.2f', 9)} {_cell(m.peak_gib, '.2f', 9)} "
-                      f"{_cell(m.planned_gib, '.2f', 12)}" for m in self.phases]
+                      f"{_cell(m.planned_gib, '.2f', 12)} {_cell(m.ratio, '.2f', 10)}" for m in self.phases]
+            lines.append(f"  {self.extras()}")
         lines += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
         lines.append(self.verdict())
         return "\n".join(lines)
+
+    def extras(self) -> str:
+        """Cooper's extras (RM scoring and the RM update, negatives included) as a share of the last
+        step and of the step without the rollout."""
+        last = self.runs[0].steps[-1] if self.runs and self.runs[0].steps else {}
+        step, rollout = last.get(K.TIME_STEP), last.get(time_key(Phase.ROLLOUT), 0.0)
+        if not step:
+            return "Cooper's extras: no step measured"
+        extras = sum(last.get(time_key(p), 0.0) for p in (Phase.RM_SCORE, Phase.RM_UPDATE))
+        pairs = last.get(K.PAIRS_VALID, 0)
+        text = (f"Cooper's extras (rm_score + rm_update, negatives {last.get(time_key(Phase.NEGATIVES), 0.0):.2f} s "
+                f"of it): {extras:.2f} s = {100 * extras / step:.1f}% of the step, "
+                f"{100 * extras / max(step - rollout, 1e-9):.1f}% of the step without the rollout")
+        if not pairs:
+            text += ("; no valid pair in the last step (a random policy is rarely right), so its RM update was "
+                     "skipped: benchmarks/cooper_step.py measures the update with a pair per prompt")
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         return {"preset": self.plan.preset, "ok": self.ok, "verdict": self.verdict(), "layout": self.plan.layout(),
@@ -194,16 +221,65 @@ def _cell(value: Optional[float], spec: str, width: int) -> str:
 
 
 def build_assets(shape: TinyShape, dtype: str, root: str) -> dict[str, str]:
-    """The tiny task and tokenizer, a policy and a random RM of ``shape`` (cached under ``root``):
-    tiny ones get a short SFT so that the RM sees pairs; at the real shape both are random."""
+    """The tiny task and tokenizer, a policy with a short SFT (so that the RM sees pairs) and a random
+    RM of ``shape`` (cached under ``root``)."""
     f = shape.fields
     key = (f"{shape.family}-{shape.rm_family}-l{shape.num_layers}-h{shape.hidden_size}-a{f['num_attention_heads']}"
            f"-kv{f['num_key_value_heads']}-{'tied' if f['tie_word_embeddings'] else 'untied'}-{dtype}"
-           + (f"-v{f['vocab_size']}-real" if shape.real else "")
            + ("-allsparse" if f.get("mlp_only_layers") == [] else ""))
     return build_tiny_assets(os.path.join(root, key), n_train=512, n_eval=16, hidden_size=shape.hidden_size,
-                             num_layers=shape.num_layers, sft_steps=0 if shape.real else SFT_STEPS,
-                             family=shape.family, rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
+                             num_layers=shape.num_layers, sft_steps=SFT_STEPS, family=shape.family,
+                             rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
+
+
+def use_real_shape(plan: RehearsalPlan, root: str) -> PlanOptions:
+    """Point the real-shape run at random weights of the preset's shapes (their configs written in its
+    folder), the task's prompts and a tokenizer of the model's vocabulary (cached under ``root``), and
+    set its micro-batch to the largest ``cooper plan`` fits on this device (recorded as a substitution).
+
+    Returns:
+        The planner's options for this device and these prompts (the phases are compared with it).
+    """
+    cfg = plan.cfg
+    for setting, hf_config in plan.model_configs.items():
+        path = os.path.join(cfg.out, f"{setting.split('.')[-1]}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(hf_config, f, indent=2)
+        setattr(cfg.model, setting.split(".")[-1], path)
+    vocab = plan.model_configs["model.policy_config"]["vocab_size"]
+    paths = build_real_shape_assets(os.path.join(root, f"real-v{vocab}"), vocab)
+    cfg.model.policy_hf, cfg.model.policy_ckpt, cfg.model.rm_ckpt = paths["tokenizer"], "", ""
+    cfg.data.train_path, cfg.data.eval_path = paths["train"], paths["eval"]
+    name, memory = device_memory()
+    opts = PlanOptions(gpus_per_node=1, gpu_memory_gib=memory, assistant="none",
+                       prompt_tokens=longest_prompt_tokens(cfg.data.train_path, cfg.data.template,
+                                                           load_tokenizer(cfg.model.policy_hf),
+                                                           cfg.data.use_chat_template))
+    policy, rm, _ = load_shapes(cfg)
+    fit = largest_micro_batch(cfg, policy, rm, opts)
+    if fit is None:
+        plan.substitutions.append(Substitution("train.micro_batch_size", str(cfg.train.micro_batch_size), "kept",
+                                               f"cooper plan fits no micro-batch in {memory:.2f} GiB ({name})"))
+    else:
+        change_setting(cfg, plan.substitutions, fit.setting, fit.value,
+             f"the largest cooper plan fits in {memory:.2f} GiB ({name}; planned peak {fit.peak.total / 2**30:.2f} "
+             f"GiB in {fit.peak.phase}, prompts up to {opts.prompt_tokens} tokens)")
+    return opts
+
+
+def device_memory() -> tuple[str, float]:
+    """This machine's first GPU and its memory in GiB (``nvidia-smi``, so that this process makes no
+    CUDA context beside the run's), else the host's memory."""
+    try:
+        query = ["nvidia-smi", "-i", "0", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        name, mib = out.rsplit(",", 1)
+        return name.strip(), float(mib) / 1024
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory / 2**30
+    return "the host's memory (no GPU)", psutil.virtual_memory().total / 2**30
 
 
 def _use_assets(cfg: CooperConfig, assets: dict[str, str]) -> None:
@@ -423,16 +499,14 @@ def check_real_shape_run(run: RunResult) -> list[Check]:
                   "no update skipped for a non-finite loss or gradient norm")]
 
 
-def measure_phases(cfg: CooperConfig, run: RunResult) -> list[PhaseMeasure]:
+def measure_phases(cfg: CooperConfig, run: RunResult, opts: PlanOptions) -> list[PhaseMeasure]:
     """Per-phase seconds (last step) and peak memory (over the steps) next to ``cooper plan``'s
-    per-GPU prediction for the same config on this device."""
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    per-GPU prediction for the same config with ``opts`` (this device, these prompts)."""
     policy, rm, _ = load_shapes(cfg)
-    predicted = plan_memory(cfg, policy, rm, PlanOptions(gpus_per_node=1, gpu_memory_gib=gpu_gib, assistant="none"))
-    planned = {p.phase: p.total / 2**30 for p in predicted.given.phases}
+    planned = {p.phase: p.total / 2**30 for p in plan_memory(cfg, policy, rm, opts).given.phases}
     last = run.steps[-1] if run.steps else {}
     out = []
-    for phase in (Phase.OFFLOAD, *PHASES, Phase.EVAL):
+    for phase in (Phase.OFFLOAD, *PHASES, Phase.NEGATIVES, Phase.EVAL):
         peaks = [m[memory_key(phase)] for m in run.steps if memory_key(phase) in m]
         if time_key(phase) in last or peaks or phase in planned:
             out.append(PhaseMeasure(phase, last.get(time_key(phase)), max(peaks) if peaks else None,
@@ -444,7 +518,10 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
     """Build the assets, run the launches, check them (see the module doc)."""
     cfg = plan.cfg
     os.makedirs(cfg.out, exist_ok=True)
-    _use_assets(cfg, build_assets(plan.shape, cfg.model.dtype, assets_root))
+    if plan.real_shape:
+        opts = use_real_shape(plan, assets_root)
+    else:
+        _use_assets(cfg, build_assets(plan.shape, cfg.model.dtype, assets_root))
     counts: dict[str, int] = {}
     with StandInAssistant(cfg.rm.assistant_model) as assistant:
         if plan.assistant:
@@ -457,7 +534,7 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
         ref = launch("reference", cfg_path, os.path.join(cfg.out, "reference"), plan.nproc, limits)
         if plan.real_shape:
             counts = dict(assistant.counts) if plan.assistant else {}
-            report = RehearsalReport(plan, [ref], check_real_shape_run(ref), counts, measure_phases(cfg, ref))
+            report = RehearsalReport(plan, [ref], check_real_shape_run(ref), counts, measure_phases(cfg, ref, opts))
             _write(report)
             return report
         cut = resumed = RunResult("cut", None, [], 0.0, "", errors=["not run: the reference run failed"])
@@ -502,14 +579,19 @@ def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str
     preset = resolve_preset(preset)
     cfg = load_config(preset, overrides or [])
     try:
-        policy, rm, _ = preset_shapes(cfg, preset, policy_config, rm_config)
+        policy, rm, _ = preset_model_shapes(cfg, preset, policy_config, rm_config)
         missing = None
     except ValueError as e:  # e.g. tiny_cpu.yaml before `cooper tiny-assets`: its models are that family
         if policy_config:
             raise
-        policy, rm = ArchSpec.from_hf_config(tiny_hf_config("qwen2_tied").to_dict()), None
+        tiny = tiny_hf_config("qwen2_tied").to_dict()
+        policy, rm = ModelShape(ArchSpec.from_hf_config(tiny), tiny, "the tiny qwen2 (tied)"), None
         missing = Substitution("model shape", "not found", "qwen2 (tied), as `cooper tiny-assets` makes", str(e))
-    plan = plan_rehearsal(preset, cfg, policy, rm, sglang_available=sglang_runs_here(), at_real_shape=at_real_shape)
+    plan = plan_rehearsal(preset, cfg, policy.arch, rm.arch if rm else None, sglang_available=sglang_runs_here(),
+                          at_real_shape=at_real_shape)
+    if at_real_shape:
+        plan.model_configs = {"model.policy_config": policy.hf_config,
+                              **({"model.rm_config": rm.hf_config} if rm is not None else {})}
     if missing:
         plan.substitutions.insert(0, missing)
     stem = os.path.splitext(os.path.basename(preset))[0]

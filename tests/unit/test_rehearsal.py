@@ -219,3 +219,17 @@ def test_a_hung_launch_dumps_every_ranks_stack_and_dies(tmp_path):
     assert dead()
     dump = log.read_text()
     assert "most recent call first" in dump and "wait_in_collective" in dump
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=os.path.basename)
+def test_a_real_shape_plan_builds_random_weights_on_one_process(preset):
+    cfg = load_config(preset)
+    policy, rm, _ = preset_shapes(cfg, preset)
+    plan = plan_rehearsal(preset, cfg, policy, rm, sglang_available=True, at_real_shape=True)
+    r = plan.cfg
+    assert plan.real_shape and plan.nproc == 1 and (r.parallel.tp, r.parallel.pp) == (1, 1)
+    assert r.model.init == "random" and r.rollout.engine == "hf"  # SGLang would load model.policy_hf's weights
+    changed = {s.setting: s for s in plan.substitutions}
+    assert changed["model.init"].rehearsal == "random"
+    assert (r.rollout.group_size, r.rollout.max_new_tokens) == (cfg.rollout.group_size, cfg.rollout.max_new_tokens)
+    assert plan.shape.real and plan.shape.hidden_size == policy.hidden_size
