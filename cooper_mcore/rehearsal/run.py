@@ -41,6 +41,7 @@ import psutil
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
+from cooper_mcore.atomic import exclusive
 from cooper_mcore.config.checks import validate
 from cooper_mcore.config.model_shapes import ModelShape
 from cooper_mcore.config.presets import resolve_preset
@@ -227,9 +228,11 @@ def build_assets(shape: TinyShape, dtype: str, root: str) -> dict[str, str]:
     key = (f"{shape.family}-{shape.rm_family}-l{shape.num_layers}-h{shape.hidden_size}-a{f['num_attention_heads']}"
            f"-kv{f['num_key_value_heads']}-{'tied' if f['tie_word_embeddings'] else 'untied'}-{dtype}"
            + ("-allsparse" if f.get("mlp_only_layers") == [] else ""))
-    return build_tiny_assets(os.path.join(root, key), n_train=512, n_eval=16, hidden_size=shape.hidden_size,
-                             num_layers=shape.num_layers, sft_steps=SFT_STEPS, family=shape.family,
-                             rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
+    folder = os.path.join(root, key)
+    with exclusive(folder):  # rehearsals run side by side build each shape once, the others reuse it
+        return build_tiny_assets(folder, n_train=512, n_eval=16, hidden_size=shape.hidden_size,
+                                 num_layers=shape.num_layers, sft_steps=SFT_STEPS, family=shape.family,
+                                 rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
 
 
 def use_real_shape(plan: RehearsalPlan, root: str) -> PlanOptions:
@@ -247,7 +250,8 @@ def use_real_shape(plan: RehearsalPlan, root: str) -> PlanOptions:
             json.dump(hf_config, f, indent=2)
         setattr(cfg.model, setting.split(".")[-1], path)
     vocab = plan.model_configs["model.policy_config"]["vocab_size"]
-    paths = build_real_shape_assets(os.path.join(root, f"real-v{vocab}"), vocab)
+    with exclusive(os.path.join(root, f"real-v{vocab}")):
+        paths = build_real_shape_assets(os.path.join(root, f"real-v{vocab}"), vocab)
     cfg.model.policy_hf, cfg.model.policy_ckpt, cfg.model.rm_ckpt = paths["tokenizer"], "", ""
     cfg.data.train_path, cfg.data.eval_path = paths["train"], paths["eval"]
     name, memory = device_memory()
