@@ -453,7 +453,14 @@ def check_runs(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: Run
     if cfg.reward.mode.trains_rm:
         valid = sum(m.get(K.PAIRS_VALID, 0) for m in ref.steps)
         checks.append(Check("rm pairs", valid > 0, f"{valid:g} valid reward-model pairs over {len(ref.steps)} steps"))
-    stop_ckpt = os.path.join(cfg.out, "cut", "checkpoints", f"step_{STOP_STEP}")
+    return checks + interrupted_checks(plan, ref, cut, resumed)
+
+
+def interrupted_checks(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: RunResult,
+                       folder: str = "cut", label: str = "") -> list[Check]:
+    """The stop signal and the resume of the interrupted launches that ran in ``<out>/<folder>``,
+    against the reference; ``label`` names a variant's settings in the checks' names."""
+    stop_ckpt = os.path.join(plan.cfg.out, folder, "checkpoints", f"step_{STOP_STEP}")
     codes = sorted(set(cut.rank_exit_codes.values()))
     said = sum(bool(re.search(rf"preempted \(.*\) after step {STOP_STEP}\b", open(p, errors="replace").read()))
                for p in _rank_logs(cut.log_dir).values()) if cut.log_dir else 0
@@ -461,15 +468,15 @@ def check_runs(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: Run
     # was still tearing down then shows -15
     preempted = EXIT_PREEMPTED in codes and set(codes) <= {EXIT_PREEMPTED, -signal.SIGTERM} and said == plan.nproc
     stopped = preempted and os.path.isdir(stop_ckpt) and len(cut.steps) == STOP_STEP
-    checks.append(Check("stop signal", stopped, f"SIGUSR1 in step {STOP_STEP}: {said} of {plan.nproc} ranks wrote "
-                        f"their part and said so, exit codes {codes} ({EXIT_PREEMPTED} expected), "
-                        f"{len(cut.steps)} step(s), checkpoint step_{STOP_STEP} "
-                        f"{'written' if os.path.isdir(stop_ckpt) else 'missing'}"))
-    checks.append(Check("resume", *_resume_check(cfg, ref, cut, resumed)))
-    return checks
+    suffix = f" [{label}]" if label else ""
+    return [Check(f"stop signal{suffix}", stopped,
+                  f"SIGUSR1 in step {STOP_STEP}: {said} of {plan.nproc} ranks wrote their part and said so, exit "
+                  f"codes {codes} ({EXIT_PREEMPTED} expected), {len(cut.steps)} step(s), checkpoint step_{STOP_STEP} "
+                  f"{'written' if os.path.isdir(stop_ckpt) else 'missing'}"),
+            Check(f"resume{suffix}", *_resume_check(plan.cfg, ref, resumed, folder))]
 
 
-def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: RunResult) -> tuple[bool, str]:
+def _resume_check(cfg: CooperConfig, ref: RunResult, resumed: RunResult, folder: str) -> tuple[bool, str]:
     if resumed.rc != 0 or resumed.resumed_from != STOP_STEP:
         return False, f"exit {resumed.rc}, resumed from step {resumed.resumed_from} (step {STOP_STEP} expected)"
     if len(ref.steps) != STEPS or len(resumed.steps) != STEPS:
@@ -484,7 +491,7 @@ def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: Ru
     final = f"step_{STEPS}"
     for part in parts:
         differ = _weights_differ(os.path.join(cfg.out, "reference", "checkpoints", final, part),
-                                 os.path.join(cfg.out, "cut", "checkpoints", final, part))
+                                 os.path.join(cfg.out, folder, "checkpoints", final, part))
         if differ:
             return False, f"{part} weights at {final} differ from the uninterrupted run's: {differ[:3]}"
     return True, (f"resumed from step {STOP_STEP}; every step's metrics and the {' and '.join(parts)} weights at "
@@ -518,8 +525,14 @@ def measure_phases(cfg: CooperConfig, run: RunResult, opts: PlanOptions) -> list
     return out
 
 
-def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> RehearsalReport:
-    """Build the assets, run the launches, check them (see the module doc)."""
+def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits,
+             variants: Optional[list[list[str]]] = None) -> RehearsalReport:
+    """Build the assets, run the launches, check them (see the module doc).
+
+    ``variants``: lists of dotted settings that must not change the numbers (the engine's memory
+    release, offloading): for each, the interrupted and resumed launches run again with those
+    settings and must end on the reference's metrics and weights bit for bit.
+    """
     cfg = plan.cfg
     os.makedirs(cfg.out, exist_ok=True)
     if plan.real_shape:
@@ -533,8 +546,7 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
         validate(cfg, plan.nproc)
         cfg_path = os.path.join(cfg.out, "rehearsal.yaml")
         save_config(cfg, cfg_path)
-        for name in ("reference", "cut"):
-            shutil.rmtree(os.path.join(cfg.out, name), ignore_errors=True)
+        shutil.rmtree(os.path.join(cfg.out, "reference"), ignore_errors=True)
         ref = launch("reference", cfg_path, os.path.join(cfg.out, "reference"), plan.nproc, limits)
         if plan.real_shape:
             counts = dict(assistant.counts) if plan.assistant else {}
@@ -542,16 +554,34 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
             _write(report)
             return report
         cut = resumed = RunResult("cut", None, [], 0.0, "", errors=["not run: the reference run failed"])
+        runs, extra = [ref], []
         if ref.rc == 0:  # else the interrupted runs would fail the same way: report the reference's failure
-            fault = {FAULT_ENV: format_fault(Phase.ROLLOUT, STOP_STEP, sig=signal.SIGUSR1)}
-            cut = launch("cut", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, env=fault)
-            resumed = launch("resumed", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, resume="auto")
+            cut, resumed = interrupted_launches(plan, cfg_path, "cut", limits)
+            runs += [cut, resumed]
+            for i, settings in enumerate(variants or []):
+                label = " ".join(settings)
+                path = os.path.join(cfg.out, f"rehearsal.variant{i}.yaml")
+                variant = load_config(cfg_path, settings)
+                validate(variant, plan.nproc)
+                save_config(variant, path)
+                v_cut, v_resumed = interrupted_launches(plan, path, f"variant{i}", limits)
+                runs += [v_cut, v_resumed]
+                extra += interrupted_checks(plan, ref, v_cut, v_resumed, f"variant{i}", label)
         if plan.assistant:
             counts = dict(assistant.counts)
-    runs = [ref, cut, resumed] if ref.rc == 0 else [ref]
-    report = RehearsalReport(plan, runs, check_runs(plan, ref, cut, resumed), counts)
+    report = RehearsalReport(plan, runs, check_runs(plan, ref, cut, resumed) + extra, counts)
     _write(report)
     return report
+
+
+def interrupted_launches(plan: RehearsalPlan, cfg_path: str, folder: str, limits: Limits) -> tuple[RunResult, ...]:
+    """The job of ``cfg_path`` in ``<out>/<folder>``: sent SIGUSR1 in step :data:`STOP_STEP`, then resumed."""
+    out = os.path.join(plan.cfg.out, folder)
+    shutil.rmtree(out, ignore_errors=True)
+    fault = {FAULT_ENV: format_fault(Phase.ROLLOUT, STOP_STEP, sig=signal.SIGUSR1)}
+    suffix = "" if folder == "cut" else f"-{folder}"
+    cut = launch(f"cut{suffix}", cfg_path, out, plan.nproc, limits, env=fault)
+    return cut, launch(f"resumed{suffix}", cfg_path, out, plan.nproc, limits, resume="auto")
 
 
 def _write(report: RehearsalReport) -> None:
@@ -571,15 +601,21 @@ def sglang_runs_here() -> bool:
 
 def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str = "",
                     policy_config: Optional[str] = None, rm_config: Optional[str] = None,
-                    limits: Optional[Limits] = None, at_real_shape: bool = False) -> RehearsalReport:
+                    limits: Optional[Limits] = None, at_real_shape: bool = False,
+                    variants: Optional[list[list[str]]] = None) -> RehearsalReport:
     """Rehearse the preset at ``preset`` with ``overrides`` (dotted settings) in ``out`` (default
     ``runs/rehearse/<preset name>``; the assets are cached beside it, in ``assets/``).
     ``at_real_shape``: one process at the preset's model shape (on a GPU), see
-    :func:`~cooper_mcore.rehearsal.preset.plan_rehearsal`.
+    :func:`~cooper_mcore.rehearsal.preset.plan_rehearsal`. ``variants``: settings that must not
+    change the numbers, each checked against the same reference (:func:`rehearse`).
 
     Raises:
-        ValueError: the preset or its rehearsal config is invalid, or no model shape is found.
+        ValueError: the preset or its rehearsal config is invalid, or no model shape is found, or
+            variants are asked of a real-shape rehearsal.
     """
+    if at_real_shape and variants:
+        raise ValueError("--variant needs the interrupted and resumed runs, which a --real-shape rehearsal does not "
+                         "make; leave out one of them")
     preset = resolve_preset(preset)
     cfg = load_config(preset, overrides or [])
     try:
@@ -600,4 +636,4 @@ def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str
         plan.substitutions.insert(0, missing)
     stem = os.path.splitext(os.path.basename(preset))[0]
     plan.cfg.out = os.path.abspath(out or os.path.join("runs", "rehearse", stem))
-    return rehearse(plan, os.path.join(os.path.dirname(plan.cfg.out), "assets"), limits or Limits())
+    return rehearse(plan, os.path.join(os.path.dirname(plan.cfg.out), "assets"), limits or Limits(), variants)
