@@ -87,6 +87,10 @@ class MetricKey:
     RULE_ACC = _define("rule/acc", "rollouts", _EVERY, "share of the rollouts math-verify marks correct")
     RULE_UNVERIFIABLE = _define("rule/unverifiable", "rollouts", _EVERY,
                                 "share of the rollouts math-verify could not verify")
+    RULE_GOLD_UNREADABLE = _define("rule/gold_unreadable", "rollouts", _EVERY,
+                                   "share of the step's prompts whose reference answer math-verify cannot read as a "
+                                   "value: their rollouts are unverifiable (no positive, no negative; rule reward "
+                                   "`reward.unverifiable_reward`)")
     REWARD_RULE_GAP = _define("reward_rule_gap", "rollouts", _EVERY,
                               "`reward/mean - rule/acc` (`hacking_detector.reward_rule_gap`); it grows "
                               "when the policy hacks the reward model")

@@ -176,6 +176,8 @@ class RewardConfig:
     """Hard time limit of one math-verify call; a timeout makes the item unverifiable."""
     verifier_workers: int = 2
     """Processes verifying answers (on every model-parallel group leader)."""
+    unverifiable_reward: float = 0.0
+    """Rule mode: the reward of a rollout the rule cannot verify (a timeout, a crash, a reference it cannot read)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str) and not isinstance(self.mode, RewardMode):

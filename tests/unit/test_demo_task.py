@@ -19,6 +19,7 @@ from cooper_mcore.data.mathgen import (
     answer_value,
     format_answer,
     generate_problems,
+    reference_value,
     split_of,
     tokenizer_corpus,
     worked_solution,
@@ -64,9 +65,26 @@ def test_oracle_correct_reads_both_forms_and_needs_integer_golds():
     assert oracle_correct("-3", "\\boxed{-3.}") is True
     assert oracle_correct("14", "\\boxed{14} \\boxed{15.}") is False  # the last box answers
     assert oracle_correct("14", "9+5=14") is False  # no final answer
-    for gold in ("14.0", "x", "1/2", ""):
+    for gold in ("14.0", "x", "1/2", "", "\\boxed{14} or \\boxed{15}", "fourteen"):
         with pytest.raises(ValueError, match="integer gold"):
             oracle_correct(gold, "\\boxed{14}")
+
+
+@pytest.mark.parametrize("reference,value", [
+    ("14", 14), (" -3 ", -3), ("\\boxed{14.}", 14), ("\\boxed{-3}", -3),  # bare, or one boxed answer
+    ("14.", None), ("\\boxed{14.} \\boxed{15}", None), ("\\boxed{1.5}", None), ("fourteen", None), ("", None),
+])
+def test_reference_value(reference, value):
+    assert reference_value(reference) == value
+
+
+def test_the_oracle_reads_a_reference_the_rule_cannot():
+    """The demo writes some references ``\\boxed{N.}``: math-verify cannot read them (the item is
+    unverifiable for the rule), the oracle reads both the reference and the answer."""
+    assert check_pair("\\boxed{14.}", "9+5=14 \\boxed{14}")[:2] == (None, "gold_unreadable")
+    assert oracle_correct("\\boxed{14.}", "9+5=14 \\boxed{14}") is True
+    assert oracle_correct("\\boxed{14.}", "9+5=14 \\boxed{14.}") is True
+    assert oracle_correct("\\boxed{14.}", "9+5=15 \\boxed{15}") is False
 
 
 def test_arithmetic_oracle_batch():
