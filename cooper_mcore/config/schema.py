@@ -33,6 +33,7 @@ from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.negatives.assistant import AssistantPrompt
+from cooper_mcore.negatives.rewrites import RewriteForms
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config
 
@@ -244,6 +245,8 @@ class RMUpdateConfig:
     """negatives=assistant: the reference's request (problem and correct solution, no gold answer) or with_gold."""
     rewrite_kinds: list[RewriteKind] = field(default_factory=lambda: ["step", "copy", "final"])
     """negatives=rewrite: one step off, an intermediate copied as the answer, a near-miss final line."""
+    rewrite_forms: RewriteForms = "positive"
+    """negatives=rewrite: the final answer written as in the positive, or in the form of one of the prompt's rollouts."""
     anchor_weight: float = 0.0
     """Weight of a BCE anchor on each pair's own labels added to the pairwise loss (0: the paper)."""
     question: RMQuestion = "prompt"
