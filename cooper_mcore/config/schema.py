@@ -512,6 +512,10 @@ class RMTrainConfig:
     """Also keep a model checkpoint every N steps (0: only final)."""
     seed: int = 1234
     """Data order and megatron's RNG seed."""
+    gate: float = 0.0
+    """Stop after the first epoch whose evaluation accuracy reaches this in every answer type (0: run every epoch)."""
+    keep_best: bool = False
+    """final/ is the epoch whose evaluation was best (its lowest accuracy over the answer types), not the last."""
 
 
 @dataclass
