@@ -443,17 +443,23 @@ def _first_rule_checked(verifier: BatchVerifier, items: Sequence[tuple[Prompt, s
     positive verifies against the gold (gold first) and the candidate does not verify against the
     positive (the positive on the gold side: ``correct is False``; unverifiable is no pass).
 
-    The positives and every candidate go to the verifier in one batch.
+    One batch checks the distinct positives; then one batch per round checks the next candidate of
+    every item still without a negative (a rewrite changes the value, so the first usually passes).
     """
-    golds = [p.answer for p, _ in items] + [pos for (_, pos), cands in zip(items, per_item) for _ in cands]
-    preds = [pos for _, pos in items] + [c for cands in per_item for c in cands]
-    verdicts = list(verifier.verify_batch(golds, preds)) if items else []
-    assert len(verdicts) == len(golds), "verifier returned the wrong number of verdicts"
-    out: list[Optional[int]] = []
-    k = len(items)
-    for i, cands in enumerate(per_item):
-        mine = verdicts[k:k + len(cands)]
-        ok = verdicts[i].correct is True
-        out.append(next((j for j, v in enumerate(mine) if v.correct is False), None) if ok else None)
-        k += len(cands)
+    positives = list(dict.fromkeys((p.answer, pos) for p, pos in items))
+    verdicts = list(verifier.verify_batch([g for g, _ in positives], [pos for _, pos in positives])) if items else []
+    assert len(verdicts) == len(positives), "verifier returned the wrong number of verdicts"
+    correct = {key: v.correct is True for key, v in zip(positives, verdicts)}
+    out: list[Optional[int]] = [None] * len(items)
+    pending = [i for i, (p, pos) in enumerate(items) if correct[(p.answer, pos)]]
+    for j in range(max((len(c) for c in per_item), default=0)):
+        batch = [i for i in pending if j < len(per_item[i])]
+        if not batch:
+            break
+        round_verdicts = list(verifier.verify_batch([items[i][1] for i in batch], [per_item[i][j] for i in batch]))
+        assert len(round_verdicts) == len(batch), "verifier returned the wrong number of verdicts"
+        for i, v in zip(batch, round_verdicts):
+            if v.correct is False:
+                out[i] = j
+        pending = [i for i in batch if out[i] is None]
     return out

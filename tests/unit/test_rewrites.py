@@ -140,10 +140,10 @@ def test_the_paper_rule_check():
             return super().verify_batch(golds, preds)
 
     rec = ChainRewrite(Recording(), seed=0, kinds=("final",), num_candidates=2)
-    (neg,) = rec.generate([(Prompt("a", "59-15-75=", "-31"), CHAIN)])
-    (golds, preds), = calls
-    assert golds[0] == "-31" and preds[0] == CHAIN  # the positive against the gold
-    assert golds[1:] == [CHAIN, CHAIN] and neg == preds[1]  # each candidate against the positive
+    (neg,) = rec.generate([(Prompt("a", "59-15-75=", "-31"), CHAIN)] * 2)[:1]
+    assert calls[0] == (["-31"], [CHAIN])  # the (distinct) positive against the gold
+    assert calls[1][0] == [CHAIN, CHAIN] and neg == calls[1][1][0]  # the first candidates against the positive
+    assert len(calls) == 2  # both passed: no second round
 
 
 def test_rewrites_in_the_forms_of_the_rollouts():
