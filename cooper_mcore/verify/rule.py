@@ -70,6 +70,8 @@ _NUMBER_WORD = (r"zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|t
 #: ``\\text{}`` / ``\\mathrm{}``: math-verify reads it as a product of its letters as variables
 _NUMBER_IN_WORDS = re.compile(rf"^(?:\\(?:text|mathrm)\{{)?\s*(?:{_NUMBER_WORD})(?:[\s-]+(?:{_NUMBER_WORD}))*\s*\}}?$",
                               re.IGNORECASE)
+#: the name of a variable math-verify made of a number it did not read (``\\text{14}``, ``\\text{14.}``)
+_NUMERIC_NAME = re.compile(r"-?\d")
 
 
 @dataclass
@@ -119,12 +121,16 @@ def gold_readable(parsed: list) -> bool:
     """Whether a gold answer's math-verify parse (:func:`_parse_answer`) is one the checker can judge
     against: it holds a math value (:func:`_reads_a_value`) and is not a number written in words.
 
-    ``fourteen`` parses to the product of its letters as variables, which no numeric answer equals:
-    judging against it would call a correct ``\\boxed{14}`` wrong, so such a gold is unreadable.
+    ``fourteen`` parses to the product of its letters as variables and ``\\text{14}`` to a variable named
+    ``14``, which no numeric answer equals: judging against them would call a correct ``\\boxed{14}``
+    wrong, so such a gold is unreadable.
     Other words (``Monday``) stay readable: math-verify matches them as written.
     """
     if not _reads_a_value(parsed):
         return False
+    if any(_NUMERIC_NAME.match(s.name) for x in parsed if not isinstance(x, str)
+           for s in getattr(x, "free_symbols", ())):
+        return False  # \\text{14} parses to a variable named "14", which no number equals
     text = next((x for x in reversed(parsed) if isinstance(x, str)), "")
     return not _NUMBER_IN_WORDS.match(text.strip())
 

@@ -164,9 +164,9 @@ def test_gold_without_answer_is_unverifiable(verifier, gold):
 
 
 #: golds math-verify parses but cannot judge a numeric answer against: the string it keeps for
-#: ``\\boxed{14.}``, and numbers in words, which it reads as a product of letters
+#: ``\\boxed{14.}``, numbers in words (a product of letters) and ``\\text{14}`` (a variable named "14")
 UNREADABLE_GOLDS = ["\\boxed{14.}", "fourteen", "Fourteen", "\\text{fourteen}", "\\boxed{fourteen}",
-                    "The answer is fourteen."]
+                    "The answer is fourteen.", "\\text{14}", "\\text{14.}", "(14.)"]
 
 
 @pytest.mark.parametrize("gold", UNREADABLE_GOLDS)
