@@ -98,7 +98,8 @@ class MetricKey:
     RM_REWARD_CORRECT = _define("rm/reward_correct", "rollouts", _RM,
                                 "mean reward-model reward of the rule-correct rollouts (NaN without one)")
     RM_REWARD_WRONG = _define("rm/reward_wrong", "rollouts", _RM,
-                              "mean reward-model reward of the rule-wrong rollouts (NaN without one)")
+                              "mean reward-model reward of the rule-wrong rollouts (NaN without one; unverifiable "
+                              "ones are in neither mean)")
 
     LOSS = _define("loss", "policy", _EVERY, "the GRPO loss (clipped surrogate + KL term - entropy bonus)")
     KL = _define("kl", "policy", _EVERY, "KL of the policy to the reference by `algo.kl_kind` (0 with "

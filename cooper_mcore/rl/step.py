@@ -110,8 +110,8 @@ def rollout_stats(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Ru
         rule_unverifiable=sum(s.rule_correct is None for s in samples) / len(samples),
         rule_gold_unreadable=sum(g.gold_unreadable for g in groups) / len(groups),
         response_length=sum(len(s.token_ids) for s in samples) / len(samples),
-        rm_reward_correct=_mean([r for r, s in zip(flat, samples) if s.rule_correct]) if scored else None,
-        rm_reward_wrong=_mean([r for r, s in zip(flat, samples) if not s.rule_correct]) if scored else None)
+        rm_reward_correct=_mean([r for r, s in zip(flat, samples) if s.rule_correct is True]) if scored else None,
+        rm_reward_wrong=_mean([r for r, s in zip(flat, samples) if s.rule_correct is False]) if scored else None)
 
 
 def _mean(xs: list[float]) -> float:

@@ -141,3 +141,12 @@ def test_no_negative_is_accepted_against_an_unreadable_reference(groups, verifie
     assert negatives[:2] == [None, None]
     if not isinstance(generator, RandomOtherResponse):
         assert negatives[2] is not None
+
+
+def test_rm_rewards_of_right_and_wrong_rollouts_leave_the_unverifiable_out(groups):
+    """``rm/reward_correct`` and ``rm/reward_wrong`` average the RM's reward over rollouts the rule read as
+    right and as wrong: the rollouts of an unreadable reference are in neither."""
+    rewards = torch.tensor([[0.9, 0.9, 0.9], [0.8, 0.8, 0.8], [1.0, 0.2, 0.4]])
+    stats = rollout_stats(groups, rewards, SimpleNamespace(rm=object()))
+    assert stats.rm_reward_correct == pytest.approx(1.0)
+    assert stats.rm_reward_wrong == pytest.approx(0.3)  # (0.2 + 0.4) / 2
