@@ -138,7 +138,7 @@ class RMSection:
     """The RM's starting weights: the SFT policy's (a new head) or the assets' random RM."""
     head_std: float = 0.0
     """init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)."""
-    epochs: int = 14
+    epochs: int = 24
     """Most passes over the RM's training rows: it stops at the first epoch that reaches the gate, and keeps the best."""
     gate: float = 0.93
     """Validation accuracy (the policy's answers to rm.val_share of the train questions, kept out of training, both
