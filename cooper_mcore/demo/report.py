@@ -509,8 +509,11 @@ def _verdict(s: Mapping[str, Mapping[str, Any]], results: Mapping[int, Mapping[s
                      f"(standard error over {paired.problems} held-out problems, {paired.seeds} seed(s)); one "
                      f"accuracy on {paired.problems} problems has a standard error of about "
                      f"{paired.single_acc_se:.3f}.")
+    seeds = list(results)
+    parts = verdict_parts(s, [per_seed[x] for x in seeds] if per_seed else [s], [results[x] for x in seeds])
+    by_name = {p.name: p.holds for p in parts}
     separation = _rm_separation(coop)
-    if diff < 0 and separation is not None:
+    if by_name.get("Cooper vs rule on all problems") is False and separation is not None:
         lines.append(_why_below_rule(coop, rule, separation, of))
     if not s["static_rm"]["hacking"]["present"]:
         lines.append(_why_not_hacked(s["static_rm"], of))
@@ -523,8 +526,6 @@ def _verdict(s: Mapping[str, Mapping[str, Any]], results: Mapping[int, Mapping[s
         else:
             rm_ok[mode] = a >= b - _EPS
             lines.append(f"{mode_label(mode)}: RM accuracy on held-out labeled completions {_moved(b, a)}{of}.")
-    seeds = list(results)
-    parts = verdict_parts(s, [per_seed[x] for x in seeds] if per_seed else [s], [results[x] for x in seeds])
     seed_parts = ({x: verdict_parts(per_seed[x], [per_seed[x]], [results[x]]) for x in seeds}
                   if per_seed and n > 1 else {})
     holds = {p.name: sum(bool(q.holds) for sp in seed_parts.values() for q in sp if q.name == p.name)
@@ -539,7 +540,6 @@ def _verdict(s: Mapping[str, Mapping[str, Any]], results: Mapping[int, Mapping[s
         whole = sum(all(q.holds for q in sp) for sp in seed_parts.values())
         claim += f"; every part holds in {whole} of {n} seeds"
     lines.append(f"Paper's claim in miniature{of}: {claim}.")
-    by_name = {p.name: p.holds for p in parts}
     return {"static_rm_hacking": s["static_rm"]["hacking"]["present"], "cooper_hacking": coop["hacking"]["present"],
             "cooper_at_rule_baseline": by_name.get("Cooper vs rule on all problems"),
             "cooper_minus_rule_acc": diff, "cooper_rm_separation": separation,

@@ -419,10 +419,13 @@ def _premise(summary: Mapping[str, Any]) -> list[str]:
                 "while a share of its answers and all of the `+`/`-` family's are `\\boxed{N}`. Held-out accuracy "
                 "is judged by the task's oracle (it reads both forms: the truth), the rule's beside it. The RM's "
                 "training labels come from a simulated judge (the oracle with the designed blind spot), not from "
-                "math-verify, so the RM is not taught the rule's misses; Cooper's negatives are rollouts the rule "
-                "reads as a different value, never ones it merely failed to read. Measured on the SFT policy's "
-                "held-out completions (recall: share of correct answers the rule accepts; precision: share of "
-                "accepted answers that are correct) and on the RM before any RL:", "", *premise, "",
+                "math-verify, so the RM is not taught the rule's misses; Cooper's negatives are wrong by "
+                "construction (a rewrite with its value changed) or read by the rule as a different value, never a "
+                "rollout it merely failed to read. A share of the problems have a reference the rule cannot read "
+                "(`\\boxed{N.}`): whatever the policy writes, the rule cannot verify them (rule-unreadable "
+                "references, given apart below). Measured on the SFT policy's held-out completions (recall: share "
+                "of correct answers the rule accepts; precision: share of accepted answers that are correct) and "
+                "on the RM before any RL:", "", *premise, "",
                 *gate_rows(summary)]
     out += ["## Predictions and outcome", "", "Written before the design was run (also in docs/demo.md):", "",
             *prediction_rows(summary), ""]
@@ -450,8 +453,10 @@ def _setting(config: Mapping[str, Any]) -> list[str]:
         lines.append(f"**The reward model has a blind spot by construction.** Its training labels call the rule-wrong "
                      f"completions of one kind correct, as a lenient labeler would: {BLIND_SPOTS[rm['blind_spot']]}. "
                      "Its benchmark keeps the true labels. Both RM runs start from this RM; Cooper's pairs take "
-                     "their positives from math-verify and their negatives from rollouts math-verify reads as a "
-                     "wrong value, so its updates can close the blind spot.")
+                     "their positives from math-verify and their negatives "
+                     + ("from rewrites of the positives into wrong answers (the blind spot's among them)"
+                        if co.get("negatives") == "rewrite" else "from rollouts math-verify reads as a wrong value")
+                     + ", so its updates can close the blind spot.")
     start = (f"the SFT policy's weights with a new scalar head (std {rm.get('head_std')})"
              if rm.get("init") == "sft" else "random weights")  # configs before rm.init started randomly
     negative = (f"negatives rewritten from the positive, value changed, in the form of `{co.get('rewrite_forms')}`"
