@@ -246,7 +246,7 @@ class RMUpdateConfig:
     rewrite_kinds: list[RewriteKind] = field(default_factory=lambda: ["step", "copy", "final"])
     """negatives=rewrite: one step off, an intermediate copied as the answer, a near-miss final line."""
     rewrite_forms: RewriteForms = "positive"
-    """negatives=rewrite: the final answer written as in the positive, or in the form of one of the prompt's rollouts."""
+    """negatives=rewrite: the final answer written as in the positive, or in the form of one of the prompt's rollouts"""
     anchor_weight: float = 0.0
     """Weight of a BCE anchor on each pair's own labels added to the pairwise loss (0: the paper)."""
     question: RMQuestion = "prompt"

@@ -42,7 +42,7 @@ class TaskSection:
     times_parseable: float = 0.25
     """Share of times-family SFT answers written \\boxed{N}, which the rule reads."""
     unreadable_share: float = 0.3
-    """Share of the problems (by a hash of the question) whose reference is \\boxed{N.}: the rule can never verify them."""
+    """Share of the problems (a hash of the question) whose reference is \\boxed{N.}: the rule can never verify them."""
     n_train: int = 2048
     """Distinct train-split questions (SFT, RM data and RL prompts draw from them)."""
     n_eval: int = 512
@@ -139,7 +139,7 @@ class RMSection:
     head_std: float = 0.0
     """init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)."""
     epochs: int = 24
-    """Most passes over the RM's training rows: it stops at the first epoch that reaches the gate, and keeps the best."""
+    """Most passes over the RM's training rows: it stops at the first epoch that reaches the gate and keeps the best."""
     gate: float = 0.93
     """Validation accuracy (the policy's answers to rm.val_share of the train questions, kept out of training, both
     labels alike per family) every family must reach."""

@@ -81,10 +81,10 @@ from cooper_mcore.demo.results import (
     BenchAccuracy,
     CurvePoint,
     Figures,
+    OwnAnswers,
     PolicyAccuracy,
     RLResult,
     RMDataResult,
-    OwnAnswers,
     RMGate,
     RMOnSamples,
     RMResult,
@@ -887,8 +887,8 @@ def describe(cfg: DemoConfig) -> str:
     """One line naming the demo's size, for the start of the log."""
     r = cfg.rl
     control = " and the single-family control" if cfg.control else ""
-    return (f"demo: 2-step arithmetic (operands 0-{cfg.task.max_operand}, {cfg.task.times_share:.0%} with a '*' step "
-            f"whose answers the rule misses, {cfg.task.unreadable_share:.0%} with a reference it cannot read){control}, "
-            f"{cfg.task.n_eval} "
+    t = cfg.task
+    return (f"demo: 2-step arithmetic (operands 0-{t.max_operand}, {t.times_share:.0%} with a '*' step whose answers "
+            f"the rule misses, {t.unreadable_share:.0%} with a reference it cannot read){control}, {t.n_eval} "
             f"held-out problems; SFT {cfg.sft.steps} steps; RL {r.steps} steps x {r.prompts_per_step} prompts x "
             f"{r.group_size} samples per mode; seeds {cfg.seeds}")

@@ -48,7 +48,8 @@ from cooper_mcore.data.templates import RM_TEMPLATE, rm_input
 from cooper_mcore.jobs.sft import Example, math_sft_examples
 from cooper_mcore.types import Prompt
 
-__all__ = ["FAMILIES", "GROUPS", "ISOLATE", "NUMBER_TOKENS", "RM_TAGS", "UNREADABLE", "DemoTask", "Family", "family_of", "like_reference"]
+__all__ = ["FAMILIES", "GROUPS", "ISOLATE", "NUMBER_TOKENS", "RM_TAGS", "UNREADABLE", "DemoTask", "Family", "family_of",
+           "like_reference"]
 
 Family = Literal["plus_minus", "times"]
 FAMILIES: tuple[Family, ...] = ("plus_minus", "times")

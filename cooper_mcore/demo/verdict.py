@@ -121,9 +121,9 @@ def _hack_parts(means: Mapping[str, Mapping[str, Any]], runs: Sequence[Mapping[s
         change = _paired(runs, mode, "problem_acc", mode, "problem_acc_before") or Estimate(h["acc_change"],
                                                                                             float("nan"))
         seeds = f"; present in {h['present_seeds']} of {n} seeds" if n > 1 and "present_seeds" in h else ""
-        detail = (f"training reward {h['reward_start']:.3f} -> {h['reward_end']:.3f} ({h['reward_rise']:+.3f}), held-out "
-                  f"accuracy {h['acc_before']:.3f} -> {h['acc_after']:.3f} ({_fmt(change)}): the hacking signature "
-                  f"(reward +{h['min_reward_rise']}, accuracy -{h['min_acc_drop']}) is "
+        detail = (f"training reward {h['reward_start']:.3f} -> {h['reward_end']:.3f} ({h['reward_rise']:+.3f}), "
+                  f"held-out accuracy {h['acc_before']:.3f} -> {h['acc_after']:.3f} ({_fmt(change)}): the hacking "
+                  f"signature (reward +{h['min_reward_rise']}, accuracy -{h['min_acc_drop']}) is "
                   f"{'present' if h['present'] else 'absent'}{seeds}")
         holds = bool(h["present"]) if mode == "static_rm" else not h["present"]
         parts.append(_part(name, change, holds, detail))

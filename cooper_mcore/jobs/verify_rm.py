@@ -29,8 +29,9 @@ learning rate (paper: lr 2e-5, weight decay 0.01, 3 epochs). Each epoch visits t
 seeded random order, in global batches of ``global_batch_size`` rows (the last one may be short;
 it counts only its real rows). With ``train.gate`` it stops after the first epoch whose evaluation
 reaches the gate in every answer type; with ``train.keep_best`` the final model is the epoch whose
-evaluation was best (:func:`gate_score`), not the last. The job (:class:`~cooper_mcore.config.schema.VerifyRMConfig`) runs in the
-job skeleton (:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
+evaluation was best (:func:`gate_score`), not the last. The job
+(:class:`~cooper_mcore.config.schema.VerifyRMConfig`) runs in the job skeleton
+(:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
 training step, the ``rm_train/*`` keys, and one per evaluation, the ``rm_eval/*`` keys, of
 :mod:`cooper_mcore.metric_names`), ``run_config.json``, model checkpoints
 (``checkpoints/step_NNNNNN`` every ``train.save_every`` steps and ``final``; each written under a

@@ -21,8 +21,8 @@ math-verify's own timeouts (``signal.alarm``) are disabled: they do not stop sym
 fail outside the main thread. Instead every item runs in a pool of long-lived worker processes (one
 item at a time per worker); the parent holds a deadline per in-flight item and on expiry SIGKILLs the
 worker and starts a fresh one. A timeout or crash marks that item unverifiable (``correct=None``) and is
-counted in :attr:`RuleVerifier.stats` (as is an unreadable gold); it never raises to the caller or hangs. Workers come from the
-"forkserver" context by default (a clean server process that preloads math-verify, safe in a
+counted in :attr:`RuleVerifier.stats` (as is an unreadable gold); it never raises to the caller or hangs.
+Workers come from the "forkserver" context by default (a clean server process that preloads math-verify, safe in a
 multi-threaded trainer); as with "spawn", a script that uses the verifier needs an
 ``if __name__ == "__main__":`` guard. Each worker also caps its address space (``memory_limit_mb``
 above its start size) so that a runaway sympy computation fails instead of swapping the machine.

@@ -440,8 +440,9 @@ def test_in_training_metrics_table(report):
 
 def test_report_states_the_rms_blind_spot_and_the_reward_settings(tmp_path):
     for spot, said in (("intermediate", True), ("none", False)):
-        config = dataclasses.asdict(load_demo_config(None, [f"rm.blind_spot={spot}", "rl.rm_transform=binary",
-                                                             "cooper.negative_pick=hardest", "cooper.negatives=policy"]))
+        settings = [f"rm.blind_spot={spot}", "rl.rm_transform=binary", "cooper.negative_pick=hardest",
+                    "cooper.negatives=policy"]
+        config = dataclasses.asdict(load_demo_config(None, settings))
         out = tmp_path / spot
         write_report(str(out), load_runs(str(FIXTURE)), config=config)
         text = (out / "report.md").read_text()
