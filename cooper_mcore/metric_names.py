@@ -88,6 +88,10 @@ class MetricKey:
     RULE_ACC = _define("rule/acc", "rollouts", _EVERY, "share of the rollouts math-verify marks correct")
     RULE_UNVERIFIABLE = _define("rule/unverifiable", "rollouts", _EVERY,
                                 "share of the rollouts math-verify could not verify")
+    RULE_GOLD_UNREADABLE = _define("rule/gold_unreadable", "rollouts", _EVERY,
+                                   "share of the step's prompts whose reference answer math-verify cannot read as a "
+                                   "value: their rollouts are unverifiable (no positive, no negative; rule reward "
+                                   "`reward.unverifiable_reward`)")
     REWARD_RULE_GAP = _define("reward_rule_gap", "rollouts", _EVERY,
                               "`reward/mean - rule/acc` (`hacking_detector.reward_rule_gap`); it grows "
                               "when the policy hacks the reward model")
@@ -95,7 +99,8 @@ class MetricKey:
     RM_REWARD_CORRECT = _define("rm/reward_correct", "rollouts", _RM,
                                 "mean reward-model reward of the rule-correct rollouts (NaN without one)")
     RM_REWARD_WRONG = _define("rm/reward_wrong", "rollouts", _RM,
-                              "mean reward-model reward of the rule-wrong rollouts (NaN without one)")
+                              "mean reward-model reward of the rule-wrong rollouts (NaN without one; unverifiable "
+                              "ones are in neither mean)")
     LOGPROB_DIFF_MEAN = _define("rollout/logprob_diff_mean", "rollouts", _ENGINE_LOGPROBS,
                                 "mean |engine - trainer| log-probability of the response tokens (nats; the "
                                 "trainer's before the update); far above bf16 rounding: the engine's weights are "

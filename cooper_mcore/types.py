@@ -63,10 +63,18 @@ class Sample:
 
 @dataclass
 class RolloutGroup:
-    """The G samples of one prompt (GRPO normalises advantages within a group)."""
+    """The G samples of one prompt (GRPO normalises advantages within a group).
+
+    Attributes:
+        prompt: the prompt.
+        samples: its completions.
+        gold_unreadable: the rule verifier cannot read the prompt's reference answer, so every sample
+            is unverifiable (no positive, no negative; the rule reward ``reward.unverifiable_reward``).
+    """
 
     prompt: Prompt
     samples: list[Sample]
+    gold_unreadable: bool = False
 
 
 @dataclass

@@ -440,6 +440,10 @@ def verify_rm_problems(cfg: VerifyRMConfig, world_size: int) -> list[str]:
         out.append(f"optim.warmup_steps must be 0 (train-rm trains at a constant learning rate), got {o.warmup_steps}")
     if not 0.0 < t.threshold < 1.0:
         out.append(f"train.threshold must be in (0, 1), got {t.threshold}")
+    if not 0.0 <= t.gate <= 1.0:
+        out.append(f"train.gate must be in [0, 1] (0: no gate), got {t.gate}")
+    if (t.gate or t.keep_best) and not d.eval_path:
+        out.append("train.gate and train.keep_best judge the epochs by their evaluation: set data.eval_path")
     if d.max_length is not None and d.max_length < 1:
         out.append(f"data.max_length must be >= 1 (or null: the model's limit), got {d.max_length}")
     layout, dp = _data_parallel(cfg.parallel, world_size)

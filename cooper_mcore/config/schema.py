@@ -34,6 +34,7 @@ from cooper_mcore.algo.reward_transforms import RewardTransform
 from cooper_mcore.algo.vocab import DEFAULT_CHUNK_TOKENS
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.negatives.assistant import AssistantPrompt
+from cooper_mcore.negatives.rewrites import RewriteForms
 from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.redaction import scrub_config
 
@@ -177,6 +178,8 @@ class RewardConfig:
     """Hard time limit of one math-verify call; a timeout makes the item unverifiable."""
     verifier_workers: int = 2
     """Processes verifying answers (on every model-parallel group leader)."""
+    unverifiable_reward: float = 0.0
+    """Rule mode: the reward of a rollout the rule cannot verify (a timeout, a crash, a reference it cannot read)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str) and not isinstance(self.mode, RewardMode):
@@ -247,6 +250,8 @@ class RMUpdateConfig:
     """negatives=assistant: the reference's request (problem and correct solution, no gold answer) or with_gold."""
     rewrite_kinds: list[RewriteKind] = field(default_factory=lambda: ["step", "copy", "final"])
     """negatives=rewrite: one step off, an intermediate copied as the answer, a near-miss final line."""
+    rewrite_forms: RewriteForms = "positive"
+    """negatives=rewrite: the final answer written as in the positive, or in the form of one of the prompt's rollouts"""
     anchor_weight: float = 0.0
     """Weight of a BCE anchor on each pair's own labels added to the pairwise loss (0: the paper)."""
     question: RMQuestion = "prompt"
@@ -514,6 +519,10 @@ class RMTrainConfig:
     """Also keep a model checkpoint every N steps (0: only final)."""
     seed: int = 1234
     """Data order and megatron's RNG seed."""
+    gate: float = 0.0
+    """Stop after the first epoch whose evaluation accuracy reaches this in every answer type (0: run every epoch)."""
+    keep_best: bool = False
+    """final/ is the epoch whose evaluation was best (its lowest accuracy over the answer types), not the last."""
 
 
 @dataclass

@@ -202,6 +202,17 @@ def answer_value(completion: str) -> Optional[int]:
     return int(found[-1][0]) if found else None
 
 
+def reference_value(reference: str) -> Optional[int]:
+    """The integer a reference answer of the task stands for: a bare integer (``-31``) or one final
+    answer in the task's boxed forms and nothing else (``\\boxed{-31.}``, a reference the rule verifier
+    cannot read: the CPU demo writes some references so); None for anything else."""
+    text = reference.strip()
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    found = _FINAL_BOXED.fullmatch(text)
+    return int(found.group(1)) if found else None
+
+
 def answer_form(completion: str) -> str:
     """How a completion writes its final answer: ``"boxed"`` (``\\boxed{N}``), ``"boxed_period"``
     (``\\boxed{N.}``) or ``"none"`` (neither)."""

@@ -28,13 +28,14 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import sentencepiece as spm
 import transformers
-from tokenizers import Tokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
 from cooper_mcore.files import read_json_object
 
@@ -57,8 +58,16 @@ MODEL_TYPES = ("bpe", "unigram")
 SPM_FILE = "spm.model"
 
 
+def _without(texts: list[str], pieces: Sequence[str]) -> list[str]:
+    """``texts`` with every occurrence of ``pieces`` (longest first) cut out."""
+    if not pieces:
+        return texts
+    pattern = re.compile("|".join(re.escape(p) for p in sorted(pieces, key=len, reverse=True)))
+    return [pattern.sub("", t) for t in texts]
+
+
 def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits: bool, required: str,
-               isolate: str = "") -> bytes:
+               isolate: Sequence[str] = "") -> bytes:
 
     model = io.BytesIO()
     # sentencepiece < 0.2.3 aborts the process (a CHECK, not an exception) when a required
@@ -96,8 +105,9 @@ def _train_spm(texts: list[str], vocab_size: int, model_type: str, split_digits:
     return model.getvalue()
 
 
-def _to_tokenizers(spm_proto: bytes, model_type: str) -> Any:
-    """A ``tokenizers.Tokenizer`` with the sentencepiece model's pieces, ids and segmentation."""
+def _to_tokenizers(spm_proto: bytes, model_type: str, isolate: Sequence[str] = ()) -> Any:
+    """A ``tokenizers.Tokenizer`` with the sentencepiece model's pieces, ids and segmentation (``isolate``:
+    the user-defined pieces it was trained with)."""
     sp = spm.SentencePieceProcessor(model_proto=spm_proto)
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     assert tuple(pieces[: len(SPECIAL_TOKENS)]) == SPECIAL_TOKENS, pieces[:8]
@@ -120,6 +130,11 @@ def _to_tokenizers(spm_proto: bytes, model_type: str) -> Any:
     tok = Tokenizer(model)
     tok.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.Fuse()])
+    # sentencepiece matches its user-defined pieces before segmenting; a longer one (``<question>``) may have
+    # no chain of merges from its characters, so it is matched the same way here, as an added token
+    longer = [p for p in isolate if len(p) > 1 and sp.piece_to_id(p) != sp.unk_id()]
+    if longer:
+        tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in longer])
     return tok
 
 
@@ -131,7 +146,7 @@ def train_tiny_tokenizer(
     split_digits: bool = True,
     required_chars: str = "",
     model_max_length: Optional[int] = None,
-    isolate: str = "",
+    isolate: Sequence[str] = "",
 ) -> Any:
     """Train a sentencepiece tokenizer on ``texts`` and save it for ``AutoTokenizer``.
 
@@ -146,9 +161,11 @@ def train_tiny_tokenizer(
         required_chars: characters to include even if ``texts`` lacks them (the chat template's
             characters and the space are always included).
         model_max_length: the tokenizer's ``model_max_length`` (None: transformers' default).
-        isolate: characters that are always a token of their own, never merged with a neighbour
-            (``"-+*=,{}."``: a number is then the same tokens wherever it is written, ``-13`` after
-            ``=``, inside ``\\boxed{}`` or as a reference answer).
+        isolate: strings that are always a token of their own, never merged with a neighbour: a
+            string of single characters (``"-+*=,{}."``: a number is then the same tokens wherever it
+            is written, ``-13`` after ``=``, inside ``\\boxed{}`` or as a reference answer) or a
+            sequence of strings, which may be longer (``"13"``: a whole number one token, matched
+            before the digits are split).
 
     Returns:
         The saved tokenizer as loaded back by ``transformers.AutoTokenizer.from_pretrained(out_dir)``
@@ -170,12 +187,13 @@ def train_tiny_tokenizer(
             "distinct characters"
         )
     # Observed with sentencepiece 0.2.3: required_chars are ignored when many of them also occur in the corpus, so
-    # pass only the missing ones (spaces are stored as U+2581), then check that all made it.
+    # pass only the missing ones (spaces are stored as U+2581), then check that all made it. A character seen
+    # only inside a longer isolated string (the "<" of "<question>") is not seen: that string is one piece.
     wanted = {SPIECE_SPACE if c == " " else c for c in chars}
-    seen = {SPIECE_SPACE if c == " " else c for c in set("".join(corpus))}
+    seen = {SPIECE_SPACE if c == " " else c for c in set("".join(_without(corpus, [s for s in isolate if len(s) > 1])))}
     proto = _train_spm(corpus, vocab_size, model_type, split_digits, "".join(sorted(wanted - seen - set(isolate))),
                        isolate)
-    backend = _to_tokenizers(proto, model_type)
+    backend = _to_tokenizers(proto, model_type, isolate)
     lost = sorted(c for c in wanted if backend.token_to_id(c) is None)
     if lost:
         raise ValueError(f"vocab_size={vocab_size}: the trained vocabulary lacks the characters {lost}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -47,7 +48,7 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
                       sft_steps: int = DEFAULT_SFT_STEPS, family: str = "qwen2_tied", rm_family: str = "qwen2",
                       shape: Optional[dict[str, Any]] = None, dtype: torch.dtype = torch.float32,
                       prompts: Optional[tuple[list[Prompt], list[Prompt]]] = None,
-                      corpus: Optional[list[str]] = None, isolate: str = "") -> dict[str, str]:
+                      corpus: Optional[list[str]] = None, isolate: Sequence[str] = "") -> dict[str, str]:
     """Write the tiny assets under ``out`` (existing pieces are reused); return their paths.
 
     Args:
@@ -69,7 +70,7 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         dtype: the models' parameter dtype (the SFT keeps fp32 main parameters in megatron's optimizer).
         prompts: the train and held-out prompts to write instead of drawing them from ``task``.
         corpus: the tokenizer's training texts instead of ``task``'s questions and worked solutions.
-        isolate: characters the tokenizer keeps as tokens of their own
+        isolate: strings (characters, whole numbers) the tokenizer keeps as tokens of their own
             (:func:`cooper_mcore.data.tokenizer.train_tiny_tokenizer`).
 
     Raises:
@@ -107,7 +108,7 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
 def build_task_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int = 0,
                       task: Optional[MathTaskConfig] = None, vocab_size: int = 128,
                       prompts: Optional[tuple[list[Prompt], list[Prompt]]] = None,
-                      corpus: Optional[list[str]] = None, isolate: str = "") -> dict[str, str]:
+                      corpus: Optional[list[str]] = None, isolate: Sequence[str] = "") -> dict[str, str]:
     """The task's prompts and the tiny tokenizer under ``out`` (prompts already there are reused):
     ``{"train", "eval", "tokenizer"}`` paths. The arguments are :func:`build_tiny_assets`'s."""
     task = task or TINY_TASK

@@ -21,6 +21,7 @@ from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
 from cooper_mcore.config.checks import choice_problems
 from cooper_mcore.config.schema import KLKind, NegativeKind, load_sections
+from cooper_mcore.negatives.rewrites import RewriteForms
 
 BlindSpot = Literal["none", "intermediate", "slip"]
 RMInit = Literal["sft", "random"]
@@ -40,14 +41,18 @@ class TaskSection:
     """Share of times-family problems in each split (0: the single-family control)."""
     times_parseable: float = 0.25
     """Share of times-family SFT answers written \\boxed{N}, which the rule reads."""
+    unreadable_share: float = 0.3
+    """Share of the problems (a hash of the question) whose reference is \\boxed{N.}: the rule can never verify them."""
     n_train: int = 2048
     """Distinct train-split questions (SFT, RM data and RL prompts draw from them)."""
     n_eval: int = 512
     """Held-out questions for accuracy before/after."""
     seed: int = 0
     """Seed of the problem splits and the tokenizer corpus."""
-    tokenizer_vocab: int = 96
-    """Tokenizer size: digits, operators and the VerifyRM template's tags."""
+    tokenizer_vocab: int = 200
+    """Tokenizer size: digits, operators, the VerifyRM template's tags (and with number_tokens 10-99)."""
+    number_tokens: bool = True
+    """Whole numbers 10-99 are one token each, so the RM compares an answer with the reference by one token."""
 
 
 @dataclass
@@ -97,13 +102,18 @@ class RMSection:
     policy's HF export. ``init="random"`` starts from the assets' random RM of ``model.rm_hidden`` x
     ``model.rm_layers`` instead (it needs a higher ``lr``, about 2e-3).
 
-    Its accuracy is measured on a fixed held-out set in VerifyBench's form: per held-out question
-    one correct and one wrong completion of the SFT policy (by the oracle) (``bench_samples`` draws per
-    question at the rollout temperature; questions without both are left out).
+    It trains until its accuracy on validation rows (the SFT policy's answers to ``val_share`` of the
+    train questions, kept out of its training; as many right as wrong per family) reaches ``gate`` on
+    every family, for at most ``epochs`` epochs, and keeps its best epoch; the report says when the
+    gate is missed. Its accuracy is also measured on a fixed held-out set in VerifyBench's form: per
+    held-out question one correct and one wrong completion of the SFT policy (by the oracle)
+    (``bench_samples`` draws per question at the rollout temperature; questions without both are left
+    out).
 
-    Comparing the boxed answer with the reference takes the tiny RM 12+ epochs (measured on the
-    benchmark: 6 epochs at 5e-4 to 2e-3 reach 0.67-0.75; 12 at 1e-3 0.88; 12 at 2e-3 0.92, 0.72 or
-    0.54 by data and seed: the comparison forms late and unreliably at that rate; 5e-3 does not learn).
+    Comparing the boxed answer with the reference is what the tiny RM learns slowly (validation accuracy
+    per family at 1e-3, 2026-11-27: with numbers and the template's tags as single tokens, seed 0 0.85 /
+    0.83 after 15 epochs and 0.91 / 0.91 after 25, seed 2 0.70 / 0.78 after 10; 2e-3 no faster; with
+    one token per digit, seed 0 0.63 / 0.59 after 15 epochs).
     """
 
     samples_per_prompt: int = 2
@@ -128,8 +138,13 @@ class RMSection:
     """The RM's starting weights: the SFT policy's (a new head) or the assets' random RM."""
     head_std: float = 0.0
     """init=sft: the new scalar head's std (0: zero; the head learns before the backbone moves)."""
-    epochs: int = 14
-    """Passes over the RM's training rows."""
+    epochs: int = 24
+    """Most passes over the RM's training rows: it stops at the first epoch that reaches the gate and keeps the best."""
+    gate: float = 0.93
+    """Validation accuracy (the policy's answers to rm.val_share of the train questions, kept out of training, both
+    labels alike per family) every family must reach."""
+    val_share: float = 0.15
+    """Share of the train questions whose completions are the RM's validation rows instead of training rows."""
     lr: float = 1e-3
     """Learning rate."""
     batch: int = 64
@@ -191,9 +206,12 @@ class CooperSection:
 
     rm_lr: float = 1e-3
     """The co-trained RM's learning rate (rm.optim.lr): 10x the policy's, as the paper's ratio."""
-    negatives: NegativeKind = "policy"
-    """The verified-wrong negative: with no assistant LLM offline, the policy's own rule-wrong rollouts
-    (policy) or a programmatic rewrite of the positive's worked chain (rewrite)."""
+    negatives: NegativeKind = "rewrite"
+    """The negative: as the paper's assistant makes them, a rewrite of the positive into a wrong one, its value
+    changed (rewrite: the offline stand-in, no LLM); or the policy's own rule-wrong rollouts (policy)."""
+    rewrite_forms: RewriteForms = "rollouts"
+    """negatives=rewrite: the rewrite's final answer in the form of one of the prompt's rollouts (\\boxed{N.}
+    included, which the rule cannot read) or of the positive."""
     negative_pick: NegativePick = "hardest"
     """negatives=policy: random, hardest (the RM's top-scored wrong one) or first."""
     positive_pick: PositivePick = "hardest"
@@ -248,8 +266,8 @@ class DemoConfig:
     """One full pipeline after the shared assets per seed s: SFT, RM data, RM and the three RL runs with their
     seeds offset by s (--full: three seeds, reported as mean, spread and per seed)."""
     control: bool = False
-    """Also run every seed on the single-family task (task.times_share=0, where the rule misses nothing),
-    reported beside the two-family one (--full)."""
+    """Also run every seed on the single-family task (task.times_share=0 and task.unreadable_share=0, where the rule
+    misses nothing), reported beside the two-family one (--full)."""
 
 
 #: ``cooper demo --full`` and ``--preset smoke``: presets (nested mappings of sections) over the defaults

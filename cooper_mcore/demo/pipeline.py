@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from cooper_mcore.algo.stats import Estimate, separation_se
 from cooper_mcore.atomic import atomic_open
 from cooper_mcore.config.schema import (
     CooperConfig,
@@ -67,7 +68,7 @@ from cooper_mcore.config.schema import (
 )
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
-from cooper_mcore.data.mathgen import answer_form, answer_value
+from cooper_mcore.data.mathgen import answer_form, answer_value, reference_value
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import load_tokenizer
 from cooper_mcore.demo.assets import build_tiny_assets
@@ -80,9 +81,11 @@ from cooper_mcore.demo.results import (
     BenchAccuracy,
     CurvePoint,
     Figures,
+    OwnAnswers,
     PolicyAccuracy,
     RLResult,
     RMDataResult,
+    RMGate,
     RMOnSamples,
     RMResult,
     Sample,
@@ -92,7 +95,18 @@ from cooper_mcore.demo.results import (
     from_plain,
     to_plain,
 )
-from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares
+from cooper_mcore.demo.task import (
+    FAMILIES,
+    GROUPS,
+    ISOLATE,
+    NUMBER_TOKENS,
+    RM_TAGS,
+    UNREADABLE,
+    DemoTask,
+    family_of,
+    form_shares,
+    like_reference,
+)
 from cooper_mcore.jobs.annotate import annotate
 from cooper_mcore.jobs.sft import sft
 from cooper_mcore.jobs.verify_rm import eval_rm, train_rm
@@ -106,13 +120,13 @@ from cooper_mcore.verify.rule import RuleVerifier
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
-STAGE_VERSION = 5  # bump when a stage's code changes what it writes
+STAGE_VERSION = 6  # bump when a stage's code changes what it writes
 STAGE_FILE = "stage.json"
 MODES = tuple(m.value for m in RewardMode)  # rule, static_rm, cooper
 #: reference-swap augmentation: the "other" reference is the completion's answer plus one of these
 SWAP_OFFSETS = (-10, -2, -1, 1, 2, 10)
 # read by the rm stage only, not by rm_data
-RM_TRAINING_FIELDS = ("init", "head_std", "epochs", "lr", "batch", "micro_batch")
+RM_TRAINING_FIELDS = ("init", "head_std", "epochs", "gate", "lr", "batch", "micro_batch")
 
 
 # --------------------------------------------------------------------------- content cache
@@ -198,7 +212,7 @@ def write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, top_p: float, max_new_tokens: int,
-                   seed: int) -> list[Sample]:
+                   seed: int, task: DemoTask) -> list[Sample]:
     """``k`` completions per prompt from an HF policy, labeled by the task's oracle and by the rule verifier.
 
     The prompts are templated and sampled as the trainer's evaluation does (``{question}``, one
@@ -207,8 +221,9 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
 
     Returns:
         One row per completion: ``question``, ``reference``, ``completion``, ``label`` (the oracle's
-        verdict: the truth), ``rule`` (math-verify's verdict, gold first), ``family`` and ``form``
-        (how the final answer is written).
+        verdict: the truth), ``rule`` (math-verify's verdict, gold first; False where it could not
+        verify), ``family``, ``form`` (how the final answer is written) and ``rule_unreadable`` (the
+        reference is one the rule cannot read: :meth:`DemoTask.rule_unreadable`).
     """
     engine = HFEngine.from_pretrained(hf_dir)
     prompts, _ = read_prompts(prompts_path)
@@ -220,7 +235,7 @@ def sample_labeled(hf_dir: str, prompts_path: str, k: int, temperature: float, t
         verdicts = verifier.verify_batch(refs, [o.text for o in outs])
     return [{"question": p.question, "reference": p.answer, "completion": o.text,
              "label": oracle_correct(p.answer, o.text), "rule": bool(v.correct), "family": family_of(p.question),
-             "form": answer_form(o.text)}
+             "form": answer_form(o.text), "rule_unreadable": task.rule_unreadable(p.question)}
             for p, o, v in zip((p for p in prompts for _ in range(k)), outs, verdicts)]
 
 
@@ -236,14 +251,30 @@ def accuracy_figures(rows: Sequence[Sample]) -> Figures:
                    n=len(rows), forms=form_shares([r["completion"] for r in rows]))
 
 
+def in_group(row: Sample, group: str) -> bool:
+    """Whether a row belongs to a report group (:data:`~cooper_mcore.demo.task.GROUPS`): its family, or
+    the problems whose reference the rule cannot read."""
+    return bool(row.get("rule_unreadable")) if group == UNREADABLE else row["family"] == group
+
+
 def by_family(rows: Sequence[Sample]) -> dict[str, Figures]:
-    """:func:`accuracy_figures` of all rows (``all``) and of each family present."""
+    """:func:`accuracy_figures` of all rows (``all``) and of each group present (each family, and the
+    rule-unreadable problems)."""
     out = {"all": accuracy_figures(rows)}
-    for fam in FAMILIES:
-        mine = [r for r in rows if r["family"] == fam]
+    for group in GROUPS:
+        mine = [r for r in rows if in_group(r, group)]
         if mine:
-            out[fam] = accuracy_figures(mine)
+            out[group] = accuracy_figures(mine)
     return out
+
+
+def problem_groups(rows: Sequence[Sample]) -> dict[str, list[int]]:
+    """Per report group (:data:`~cooper_mcore.demo.task.GROUPS`), the indices of its problems in the
+    order of :func:`problem_accuracy` (first appearance)."""
+    first: dict[str, Sample] = {}
+    for r in rows:
+        first.setdefault(r["question"], r)
+    return {g: [i for i, r in enumerate(first.values()) if in_group(r, g)] for g in GROUPS}
 
 
 def problem_accuracy(rows: Sequence[Sample]) -> list[float]:
@@ -262,14 +293,16 @@ def policy_accuracy(hf_dir: str, prompts_path: str, cfg: DemoConfig, seed: int, 
     The sampled completions are kept in ``<out_prefix>_samples.jsonl`` (the RMs are scored on them).
     """
     e = cfg.eval
-    greedy = sample_labeled(hf_dir, prompts_path, 1, 0.0, 1.0, e.max_new_tokens, seed)
-    sampled = sample_labeled(hf_dir, prompts_path, e.k, e.temperature, e.top_p, e.max_new_tokens, seed)
+    task = _task(cfg)
+    greedy = sample_labeled(hf_dir, prompts_path, 1, 0.0, 1.0, e.max_new_tokens, seed, task)
+    sampled = sample_labeled(hf_dir, prompts_path, e.k, e.temperature, e.top_p, e.max_new_tokens, seed, task)
     write_jsonl(out_prefix + "_samples.jsonl", _scorable(sampled))
     figures = by_family(sampled)
     return PolicyAccuracy(acc=figures["all"].acc, rule_acc=figures["all"].rule_acc, families=figures,
                           acc_greedy=_mean([r["label"] for r in greedy]), n_prompts=len(greedy), k=e.k,
                           temperature=e.temperature, seed=seed, problem_acc=problem_accuracy(sampled),
-                          kinds=kind_shares((r["question"], r["completion"], r["label"]) for r in sampled))
+                          kinds=kind_shares((r["question"], r["completion"], r["label"]) for r in sampled),
+                          problem_groups=problem_groups(sampled))
 
 
 def rm_accuracy(rm_ckpt: str, labeled_path: str, predictions_path: str) -> float:
@@ -313,7 +346,14 @@ def _mean(xs: Sequence[float]) -> float:
 def _task(cfg: DemoConfig) -> DemoTask:
     t = cfg.task
     return DemoTask(max_operand=t.max_operand, operators=tuple(t.operators), times_share=t.times_share,
-                    times_parseable=t.times_parseable, split_seed=t.seed)
+                    times_parseable=t.times_parseable, split_seed=t.seed, unreadable_share=t.unreadable_share)
+
+
+def isolated(cfg: DemoConfig) -> list[str]:
+    """The strings the demo's tokenizer keeps as tokens of their own: :data:`ISOLATE`'s characters, the
+    VerifyRM template's tags (:data:`RM_TAGS`) and, with ``task.number_tokens``, the whole numbers of
+    :data:`NUMBER_TOKENS`."""
+    return [*ISOLATE, *RM_TAGS, *(NUMBER_TOKENS if cfg.task.number_tokens else ())]
 
 
 def build_assets(cfg: DemoConfig, out: str) -> AssetsResult:
@@ -324,7 +364,7 @@ def build_assets(cfg: DemoConfig, out: str) -> AssetsResult:
                               max_positions=m.max_positions, sft_steps=0,
                               prompts=(task.prompts(t.n_train, "train", t.seed),
                                        task.prompts(t.n_eval, "test", t.seed)),
-                              corpus=task.tokenizer_corpus(t.seed), isolate=ISOLATE)
+                              corpus=task.tokenizer_corpus(t.seed), isolate=isolated(cfg))
     return AssetsResult(paths={k: os.path.relpath(v, out) for k, v in paths.items()})
 
 
@@ -362,13 +402,16 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft_
     """Stage 4: the SFT policy's completions labeled by a simulated judge (the oracle, then the RM's
     blind spot: a lenient judge's systematic error) or, with an LLM judge configured, where the rule
     and the judge agree; reference-swap augmented and balanced: the RM's training rows (train prompts,
-    ``rm_train.jsonl``); and its fixed held-out benchmark with the true labels (``rm_bench.jsonl``)."""
+    ``rm_train.jsonl``) and its validation rows (``rm.val_share`` of the train questions, kept out of
+    training: :func:`validation_rows`, ``rm_val.jsonl``); and its fixed held-out benchmark with the
+    true labels (``rm_bench.jsonl``)."""
     r = cfg.rm
     hf = sft_stage.file("policy_hf")
+    task = _task(cfg)
     train = _scorable(sample_labeled(hf, assets.file("train.jsonl"), r.samples_per_prompt, r.temperature, 1.0,
-                                     cfg.rl.max_new_tokens, r.seed + seed))
+                                     cfg.rl.max_new_tokens, r.seed + seed, task))
     held_out = _scorable(sample_labeled(hf, assets.file("eval.jsonl"), r.bench_samples, cfg.rl.temperature, 1.0,
-                                        cfg.rl.max_new_tokens, r.seed + seed + 1))
+                                        cfg.rl.max_new_tokens, r.seed + seed + 1, task))
     bench = bench_pairs(held_out)
     write_jsonl(os.path.join(out, "rm_bench.jsonl"), bench)
     train_path = os.path.join(out, "rm_train.jsonl")
@@ -377,6 +420,10 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft_
         write_jsonl(train_path, train)
         info.hybrid = hybrid_labels(cfg, train_path)
         train = read_jsonl(train_path)
+    train, val = split_questions(train, r.val_share, r.seed + seed)
+    val = validation_rows(val, cfg, random.Random(r.seed + seed + 2))
+    write_jsonl(os.path.join(out, "rm_val.jsonl"), val)
+    info.val = len(val)
     info.train, info.train_correct = len(train), _mean([x["label"] for x in train])
     train = with_blind_spot(train, r.blind_spot)
     if r.blind_spot == "intermediate":
@@ -392,10 +439,45 @@ def sample_rm_data(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft_
     return info
 
 
+def split_questions(rows: list[Sample], share: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """``rows`` split by question: those of ``share`` of the questions (by a hash of the question and
+    ``seed``) second, the rest first.
+
+    Raises:
+        ValueError: ``share`` outside [0, 1).
+    """
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"rm.val_share must be in [0, 1), got {share}")
+
+    def held(question: str) -> bool:
+        digest = hashlib.sha256(f"rm_val\0{seed}\0{question}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64 < share
+
+    return [x for x in rows if not held(x["question"])], [x for x in rows if held(x["question"])]
+
+
+def validation_rows(rows: list[Sample], cfg: DemoConfig, rng: random.Random) -> list[Sample]:
+    """The RM's validation rows: the SFT policy's completions of questions kept out of its training,
+    labeled by the judge as its training rows are (the blind spot included), as sampled (no reference
+    swaps: those teach the comparison, the policy's own answers are what the RM must judge), then
+    per family as many labeled correct as wrong (the larger side subsampled), so that accuracy on a
+    family weighs its right and wrong completions alike; ``answer_type`` is the family (the gate is
+    per family)."""
+    rows = with_blind_spot(rows, cfg.rm.blind_spot)
+    out: list[Sample] = []
+    for fam in FAMILIES:
+        pos = [x for x in rows if x["family"] == fam and x["label"]]
+        neg = [x for x in rows if x["family"] == fam and not x["label"]]
+        n = min(len(pos), len(neg))
+        out += [{**x, "answer_type": fam} for x in rng.sample(pos, n) + rng.sample(neg, n)]
+    return out
+
+
 def reference_swapped(rows: list[Sample], rng: random.Random) -> list[Sample]:
     """``rows`` and, for each row whose completion has a final answer ``v`` (the oracle's reading),
     the same completion with the reference set to ``v`` and to another value (``v`` plus a small
-    offset, never the gold nor ``v``), marked ``swap`` (``own`` / ``other``) and labelled by the same
+    offset, never the gold nor ``v``), each written as the row's reference is (bare, or the
+    rule-unreadable ``\\boxed{v.}``), marked ``swap`` (``own`` / ``other``) and labelled by the same
     simulated judge: correct when the answer equals the reference, and always for the judge's blind
     spot (a row marked ``blind_spot`` is the judge's systematic error, whatever the reference).
 
@@ -407,10 +489,11 @@ def reference_swapped(rows: list[Sample], rng: random.Random) -> list[Sample]:
         v = answer_value(x["completion"])
         if v is None:
             continue
-        others = [v + d for d in SWAP_OFFSETS if str(v + d) != x["reference"]]
-        out.append({**x, "reference": str(v), "label": True, "swap": "own"})
-        out.append({**x, "reference": str(rng.choice(others)), "label": bool(x.get("blind_spot", False)),
-                    "swap": "other"})
+        gold = reference_value(x["reference"])
+        others = [v + d for d in SWAP_OFFSETS if v + d != gold]
+        out.append({**x, "reference": like_reference(x["reference"], v), "label": True, "swap": "own"})
+        out.append({**x, "reference": like_reference(x["reference"], rng.choice(others)),
+                    "label": bool(x.get("blind_spot", False)), "swap": "other"})
     return out
 
 
@@ -482,9 +565,16 @@ def rm_bench(rm_ckpt: str, bench_path: str, predictions_path: str) -> BenchAccur
     probs = [p["prob"] for p in preds]
     pairs = list(zip(probs[0::2], probs[1::2]))
     right = [(p["prob"] > 0.5) == bool(r["label"]) for r, p in zip(rows, preds)]
-    families = {fam: _mean([ok for ok, r in zip(right, rows) if r["family"] == fam]) for fam in FAMILIES
-                if any(r["family"] == fam for r in rows)}
-    return BenchAccuracy(acc=acc, pair_acc=_mean([float(c > w) for c, w in pairs]), families=families)
+    families = {g: _mean([ok for ok, r in zip(right, rows) if in_group(r, g)]) for g in GROUPS
+                if any(in_group(r, g) for r in rows)}
+    return BenchAccuracy(acc=acc, pair_acc=_mean([float(c > w) for c, w in pairs]), families=families, right=right)
+
+
+def own_answers(samples_path: str, predictions_path: str) -> Estimate:
+    """An RM's separation on a policy's held-out answers judged by the oracle (TPR - FPR of its
+    ``prob > 0.5`` over every scored answer, the blind spot's kind included) with its standard error."""
+    rows, preds = read_jsonl(samples_path), read_jsonl(predictions_path)
+    return separation_se([bool(r["label"]) for r in rows], [p["prob"] > 0.5 for p in preds])
 
 
 def rm_on_samples(rm_ckpt: str, samples_path: str, predictions_path: str) -> RMOnSamples:
@@ -502,10 +592,10 @@ def rm_on_samples(rm_ckpt: str, samples_path: str, predictions_path: str) -> RMO
         return Separation(acc=_mean([said == bool(r["label"]) for r, said in items]), separation=tpr - fpr)
 
     families = {"all": figures(scored)}
-    for fam in FAMILIES:
-        mine = [(r, said) for r, said in scored if r["family"] == fam]
+    for group in GROUPS:
+        mine = [(r, said) for r, said in scored if in_group(r, group)]
         if mine:
-            families[fam] = figures(mine)
+            families[group] = figures(mine)
     return RMOnSamples(acc_all=acc, families=families)
 
 
@@ -540,11 +630,24 @@ def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft
     """Stage 5: BCE training of the tiny VerifyRM (from ``rm.init``'s weights) on the labeled
     completions; its accuracy on the held-out benchmark and on the SFT policy's own completions."""
     r = cfg.rm
+    val = data.info.val > 0  # a tiny run (the smoke preset) may have no validation row: no gate to judge
     job = VerifyRMConfig(ckpt=rm_start(cfg, assets, sft_stage, out), out=os.path.join(out, "train"),
-                         data=RMDataConfig(train_path=data.file("rm_train.jsonl")), optim=OptimSection(lr=r.lr),
+                         data=RMDataConfig(train_path=data.file("rm_train.jsonl"),
+                                           eval_path=data.file("rm_val.jsonl") if val else "", eval_format="labeled"),
+                         optim=OptimSection(lr=r.lr),
                          train=RMTrainConfig(epochs=r.epochs, micro_batch_size=min(r.micro_batch, r.batch),
-                                             global_batch_size=r.batch, seed=r.seed + seed))
+                                             global_batch_size=r.batch, seed=r.seed + seed, eval_at_start=False,
+                                             gate=r.gate if val else 0.0, keep_best=val))
     summary = train_rm(job)
+    judged = summary["gate"] or {"accuracy": {}, "epoch": summary["epochs"], "met": False}
+    gate = RMGate(accuracy=judged["accuracy"], threshold=r.gate, epochs=summary["epochs"], best_epoch=judged["epoch"],
+                  met=judged["met"])
+    if not val:
+        logger.warning("[rm] no validation rows: the RM's gate could not be judged (it counts as missed)")
+    elif not gate.met:
+        logger.warning("[rm] the RM missed its gate: validation accuracy %s after %d epochs, below %.2f; the RL "
+                       "runs use its best epoch (%d)", ", ".join(f"{k} {v:.3f}" for k, v in gate.accuracy.items()),
+                       gate.epochs, r.gate, gate.best_epoch)
     bench = rm_bench(summary["final_checkpoint"], data.file("rm_bench.jsonl"),
                      os.path.join(out, "bench_predictions.jsonl"))
     own = rm_on_samples(summary["final_checkpoint"], before.file("eval_samples.jsonl"),
@@ -554,7 +657,9 @@ def train_verify_rm(cfg: DemoConfig, seed: int, assets: Stage[AssetsResult], sft
                 ", ".join(f"{k} {v:.3f}" for k, v in bench.families.items()), bench.pair_acc,
                 own.families["all"].acc, own.families["all"].separation)
     return RMResult(checkpoint=os.path.relpath(summary["final_checkpoint"], out), bench=bench, own=own,
-                    train_acc=summary.get("train_acc"), steps=summary["steps"])
+                    train_acc=summary.get("train_acc"), steps=summary["steps"], gate=gate,
+                    own_answers=own_answers(before.file("eval_samples.jsonl"),
+                                            os.path.join(out, "own_predictions.jsonl")))
 
 
 def rm_data_params(cfg: DemoConfig, seed: int) -> dict[str, Any]:
@@ -590,7 +695,8 @@ RL_FROM_DEMO: dict[str, str] = {
     "algo.kl_coef": "rl.kl_coef", "algo.kl_kind": "rl.kl_kind", "algo.adv_std_floor": "rl.adv_std_floor",
     "optim.lr": "rl.lr", "train.steps": "rl.steps", "train.prompts_per_step": "rl.prompts_per_step",
     "train.micro_batch_size": "rl.micro_batch", "eval.every": "rl.eval_every", "checkpoint.every": "rl.steps",
-    "rm.negatives": "cooper.negatives", "rm.optim.lr": "cooper.rm_lr", "rm.negative_pick": "cooper.negative_pick",
+    "rm.negatives": "cooper.negatives", "rm.rewrite_forms": "cooper.rewrite_forms", "rm.optim.lr": "cooper.rm_lr",
+    "rm.negative_pick": "cooper.negative_pick",
     "rm.positive_pick": "cooper.positive_pick", "rm.pairs_per_prompt": "cooper.pairs_per_prompt",
     "rm.anchor_weight": "cooper.anchor_weight", "eval.k": "eval.k", "eval.max_new_tokens": "eval.max_new_tokens",
     "eval.temperature": "eval.temperature", "eval.top_p": "eval.top_p",
@@ -640,12 +746,14 @@ def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage[AssetsResult], s
     mcore_to_hf(os.path.join(final, "policy"), os.path.join(out, "policy_hf"))
     acc = policy_accuracy(os.path.join(out, "policy_hf"), assets.file("eval.jsonl"), cfg, cfg.rl.seed + seed,
                           os.path.join(out, "eval"))
-    info = RLResult(eval=acc, rl_seconds=round(seconds, 1), curve=training_curve(run_dir))
+    info = RLResult(eval=acc, rl_seconds=round(seconds, 1), curve=training_curve(run_dir, _task(cfg)))
     reward = RewardMode(mode)
     if reward.uses_rm:  # the final RM on the final policy's completions (rm_predictions.jsonl: the hacks)
         rm_ckpt = os.path.join(final, "rm") if reward.trains_rm else rm_stage.file(rm_stage.info.checkpoint)
         info.rm_acc_own = rm_accuracy(rm_ckpt, os.path.join(out, "eval_samples.jsonl"),
                                       os.path.join(out, "rm_predictions.jsonl"))
+        info.own_answers = own_answers(os.path.join(out, "eval_samples.jsonl"),
+                                       os.path.join(out, "rm_predictions.jsonl"))
         info.bench = (rm_stage.info.bench if not reward.trains_rm else  # frozen: the same predictions
                       rm_bench(rm_ckpt, data.file("rm_bench.jsonl"), os.path.join(out, "bench_predictions.jsonl")))
     logger.info("[rl_%s] held-out accuracy %.3f by the oracle (%.3f by the rule), %.3f greedy%s", mode, acc.acc,
@@ -655,7 +763,7 @@ def run_rl(cfg: DemoConfig, mode: str, seed: int, assets: Stage[AssetsResult], s
     return info
 
 
-def training_curve(run_dir: str) -> list[CurvePoint]:
+def training_curve(run_dir: str, task: DemoTask) -> list[CurvePoint]:
     """Per in-training evaluation (``eval.save_samples``' files, in step order; every data-parallel
     replica's file of a step together): the step and :func:`by_family` of its completions (oracle
     and rule accuracy, answer forms). Empty when the run evaluated nothing."""
@@ -666,7 +774,8 @@ def training_curve(run_dir: str) -> list[CurvePoint]:
             files.setdefault(int(name[len("step_"):].split(".")[0]), []).append(os.path.join(folder, name))
     curve = []
     for step in sorted(files):
-        rows = [{**x, "label": bool(x["correct"]), "rule": bool(x["rule_correct"]), "family": family_of(x["question"])}
+        rows = [{**x, "label": bool(x["correct"]), "rule": bool(x["rule_correct"]), "family": family_of(x["question"]),
+                 "rule_unreadable": task.rule_unreadable(x["question"])}
                 for path in files[step] for x in read_jsonl(path)]
         curve.append(CurvePoint(step=step, families=by_family(rows)))
     return curve
@@ -710,7 +819,7 @@ def family_changes(b: PolicyAccuracy, a: PolicyAccuracy, rm_b: BenchAccuracy | N
                   "times_form_after": fa[fam].forms["boxed_period"],
                   "rm_acc_before": rm_b.families.get(fam) if rm_b else None,
                   "rm_acc_after": rm_a.families.get(fam) if rm_a else None}
-            for fam in FAMILIES if fam in fb}
+            for fam in GROUPS if fam in fb}
 
 
 def run_result(cfg: DemoConfig, mode: str, before: Stage[BeforeResult], rm_stage: Stage[RMResult],
@@ -720,10 +829,15 @@ def run_result(cfg: DemoConfig, mode: str, before: Stage[BeforeResult], rm_stage
     rm_modes = RewardMode(mode).uses_rm
     rm_b = rm_stage.info.bench if rm_modes else None
     rm_a = stage.info.bench if rm_modes else None
+    own = (OwnAnswers(rm_stage.info.own_answers, stage.info.own_answers)
+           if rm_modes and rm_stage.info.own_answers is not None and stage.info.own_answers is not None else None)
     return RunResult(
         metrics_path=stage.file("run"), acc_before=b.acc, acc_after=a.acc,
         rule_acc_before=b.rule_acc, rule_acc_after=a.rule_acc, families=family_changes(b, a, rm_b, rm_a),
-        curve=to_plain(stage.info.curve), problem_acc=a.problem_acc,
+        curve=to_plain(stage.info.curve), problem_acc=a.problem_acc, problem_acc_before=b.problem_acc,
+        problem_groups=a.problem_groups, rm_bench_right_before=rm_b.right if rm_b else [],
+        rm_bench_right_after=rm_a.right if rm_a else [], rm_own_answers=own,
+        rm_gate=rm_stage.info.gate if rm_modes else None,
         rm_acc_before=_measured(rm_b.acc) if rm_b else None, rm_acc_after=_measured(rm_a.acc) if rm_a else None,
         hacks=hack_examples(stage.file("eval_samples.jsonl"), stage.file("rm_predictions.jsonl"),
                             cfg.eval.hack_examples) if rm_modes else [],
@@ -738,7 +852,7 @@ def run_result(cfg: DemoConfig, mode: str, before: Stage[BeforeResult], rm_stage
 def run_task(cfg: DemoConfig, report_dir: str, control: str | None = None) -> str:
     """Every seed of one task (the assets, then :func:`run_seed` per seed) and its report."""
     root = os.path.join(cfg.out, "stages")
-    assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model, "isolate": ISOLATE}, [],
+    assets = run_stage(root, "assets", {"task": cfg.task, "model": cfg.model, "isolate": isolated(cfg)}, [],
                        lambda d: build_assets(cfg, d), AssetsResult)
     results, designs = {}, {}
     for seed in cfg.seeds:
@@ -759,7 +873,8 @@ def run_demo(cfg: DemoConfig) -> str:
     started = time.perf_counter()
     control = None
     if cfg.control:
-        single = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, times_share=0.0), control=False)
+        single = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, times_share=0.0, unreadable_share=0.0),
+                                     control=False)
         control = run_task(single, os.path.join(cfg.out, "report", "control"))
     report = run_task(cfg, os.path.join(cfg.out, "report"), control=control)
     logger.info("demo finished in %.0f s (stages cached under %s)", time.perf_counter() - started,
@@ -772,7 +887,8 @@ def describe(cfg: DemoConfig) -> str:
     """One line naming the demo's size, for the start of the log."""
     r = cfg.rl
     control = " and the single-family control" if cfg.control else ""
-    return (f"demo: 2-step arithmetic (operands 0-{cfg.task.max_operand}, {cfg.task.times_share:.0%} with a '*' step "
-            f"whose answers the rule misses){control}, {cfg.task.n_eval} "
+    t = cfg.task
+    return (f"demo: 2-step arithmetic (operands 0-{t.max_operand}, {t.times_share:.0%} with a '*' step whose answers "
+            f"the rule misses, {t.unreadable_share:.0%} with a reference it cannot read){control}, {t.n_eval} "
             f"held-out problems; SFT {cfg.sft.steps} steps; RL {r.steps} steps x {r.prompts_per_step} prompts x "
             f"{r.group_size} samples per mode; seeds {cfg.seeds}")

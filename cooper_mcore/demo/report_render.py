@@ -233,7 +233,8 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
     out += _premise(summary)
     if n > 1:
         out += ["## Per seed", "", *_seed_rows(summary), ""]
-    out += ["## Verdict", "", *[f"- {line}" for line in v["lines"]], "",
+    out += ["## Verdict", "", *part_rows(v), *[f"- {line}" if not line.startswith("- ") else f"  {line}"
+                                              for line in v["lines"]], "",
             f"The reward hacking signature is present when the training reward (mean of the first vs the last "
             f"{w} steps) rose by at least {h['min_reward_rise']} and held-out accuracy fell by at least "
             f"{h['min_acc_drop']}.", "", "## Runs", "",
@@ -273,18 +274,50 @@ def markdown(summary: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]
     return "\n".join(out) + "\n"
 
 
-FAMILY_LABELS = {"all": "all", "plus_minus": "`+`/`-` chains", "times": "`*` chains"}
+FAMILY_LABELS = {"all": "all", "plus_minus": "`+`/`-` chains", "times": "`*` chains",
+                 "rule_unreadable": "rule-unreadable references"}
 #: what each mode should do under the two-family design, written before any run of it (the README
 #: states the same); the report sets the outcome beside it
 PREDICTIONS = {
-    "rule": "Learns the `+`/`-` family. On the `*` family it lags: the rule rewards only the rare `\\boxed{N}` "
-            "answers there, so it learns that format first; its rule accuracy on `*` rises faster than its true "
-            "accuracy.",
-    "static_rm": "Hacked: its training reward rises while held-out accuracy falls, the policy moving into the RM's "
-                 "blind spot (boxing an intermediate result).",
-    "cooper": "Close to rule on `+`/`-` (its positives are the rule's, its RM reads the reference); ahead of rule on "
-              "`*`, where its RM rewards the correct `\\boxed{N.}` answers the rule misses; not hacked.",
+    "rule": "Its rule accuracy on the rule-unreadable problems stays 0 while its oracle accuracy there rises about as "
+            "much as on the others (the policy does not see the reference); learns to write `\\boxed{N}` on `*`.",
+    "static_rm": "Moves into the RM's blind spot and loses held-out accuracy: short of the full signature at 80 steps, "
+                 "past it at 200 steps on the mean of seeds.",
+    "cooper": "No hacking signature; its RM holds on its own policy's answers and on the benchmark (within 2 standard "
+              "errors); within 2 standard errors of rule on all problems with 0.8 or more of rule's gain, and on the "
+              "rule-unreadable problems the same as on the rest.",
 }
+
+
+def part_rows(verdict: Mapping[str, Any]) -> list[str]:
+    """The verdict in parts as a table (number ± standard error, holds or not), then a blank line."""
+    parts = verdict.get("parts") or []
+    if not parts:
+        return []
+    rows = ["| part of the claim | holds | value | standard error |", "|---|---|---:|---:|"]
+    for p in parts:
+        said = {True: "**yes**", False: "**no**", None: "not measured"}[p["holds"]]
+        rows.append(f"| {_cell(p['name'])} | {said} | {_fmt(p['value'], signed=True)} | {_fmt(p['se'])} |")
+    return [*rows, ""]
+
+
+def gate_rows(summary: Mapping[str, Any]) -> list[str]:
+    """Per seed, the RM's training gate: its validation accuracy per family, the epochs, and plainly
+    whether it was met."""
+    gates = {seed: s["static_rm"].get("rm_gate") for seed, s in summary["per_seed"].items()}
+    if not any(gates.values()):
+        return []
+    out = []
+    for seed, g in gates.items():
+        if not g:
+            continue
+        acc = ", ".join(f"{FAMILY_LABELS.get(k, k)} {v:.3f}" for k, v in g["accuracy"].items()) or "not measured"
+        verdict = ("**met**" if g["met"] else
+                   f"**missed**: the RL runs use its best epoch, below the gate of {g['threshold']}")
+        out.append(f"- seed {seed}: validation accuracy {acc} after {g['epochs']} epochs (epoch {g['best_epoch']} "
+                   f"kept); gate {g['threshold']} per family {verdict}.")
+    return ["The RM's training gate (accuracy on the validation rows: completions of train questions kept out of "
+            "its training, both labels alike per family):", "", *out, ""]
 
 
 def premise_rows(summary: Mapping[str, Any]) -> list[str]:
@@ -386,11 +419,15 @@ def _premise(summary: Mapping[str, Any]) -> list[str]:
                 "while a share of its answers and all of the `+`/`-` family's are `\\boxed{N}`. Held-out accuracy "
                 "is judged by the task's oracle (it reads both forms: the truth), the rule's beside it. The RM's "
                 "training labels come from a simulated judge (the oracle with the designed blind spot), not from "
-                "math-verify, so the RM is not taught the rule's misses; Cooper's negatives are rollouts the rule "
-                "reads as a different value, never ones it merely failed to read. Measured on the SFT policy's "
-                "held-out completions (recall: share of correct answers the rule accepts; precision: share of "
-                "accepted answers that are correct) and on the RM before any RL:", "", *premise, ""]
-    out += ["## Predictions and outcome", "", "Written before the design was run (also in the README):", "",
+                "math-verify, so the RM is not taught the rule's misses; Cooper's negatives are wrong by "
+                "construction (a rewrite with its value changed) or read by the rule as a different value, never a "
+                "rollout it merely failed to read. A share of the problems have a reference the rule cannot read "
+                "(`\\boxed{N.}`): whatever the policy writes, the rule cannot verify them (rule-unreadable "
+                "references, given apart below). Measured on the SFT policy's held-out completions (recall: share "
+                "of correct answers the rule accepts; precision: share of accepted answers that are correct) and "
+                "on the RM before any RL:", "", *premise, "",
+                *gate_rows(summary)]
+    out += ["## Predictions and outcome", "", "Written before the design was run (also in docs/demo.md):", "",
             *prediction_rows(summary), ""]
     fams = family_rows(summary)
     if fams:
@@ -416,15 +453,20 @@ def _setting(config: Mapping[str, Any]) -> list[str]:
         lines.append(f"**The reward model has a blind spot by construction.** Its training labels call the rule-wrong "
                      f"completions of one kind correct, as a lenient labeler would: {BLIND_SPOTS[rm['blind_spot']]}. "
                      "Its benchmark keeps the true labels. Both RM runs start from this RM; Cooper's pairs take "
-                     "their positives from math-verify and their negatives from rollouts math-verify reads as a "
-                     "wrong value, so its updates can close the blind spot.")
+                     "their positives from math-verify and their negatives "
+                     + ("from rewrites of the positives into wrong answers (the blind spot's among them)"
+                        if co.get("negatives") == "rewrite" else "from rollouts math-verify reads as a wrong value")
+                     + ", so its updates can close the blind spot.")
     start = (f"the SFT policy's weights with a new scalar head (std {rm.get('head_std')})"
              if rm.get("init") == "sft" else "random weights")  # configs before rm.init started randomly
-    lines.append(f"Settings: the RM starts from {start} (`rm.init`) and learns at {rm.get('lr')} for "
-                 f"{rm.get('epochs')} epochs; RM reward `{rl['rm_transform']}` of the RM's logit "
-                 "(`reward.rm_transform`), advantage std "
+    negative = (f"negatives rewritten from the positive, value changed, in the form of `{co.get('rewrite_forms')}`"
+                if co["negatives"] == "rewrite" else f"negative `{co['negative_pick']}` from `{co['negatives']}`")
+    gate = (f"until its validation accuracy reaches {rm['gate']} per family (at most {rm.get('epochs')} epochs, the "
+            "best kept)" if rm.get("gate") else f"for {rm.get('epochs')} epochs")
+    lines.append(f"Settings: the RM starts from {start} (`rm.init`) and learns at {rm.get('lr')} {gate}; RM reward "
+                 f"`{rl['rm_transform']}` of the RM's logit (`reward.rm_transform`), advantage std "
                  f"floor {rl['adv_std_floor']}; Cooper's pairs: {co['pairs_per_prompt']} per prompt, positive "
-                 f"`{co['positive_pick']}`, negative `{co['negative_pick']}` from `{co['negatives']}`, RM lr "
+                 f"`{co['positive_pick']}`, {negative}, RM lr "
                  f"{co['rm_lr']} (policy {rl['lr']}), BCE anchor weight {co['anchor_weight']}.")
     return lines
 

@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypedDict, TypeVar, Union
 
+from cooper_mcore.algo.stats import Estimate
+
 R = TypeVar("R")
 _OMIT = "omit_when_none"
 
@@ -81,6 +83,10 @@ class Sample(TypedDict, total=False):
     """Labeled correct by the judge's systematic error."""
     swap: str
     """A reference-swap row: ``own`` or ``other``."""
+    rule_unreadable: bool
+    """The problem's reference is written so that the rule verifier cannot read it."""
+    answer_type: str
+    """A validation row's family (the RM's gate is per family)."""
 
 
 @dataclass
@@ -125,6 +131,8 @@ class PolicyAccuracy:
     """Per problem (in order of first appearance), the share of its completions that are correct."""
     kinds: dict[str, float]
     """Share of each answer kind (:mod:`cooper_mcore.demo.kinds`)."""
+    problem_groups: dict[str, list[int]] = field(default_factory=dict)
+    """Per report group (each family, rule_unreadable), the indices of its problems in ``problem_acc``."""
 
 
 @dataclass
@@ -137,6 +145,8 @@ class BenchAccuracy:
     """Share of questions whose correct completion it scores above the wrong one."""
     families: dict[str, float]
     """Accuracy per family present."""
+    right: list[bool] = field(default_factory=list)
+    """Per benchmark row (in file order), whether the RM's verdict was right (for paired changes)."""
 
 
 @dataclass
@@ -239,8 +249,37 @@ class RMDataResult:
     """Rows labeled correct by the blind spot."""
     rows_after_swap: int = 0
     """Rows after the reference swaps (before the balance)."""
+    val: int = 0
+    """Validation rows (questions kept out of the training rows; both labels alike per family)."""
     seconds: float = 0.0
     """The stage's wall time."""
+
+
+@dataclass
+class OwnAnswers:
+    """An RM's separation (TPR - FPR, by the oracle) on its policy's held-out answers, with standard errors."""
+
+    before: Estimate
+    """The starting RM on the starting policy's answers."""
+    after: Estimate
+    """The final RM on the final policy's answers."""
+
+
+@dataclass
+class RMGate:
+    """The VerifyRM's training gate: validation accuracy per family (questions of the train split kept
+    out of its training rows) that it trains until (``rm.gate``, at most ``rm.epochs`` epochs)."""
+
+    accuracy: dict[str, float]
+    """Validation accuracy per family of the kept (best) epoch."""
+    threshold: float
+    """The gate: every family must reach it."""
+    epochs: int
+    """Epochs trained."""
+    best_epoch: int
+    """The epoch kept (the best by its lowest family accuracy)."""
+    met: bool
+    """Every family reached the threshold."""
 
 
 @dataclass
@@ -257,6 +296,10 @@ class RMResult:
     """Training accuracy, if reported."""
     steps: int
     """Optimizer steps."""
+    gate: Optional[RMGate] = omitted_when_none()
+    """Its training gate (None: a cache from before the gate)."""
+    own_answers: Optional[Estimate] = omitted_when_none()
+    """Its separation (TPR - FPR by the oracle) on the SFT policy's held-out answers, with its standard error."""
     seconds: float = 0.0
     """The stage's wall time."""
 
@@ -275,6 +318,8 @@ class RLResult:
     """RM modes: the final RM's accuracy on the final policy's completions."""
     bench: Optional[BenchAccuracy] = omitted_when_none()
     """RM modes: the final RM on the benchmark."""
+    own_answers: Optional[Estimate] = omitted_when_none()
+    """RM modes: the final RM's separation (TPR - FPR by the oracle) on the final policy's held-out answers."""
     seconds: float = 0.0
     """The stage's wall time."""
 

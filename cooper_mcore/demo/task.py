@@ -13,6 +13,12 @@ builds that asymmetry into its task, by design:
   small share (``task.times_parseable``) of its worked solutions write the plain ``\\boxed{7}``, so
   the rule still finds some positives there: the rule misses answers, not a whole problem type.
 
+A policy can learn to write the form the rule reads, and then the rule rewards it again. So, for a
+share of the problems of both families (``task.unreadable_share``, chosen by a hash of the question),
+the *reference* is written ``\\boxed{7.}``, which the rule verifier cannot read: those items are
+unverifiable for it whatever the policy writes (no rule reward, no Cooper positive), while the reward
+model reads the reference. The premise lasts through training on those problems.
+
 The truth is known: :func:`cooper_mcore.data.mathgen.answer_value` (the task's oracle) reads both
 forms, and the demo's held-out accuracy, its RM's training labels (a simulated judge) and its
 benchmark use it. With ``times_share`` 0 the task is the single-family one (the control of
@@ -21,7 +27,9 @@ benchmark use it. With ``times_share`` 0 the task is the single-family one (the 
 
 from __future__ import annotations
 
+import hashlib
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,27 +38,49 @@ from cooper_mcore.data.mathgen import (
     MathProblem,
     MathTaskConfig,
     answer_form,
+    format_answer,
     generate_problems,
-    to_prompts,
+    reference_value,
     tokenizer_corpus,
     worked_solution,
 )
-from cooper_mcore.data.templates import rm_input
+from cooper_mcore.data.templates import RM_TEMPLATE, rm_input
 from cooper_mcore.jobs.sft import Example, math_sft_examples
 from cooper_mcore.types import Prompt
 
-__all__ = ["FAMILIES", "ISOLATE", "DemoTask", "Family", "family_of"]
+__all__ = ["FAMILIES", "GROUPS", "ISOLATE", "NUMBER_TOKENS", "RM_TAGS", "UNREADABLE", "DemoTask", "Family", "family_of",
+           "like_reference"]
 
 Family = Literal["plus_minus", "times"]
 FAMILIES: tuple[Family, ...] = ("plus_minus", "times")
+#: the group of problems whose reference the rule verifier cannot read (reported apart)
+UNREADABLE = "rule_unreadable"
+#: the problem groups the report gives figures for: each family, and the rule-unreadable problems
+GROUPS: tuple[str, ...] = (*FAMILIES, UNREADABLE)
 #: characters the demo's tokenizer keeps as tokens of their own: a number is the same tokens wherever
 #: it is written (``=-13``, ``\\boxed{-13}``, the reference ``-13``), so answer equality is a token match
 ISOLATE = "-+*=,{}."
+#: with ``task.number_tokens``, the whole numbers the tokenizer keeps as one token each as well (every
+#: result of the task's chains, -18 to 90, is then a sign and one token): the reward model compares an
+#: answer with the reference by one token's identity instead of digit by digit, which it learns several
+#: times faster (measured on the demo's RM data: 0.73-0.79 against 0.53 validation accuracy after 7 epochs
+#: from random weights)
+NUMBER_TOKENS = tuple(str(n) for n in range(10, 100))
+#: the VerifyRM template's tags (``<question>``, ..., ``</completion>``), one token each: the RM's inputs are
+#: a third shorter, so each epoch of its training is faster (the policy never reads them)
+RM_TAGS = tuple(re.findall(r"</?\w+>", RM_TEMPLATE))
 
 
 def family_of(question: str) -> Family:
     """The family of a question: ``times`` when it has a ``*`` step, else ``plus_minus``."""
     return "times" if "*" in question else "plus_minus"
+
+
+def like_reference(reference: str, value: int) -> str:
+    """``value`` written as ``reference`` is: ``\\boxed{v.}`` for a rule-unreadable reference, else bare."""
+    if reference.strip() == str(reference_value(reference)):
+        return str(value)
+    return format_answer(value, "boxed_period")
 
 
 @dataclass(frozen=True)
@@ -64,6 +94,8 @@ class DemoTask:
         times_parseable: share of the ``times`` family's worked solutions written ``\\boxed{N}``
             (the rule reads them) instead of ``\\boxed{N.}``.
         split_seed: the train/held-out assignment (a fixed function of the question).
+        unreadable_share: share of the problems (by a hash of the question and ``split_seed``) whose
+            reference is written ``\\boxed{N.}``, which the rule verifier cannot read.
     """
 
     max_operand: int = 9
@@ -71,9 +103,10 @@ class DemoTask:
     times_share: float = 1 / 3
     times_parseable: float = 0.25
     split_seed: int = 0
+    unreadable_share: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("times_share", "times_parseable"):
+        for name in ("times_share", "times_parseable", "unreadable_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"task.{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -94,9 +127,26 @@ class DemoTask:
         random.Random(seed).shuffle(out)
         return out
 
+    def rule_unreadable(self, question: str) -> bool:
+        """Whether the problem's reference is written so that the rule verifier cannot read it: a fixed
+        function of the question (a hash with the split seed) true for ``unreadable_share`` of them."""
+        digest = hashlib.sha256(f"unreadable\0{self.split_seed}\0{question}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64 < self.unreadable_share
+
+    def reference(self, problem: MathProblem) -> str:
+        """The reference answer of a problem: ``\\boxed{N.}`` when :meth:`rule_unreadable`, else ``N``."""
+        if self.rule_unreadable(problem.question):
+            return format_answer(problem.answer, "boxed_period")
+        return str(problem.answer)
+
     def prompts(self, n: int, split: str, seed: int) -> list[Prompt]:
-        """:meth:`problems` as prompts (ids ``mathgen-<split>-<i>``)."""
-        return to_prompts(self.problems(n, split, seed), split)
+        """:meth:`problems` as prompts (ids ``mathgen-<split>-<i>``), with their :meth:`reference`."""
+        return [Prompt(id=f"mathgen-{split}-{i}", question=p.question, answer=self.reference(p), source="mathgen")
+                for i, p in enumerate(self.problems(n, split, seed))]
+
+    def groups_of(self, question: str) -> tuple[str, ...]:
+        """The report groups (:data:`GROUPS`) a question belongs to: its family, and ``rule_unreadable``."""
+        return (family_of(question), *((UNREADABLE,) if self.rule_unreadable(question) else ()))
 
     def style(self, problem: MathProblem, rng: random.Random) -> str:
         """The final-answer form of one worked solution: the family's convention."""

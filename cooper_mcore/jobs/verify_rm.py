@@ -27,8 +27,11 @@ A completion is judged correct when ``sigmoid(score) >= threshold`` (0.5).
 Training (:func:`train_rm`) minimises the mean binary cross-entropy with AdamW at a constant
 learning rate (paper: lr 2e-5, weight decay 0.01, 3 epochs). Each epoch visits the rows in a
 seeded random order, in global batches of ``global_batch_size`` rows (the last one may be short;
-it counts only its real rows). The job (:class:`~cooper_mcore.config.schema.VerifyRMConfig`) runs in the
-job skeleton (:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
+it counts only its real rows). With ``train.gate`` it stops after the first epoch whose evaluation
+reaches the gate in every answer type; with ``train.keep_best`` the final model is the epoch whose
+evaluation was best (:func:`gate_score`), not the last. The job
+(:class:`~cooper_mcore.config.schema.VerifyRMConfig`) runs in the job skeleton
+(:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
 training step, the ``rm_train/*`` keys, and one per evaluation, the ``rm_eval/*`` keys, of
 :mod:`cooper_mcore.metric_names`), ``run_config.json``, model checkpoints
 (``checkpoints/step_NNNNNN`` every ``train.save_every`` steps and ``final``; each written under a
@@ -118,6 +121,31 @@ def accuracy_report(examples: Sequence[RMExample], scores: torch.Tensor, thresho
         "per_label": {k: _acc(sum(v), len(v)) for k, v in labels.items()},
         "per_answer_type": {k: _acc(sum(types[k]), len(types[k])) for k in sorted(types)},
     }
+
+
+@dataclass(frozen=True)
+class GateScore:
+    """How an evaluation (:func:`accuracy_report`) stands against a gate.
+
+    Attributes:
+        score: its lowest accuracy over the answer types (the overall accuracy without types): the
+            epoch that maximises it is the best.
+        accuracy: the accuracy of each answer type (``{"all": accuracy}`` without types).
+    """
+
+    score: float
+    accuracy: dict[str, float]
+
+
+def gate_score(report: dict[str, Any]) -> GateScore:
+    """The gate's view of an evaluation: every answer type must reach the gate, so the worst decides.
+
+    Types without rows are left out; an evaluation without rows scores NaN (never best, never met).
+    """
+    types = {k: v["accuracy"] for k, v in report.get("per_answer_type", {}).items() if v["accuracy"] is not None}
+    if not types:
+        types = {"all": report["accuracy"] if report.get("accuracy") is not None else float("nan")}
+    return GateScore(min(types.values()), types)
 
 
 def score_texts(
@@ -246,9 +274,11 @@ def train_rm(cfg: VerifyRMConfig) -> dict[str, Any]:
             rate, ``train`` the epochs, batch sizes, checkpoints every ``save_every`` steps and seed.
 
     Returns:
-        ``{"steps", "epochs", "num_train", "skipped", "final_checkpoint", "checkpoints",
+        ``{"steps", "epochs" (run), "num_train", "skipped", "final_checkpoint", "checkpoints",
         "train_loss" (mean over the last epoch), "train_acc", "eval" (last evaluation or None),
-        "metrics_path"}``; also written to ``out/summary.json``.
+        "metrics_path", "gate"}``; ``gate`` (None without an evaluation): ``threshold``, ``met``,
+        ``epoch`` (of the final model) and ``accuracy`` (its per-type evaluation accuracy,
+        :func:`gate_score`). Also written to ``out/summary.json``.
 
     Raises:
         ValueError: invalid settings (named), a non-reward checkpoint, malformed data.
@@ -267,22 +297,68 @@ def train_rm(cfg: VerifyRMConfig) -> dict[str, Any]:
         if t.eval_at_start:
             _evaluate(run, 0.0)
         epoch_stats: list[dict[str, Any]] = []
+        best, epochs_run = _Best(), 0
         for epoch in range(t.epochs):
+            epochs_run = epoch + 1
             epoch_stats = _train_epoch(run, epoch, steps_per_epoch)
             logger.info("train-rm epoch %d/%d (step %d): loss %.4f, acc %.4f", epoch + 1, t.epochs, run.step,
                         _row_mean(epoch_stats, "loss"), _row_mean(epoch_stats, "acc"))
             _evaluate(run, float(epoch + 1))
+            if _gate_reached(run, best, epoch + 1):
+                break
         final = os.path.join(cfg.out, FINAL_DIR)
+        if t.keep_best and best.state is not None:
+            run.model.load_state_dict(best.state)
         save_new_model_checkpoint(run.model, final, run.arch, run.hf_config, run.dtype, extra_from=cfg.ckpt)
         summary = {
-            "steps": run.step, "epochs": t.epochs, "num_train": len(train), "skipped": skipped,
+            "steps": run.step, "epochs": epochs_run, "num_train": len(train), "skipped": skipped,
             "final_checkpoint": final, "checkpoints": run.checkpoints,
             "train_loss": _row_mean(epoch_stats, "loss"), "train_acc": _row_mean(epoch_stats, "acc"),
-            "eval": run.last_eval, "metrics_path": room.metrics.path,
+            "eval": run.last_eval, "metrics_path": room.metrics.path, "gate": best.summary(t.gate) if evals else None,
         }
         if room.main:
             write_json_atomic(os.path.join(cfg.out, SUMMARY_FILE), summary)
     return summary
+
+
+@dataclass
+class _Best:
+    """The best epoch so far by :func:`gate_score` (its weights kept on the CPU with ``train.keep_best``)
+    and the last epoch's score."""
+
+    epoch: int = 0
+    score: Optional[GateScore] = None
+    state: Optional[dict[str, Any]] = None
+    last: Optional[GateScore] = None
+    last_epoch: int = 0
+
+    def summary(self, threshold: float) -> dict[str, Any]:
+        """The summary's ``gate``: the kept epoch's per-type accuracy (the best one, or the last when
+        weights were not kept), the threshold and whether it was met."""
+        epoch, kept = (self.epoch, self.score) if self.state is not None else (self.last_epoch, self.last)
+        accuracy = kept.accuracy if kept is not None else {}
+        met = kept is not None and bool(threshold) and kept.score >= threshold
+        return {"threshold": threshold, "met": met, "epoch": epoch, "accuracy": accuracy}
+
+
+def _gate_reached(run: _RMRun, best: _Best, epoch: int) -> bool:
+    """Note this epoch's evaluation in ``best`` (keeping its weights when it is the best so far and
+    ``train.keep_best``); True when it reaches ``train.gate`` (training stops)."""
+    t = run.cfg.train
+    if run.last_eval is None:
+        return False
+    score = gate_score(run.last_eval)
+    best.last, best.last_epoch = score, epoch
+    if best.score is None or score.score > best.score.score:
+        best.epoch, best.score = epoch, score
+        if t.keep_best:
+            best.state = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                          for k, v in run.model.state_dict().items()}
+    reached = bool(t.gate) and score.score >= t.gate
+    if t.gate:
+        logger.info("train-rm epoch %d: gate %.3f %s (%s)", epoch, t.gate, "reached" if reached else "not reached",
+                    ", ".join(f"{k} {v:.3f}" for k, v in score.accuracy.items()))
+    return reached
 
 
 def check_train_rm(cfg: VerifyRMConfig) -> None:

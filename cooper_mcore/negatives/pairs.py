@@ -48,6 +48,7 @@ from cooper_mcore.negatives.rewrites import (
     REWRITE_KINDS,
     AnswerPerturbation,
     ChainRewrite,
+    RewriteForms,
     final_answer_span,
     number_variants,
 )
@@ -279,7 +280,8 @@ NEGATIVE_KINDS = ("assistant", "policy", "rewrite", "perturb", "random")
 def make_negative_generator(kind: str, verifier: BatchVerifier, client: Optional[ChatBatchClient] = None,
                             seed: int = 0, *, negative_pick: NegativePick = "random", assistant_rounds: int = 3,
                             assistant_prompt: AssistantPrompt = "reference",
-                            rewrite_kinds: Sequence[str] = REWRITE_KINDS) -> NegativeGenerator:
+                            rewrite_kinds: Sequence[str] = REWRITE_KINDS,
+                            rewrite_forms: RewriteForms = "positive") -> NegativeGenerator:
     """The generator for a configuration's ``kind`` (one of :data:`NEGATIVE_KINDS`).
 
     Args:
@@ -291,6 +293,7 @@ def make_negative_generator(kind: str, verifier: BatchVerifier, client: Optional
         assistant_rounds: "assistant": requests per item at most (3 as the reference).
         assistant_prompt: "assistant": "reference" (no gold answer in the request) or "with_gold".
         rewrite_kinds: "rewrite": the rewrite kinds to use (see :class:`ChainRewrite`).
+        rewrite_forms: "rewrite": how the rewrites write their final answer ("positive", "rollouts").
 
     Raises:
         ValueError: for an unknown kind, or "assistant" without a client.
@@ -302,7 +305,7 @@ def make_negative_generator(kind: str, verifier: BatchVerifier, client: Optional
     if kind == "policy":
         return PolicyWrongNegatives(seed=seed, negative_pick=negative_pick)
     if kind == "rewrite":
-        return ChainRewrite(verifier, seed=seed, kinds=rewrite_kinds)
+        return ChainRewrite(verifier, seed=seed, kinds=rewrite_kinds, forms=rewrite_forms)
     if kind == "perturb":
         return AnswerPerturbation(verifier, seed=seed)
     if kind == "random":

@@ -6,10 +6,14 @@
   of :mod:`cooper_mcore.data.mathgen` (``59-15=44,44-75=-31 \\boxed{-31}``): the correct chain is
   rewritten into a convincing wrong one: one step off with the rest of the chain carried on
   consistently, an intermediate result copied as the final answer, or a correct chain with a wrong
-  final line.
+  final line; its final value always differs from the positive's (wrong by construction), and its
+  final answer may be written in the form the policy writes for the prompt, ``\\boxed{-30.}``
+  included, which the rule verifier cannot read (``forms="rollouts"``).
 
-Every candidate is checked by the rule verifier against the gold answer (gold first); only one
-verified wrong is kept.
+A perturbation is checked by the rule verifier against the gold answer (gold first); a chain
+rewrite by the paper's rule check: the positive must verify against the gold, and the rewrite must
+not verify against the positive (the reference code's ``not verify(neg, pos)``, gold-side first).
+Only the first candidate that passes is kept.
 """
 
 from __future__ import annotations
@@ -17,14 +21,19 @@ from __future__ import annotations
 import operator
 import random
 import re
+import typing
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
-from typing import Optional
+from typing import Literal, Optional
 
-from cooper_mcore.types import Prompt
+import torch
+
+from cooper_mcore.data.mathgen import answer_form, format_answer
+from cooper_mcore.types import Prompt, RolloutGroup
 from cooper_mcore.verify.protocols import BatchVerifier
 
-__all__ = ["REWRITE_KINDS", "AnswerPerturbation", "ChainRewrite", "final_answer_span", "number_variants"]
+__all__ = ["REWRITE_FORMS", "REWRITE_KINDS", "AnswerPerturbation", "ChainRewrite", "RewriteForms", "final_answer_span",
+           "number_variants"]
 
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _LETTER = re.compile(r"^\s*\(?([A-J])\)?\s*$")
@@ -214,8 +223,12 @@ def _first_verified_wrong(verifier: BatchVerifier, golds: Sequence[str],
 
 
 REWRITE_KINDS: tuple[str, ...] = ("step", "copy", "final")
+RewriteForms = Literal["positive", "rollouts"]
+REWRITE_FORMS: tuple[str, ...] = typing.get_args(RewriteForms)
 #: how far a slipped step is off.
 STEP_SLIPS = (1, -1, 2, -2, 10, -10)
+_BOXED_INT = re.compile(r"-?\d+\.?")
+_FORMS = ("boxed", "boxed_period", "none")  # answer_form's
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _STEP = re.compile(r"(?<![\d.])(-?\d+)\s*([-+*])\s*(\d+)\s*=\s*(-?\d+)(?![\d.])")
 
@@ -259,7 +272,7 @@ def _replace(text: str, edits: Sequence[tuple[tuple[int, int], str]]) -> str:
 
 
 class ChainRewrite:
-    """Assistant-like negatives for the arithmetic-chain task, written offline and verified wrong.
+    """Assistant-like negatives for the arithmetic-chain task, written offline and wrong by construction.
 
     Kinds (:data:`REWRITE_KINDS`), each a convincing wrong solution made from the verified-correct
     positive ``59-15=44,44-75=-31 \\boxed{-31}``:
@@ -271,37 +284,58 @@ class ChainRewrite:
     * ``"final"``: the chain left right and the final line wrong, a near miss from
       :func:`number_variants` (``59-15=44,44-75=-31 \\boxed{-30}``).
 
+    A rewrite whose final value equals the positive's (a slip that a later ``* 0`` undoes) is dropped:
+    every negative has its value changed. ``forms`` says how its final answer is written: as in the
+    positive (``"positive"``), or (``"rollouts"``) in the form of one of the prompt's rollouts drawn at
+    random (:func:`~cooper_mcore.data.mathgen.answer_form`; the groups come from :meth:`set_groups`),
+    so that the negatives follow the forms the policy writes, ``\\boxed{-30.}`` included, which the
+    rule verifier cannot read and so never calls wrong by itself.
+
     A positive that is not a clean chain (:func:`parse_chain`) gets only the ``"final"`` kind. Up to
     ``num_candidates`` candidates per item (kinds taken in turn from a random start) go to the verifier
-    in one batch; the first verified wrong is kept.
+    in one batch with the positive itself; the first that passes the paper's rule check is kept: the
+    positive verifies against the gold (a gold the verifier cannot read leaves the item without a
+    negative) and the candidate does not verify against the positive (``not verify(neg, pos)``).
 
     Args:
         verifier: the rule verifier.
         seed: seed of the choices.
         kinds: the kinds to use, a non-empty subset of :data:`REWRITE_KINDS`.
         num_candidates: candidates tried per item.
+        forms: ``"positive"`` or ``"rollouts"`` (:data:`REWRITE_FORMS`).
 
     Attributes:
         stats: cumulative counters: requested, accepted, no_answer (no final answer, or no kind
-            applies), rejected (no candidate verified wrong), not_a_chain (texts given to
-            :meth:`candidates` that are not a clean chain), and ``accepted_<kind>``.
+            applies), rejected (no candidate passed the check), not_a_chain (texts given to
+            :meth:`candidates` that are not a clean chain), ``accepted_<kind>`` and
+            ``accepted_form_<form>``.
     """
 
     source = "rewrite"
 
     def __init__(self, verifier: BatchVerifier, seed: int = 0, kinds: Sequence[str] = REWRITE_KINDS,
-                 num_candidates: int = 3):
+                 num_candidates: int = 3, forms: RewriteForms = "positive"):
         kinds = tuple(kinds)
         if not kinds or any(k not in REWRITE_KINDS for k in kinds):
             raise ValueError(f"rewrite kinds must be a non-empty subset of {REWRITE_KINDS}, got {kinds}")
         if num_candidates < 1:
             raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
+        if forms not in REWRITE_FORMS:
+            raise ValueError(f"rewrite forms must be one of {REWRITE_FORMS}, got {forms!r}")
         self.verifier = verifier
         self.kinds = kinds
         self.num_candidates = int(num_candidates)
+        self.forms: RewriteForms = forms
         self._rng = random.Random(seed)
+        self._rollout_forms: dict[str, list[str]] = {}
         self.stats = dict.fromkeys(("requested", "accepted", "no_answer", "rejected", "not_a_chain",
-                                    *(f"accepted_{k}" for k in REWRITE_KINDS)), 0)
+                                    *(f"accepted_{k}" for k in REWRITE_KINDS),
+                                    *(f"accepted_form_{f}" for f in _FORMS)), 0)
+
+    def set_groups(self, groups: Sequence[RolloutGroup], scores: Optional[torch.Tensor] = None) -> None:
+        """Note the answer forms of each prompt's rollouts (``forms="rollouts"``; ``scores`` is not used)."""
+        self._rollout_forms = {g.prompt.id: [f for f in (answer_form(s.text) for s in g.samples) if f != "none"]
+                               for g in groups}
 
     def rewrite(self, text: str, kind: str) -> Optional[str]:
         """One unverified rewrite of ``text`` of the given kind, or None if the kind does not apply."""
@@ -334,11 +368,14 @@ class ChainRewrite:
         edits = [(s.span, s.text()) for s in new[i:]] + [(span, str(new[-1].r))]
         return _replace(text, edits)
 
-    def candidates(self, text: str) -> list[tuple[str, str]]:
-        """Up to ``num_candidates`` distinct ``(kind, rewrite)`` of ``text`` (unverified)."""
+    def candidates(self, text: str, form: Optional[str] = None) -> list[tuple[str, str]]:
+        """Up to ``num_candidates`` distinct ``(kind, rewrite)`` of ``text`` (unverified), each with a
+        final value other than the positive's, written in ``form`` (``boxed`` or ``boxed_period``;
+        None: as in ``text``)."""
         parsed = parse_chain(text)
         if parsed is None:
             self.stats["not_a_chain"] += 1
+        old = _final_value(text)
         start = self._rng.randrange(len(self.kinds))
         out: list[tuple[str, str]] = []
         for c in range(self.num_candidates * len(self.kinds)):
@@ -346,16 +383,24 @@ class ChainRewrite:
                 break
             kind = self.kinds[(start + c) % len(self.kinds)]
             new = self._rewrite(text, kind, parsed)
-            if new is not None and new != text and all(new != t for _, t in out):
+            if new is not None and form is not None:
+                new = _in_form(new, form)
+            if (new is not None and new != text and _final_value(new) != old
+                    and all(new != t for _, t in out)):
                 out.append((kind, new))
         return out
 
+    def _form_of(self, prompt: Prompt) -> Optional[str]:
+        """The form of this item's rewrites: one of the prompt's rollouts' forms (``forms="rollouts"``,
+        drawn at random), or None (as the positive is written)."""
+        seen = self._rollout_forms.get(prompt.id, []) if self.forms == "rollouts" else []
+        return self._rng.choice(seen) if seen else None
+
     def generate(self, items: list[tuple[Prompt, str]]) -> list[Optional[str]]:
-        """A verified-wrong rewrite of each positive, or None."""
+        """A rewrite of each positive that passes the paper's rule check, or None."""
         self.stats["requested"] += len(items)
-        per_item = [self.candidates(text) for _, text in items]
-        chosen = _first_verified_wrong(self.verifier, [p.answer for p, _ in items],
-                                       [[t for _, t in cands] for cands in per_item])
+        per_item = [self.candidates(text, self._form_of(prompt)) for prompt, text in items]
+        chosen = _first_rule_checked(self.verifier, items, [[t for _, t in cands] for cands in per_item])
         out: list[Optional[str]] = []
         for cands, c in zip(per_item, chosen):
             if c is None:
@@ -366,4 +411,55 @@ class ChainRewrite:
                 out.append(text)
                 self.stats["accepted"] += 1
                 self.stats[f"accepted_{kind}"] += 1
+                self.stats[f"accepted_form_{answer_form(text)}"] += 1
         return out
+
+
+def _final_value(text: str) -> Optional[Decimal]:
+    """The number in a text's final answer (:func:`final_answer_span`, a trailing period allowed), or None."""
+    span = final_answer_span(text)
+    if span is None:
+        return None
+    try:
+        return Decimal(text[span[0]:span[1]].strip().rstrip(".").replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def _in_form(text: str, form: str) -> str:
+    """``text`` with its final boxed integer written in ``form`` (``boxed``: ``\\boxed{-30}``,
+    ``boxed_period``: ``\\boxed{-30.}``); unchanged when its final answer is not a boxed integer."""
+    span = _boxed_span(text)
+    if span is None or not _BOXED_INT.fullmatch(text[span[0]:span[1]].strip()):
+        return text
+    start = text.rfind("\\boxed", 0, span[0])
+    value = text[span[0]:span[1]].strip().rstrip(".")
+    return text[:start] + format_answer(value, form) + text[span[1] + 1:]
+
+
+def _first_rule_checked(verifier: BatchVerifier, items: Sequence[tuple[Prompt, str]],
+                        per_item: Sequence[Sequence[str]]) -> list[Optional[int]]:
+    """Per item, the index of its first candidate that passes the paper's rule check, or None: the
+    positive verifies against the gold (gold first) and the candidate does not verify against the
+    positive (the positive on the gold side: ``correct is False``; unverifiable is no pass).
+
+    One batch checks the distinct positives; then one batch per round checks the next candidate of
+    every item still without a negative (a rewrite changes the value, so the first usually passes).
+    """
+    positives = list(dict.fromkeys((p.answer, pos) for p, pos in items))
+    verdicts = list(verifier.verify_batch([g for g, _ in positives], [pos for _, pos in positives])) if items else []
+    assert len(verdicts) == len(positives), "verifier returned the wrong number of verdicts"
+    correct = {key: v.correct is True for key, v in zip(positives, verdicts)}
+    out: list[Optional[int]] = [None] * len(items)
+    pending = [i for i, (p, pos) in enumerate(items) if correct[(p.answer, pos)]]
+    for j in range(max((len(c) for c in per_item), default=0)):
+        batch = [i for i in pending if j < len(per_item[i])]
+        if not batch:
+            break
+        round_verdicts = list(verifier.verify_batch([items[i][1] for i in batch], [per_item[i][j] for i in batch]))
+        assert len(round_verdicts) == len(batch), "verifier returned the wrong number of verdicts"
+        for i, v in zip(batch, round_verdicts):
+            if v.correct is False:
+                out[i] = j
+        pending = [i for i in batch if out[i] is None]
+    return out

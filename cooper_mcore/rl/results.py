@@ -54,6 +54,7 @@ class RolloutStats:
         reward_mean: mean reward the policy got (the rule's 0/1, or the reward model's).
         rule_acc: share of the rollouts the rule verifier marked correct.
         rule_unverifiable: share of the rollouts the rule verifier could not verify.
+        rule_gold_unreadable: share of the prompts whose reference the rule verifier cannot read.
         response_length: mean completion length in tokens.
         rm_reward_correct: mean reward-model reward of the rule-correct rollouts (NaN without one);
             None when no reward model scored them (rule mode).
@@ -66,6 +67,7 @@ class RolloutStats:
     rule_acc: float
     rule_unverifiable: float
     response_length: float
+    rule_gold_unreadable: float = 0.0
     rm_reward_correct: Optional[float] = None
     rm_reward_wrong: Optional[float] = None
     engine: Optional[EngineAgreement] = None
@@ -79,7 +81,8 @@ class RolloutStats:
         """The rollout keys of a metrics line (the RM's rewards only when a reward model scored them, the
         engine's agreement with the trainer only when it gave log-probabilities)."""
         m = {K.REWARD_MEAN: self.reward_mean, K.RULE_ACC: self.rule_acc, K.REWARD_RULE_GAP: self.reward_rule_gap,
-             K.RESPONSE_LENGTH: self.response_length, K.RULE_UNVERIFIABLE: self.rule_unverifiable}
+             K.RESPONSE_LENGTH: self.response_length, K.RULE_UNVERIFIABLE: self.rule_unverifiable,
+             K.RULE_GOLD_UNREADABLE: self.rule_gold_unreadable}
         if self.rm_reward_correct is not None and self.rm_reward_wrong is not None:
             m[K.RM_REWARD_CORRECT] = self.rm_reward_correct
             m[K.RM_REWARD_WRONG] = self.rm_reward_wrong

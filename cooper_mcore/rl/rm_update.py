@@ -45,7 +45,8 @@ def make_pairs(groups: Sequence[RolloutGroup], logits: torch.Tensor, cfg: RMUpda
         negatives = make_negative_generator(cfg.negatives, verifier, client=assistant, seed=seed,
                                             negative_pick=cfg.negative_pick, assistant_rounds=cfg.assistant_rounds,
                                             assistant_prompt=cfg.assistant_prompt,
-                                            rewrite_kinds=tuple(cfg.rewrite_kinds))
+                                            rewrite_kinds=tuple(cfg.rewrite_kinds),
+                                            rewrite_forms=cfg.rewrite_forms)
         pairs = build_pairs(groups, negatives, logits, pairs_per_prompt=cfg.pairs_per_prompt,
                             positive_pick=cfg.positive_pick, seed=seed)
     pairs = broadcast_object_in_model_parallel_group(pairs)

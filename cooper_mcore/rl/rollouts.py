@@ -24,13 +24,15 @@ from cooper_mcore.collectives import all_reduce, broadcast_object_in_model_paral
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
 from cooper_mcore.verify.protocols import BatchVerifier, VerdictLike
+from cooper_mcore.verify.rule import GOLD_UNREADABLE
 
 
 def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVerifier], prompts: Sequence[Prompt],
                     group_size: int, params: SamplingParams, version: int) -> list[RolloutGroup]:
     """G completions per prompt, verified against the gold answers (gold first) on the group
     leader (each sample's ``rule_correct`` and ``rule_answered`` from its outcome's ``correct`` and
-    ``answered``), then shared with the model-parallel group (collective over that group)."""
+    ``answered``; the group's ``gold_unreadable`` when the verifier could not read the gold), then
+    shared with the model-parallel group (collective over that group)."""
     groups = None
     if is_group_leader():
         assert engine is not None and verifier is not None, "the group leader owns the engine and verifier"
@@ -45,7 +47,9 @@ def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVer
                 samples.append(Sample(prompt_id=p.id, token_ids=o.token_ids, text=o.text, logprobs=o.logprobs,
                                       finish_reason=o.finish_reason, rule_correct=v.correct,
                                       rule_answered=getattr(v, "answered", None), weight_version=version))
-            groups.append(RolloutGroup(p, samples))
+            unreadable = any(getattr(v, "status", None) == GOLD_UNREADABLE
+                             for v in outcomes[i * group_size:(i + 1) * group_size])
+            groups.append(RolloutGroup(p, samples, gold_unreadable=unreadable))
     return broadcast_object_in_model_parallel_group(groups)
 
 

@@ -28,6 +28,14 @@ def rule_verdicts(groups: Sequence[RolloutGroup]) -> torch.Tensor:
     return torch.tensor([[1.0 if s.rule_correct else 0.0 for s in g.samples] for g in groups])
 
 
+def rule_rewards(groups: Sequence[RolloutGroup], unverifiable: float) -> torch.Tensor:
+    """``[P, G]`` the rule reward: 1.0 for a rollout the rule verifier marked correct, 0.0 for one it
+    marked wrong, ``unverifiable`` (``reward.unverifiable_reward``) for one it could not verify (a
+    timeout, a crash, a reference it cannot read)."""
+    value = {True: 1.0, False: 0.0, None: float(unverifiable)}
+    return torch.tensor([[value[s.rule_correct] for s in g.samples] for g in groups])
+
+
 def rm_texts(cfg: CooperConfig, items: Sequence[tuple[Prompt, str]]) -> list[str]:
     """The VerifyRM input of ``(prompt, completion)`` items; its ``<question>`` is the question as
     the policy reads it (``data.template``) or bare, per ``rm.question``. Scoring and the RM update

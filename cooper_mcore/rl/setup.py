@@ -30,6 +30,7 @@ from cooper_mcore.config.model_shapes import ModelShape, random_init_shapes
 from cooper_mcore.config.schema import CooperConfig, OptimSection
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
+from cooper_mcore.data.mathgen import reference_value
 from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.llm_client import OpenAIChatClient
@@ -290,18 +291,16 @@ def build_eval_oracle(cfg: CooperConfig, eval_prompts: list[Prompt]) -> Optional
     model-parallel group leader; None for the rule verifier, without evaluation, or on other ranks.
 
     Raises:
-        ValueError: ``arithmetic_oracle`` with a held-out gold answer that is not an integer (the
+        ValueError: ``arithmetic_oracle`` with a held-out gold answer that is no integer, bare or boxed (the
             oracle knows only the arithmetic task; checked on every rank, before any step).
     """
     if not cfg.eval.uses_oracle or not cfg.eval.every:
         return None
     for p in eval_prompts:
-        try:
-            int(p.answer.strip())
-        except ValueError:
-            raise ValueError(f"eval.verifier=arithmetic_oracle needs integer gold answers, but held-out prompt "
-                             f"{p.id!r} of {cfg.data.eval_path} has {p.answer!r}: use eval.verifier=rule for other "
-                             "data") from None
+        if reference_value(p.answer) is None:
+            raise ValueError(f"eval.verifier=arithmetic_oracle needs integer gold answers (bare or boxed), but "
+                             f"held-out prompt {p.id!r} of {cfg.data.eval_path} has {p.answer!r}: use "
+                             "eval.verifier=rule for other data")
     return ArithmeticOracle() if is_group_leader() else None
 
 

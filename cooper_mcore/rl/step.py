@@ -28,7 +28,7 @@ from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.rl.results import EngineAgreement, PolicyUpdate, RolloutStats, StepResult
 from cooper_mcore.rl.rm_update import make_pairs, update_reward_model
 from cooper_mcore.rl.rollouts import generate_groups
-from cooper_mcore.rl.scoring import rollout_logits, rule_verdicts
+from cooper_mcore.rl.scoring import rollout_logits, rule_rewards, rule_verdicts
 from cooper_mcore.rl.setup import Run
 from cooper_mcore.train.tokens import TokenBatch, build_token_batch, compute_logprobs
 from cooper_mcore.types import Prompt, RolloutGroup
@@ -44,7 +44,8 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepR
                                      run.step)
     with timer.phase(Phase.RM_SCORE):
         logits = rollout_logits(run.rm, groups, cfg, run.batching) if run.rm is not None else None
-    rewards = reward_from_logits(logits, cfg.reward.rm_transform) if logits is not None else rule_verdicts(groups)
+    rewards = (reward_from_logits(logits, cfg.reward.rm_transform) if logits is not None
+               else rule_rewards(groups, cfg.reward.unverifiable_reward))
     record_rewards(groups, rewards)
     advantages = group_advantages(rewards, eps=cfg.algo.adv_eps, std_floor=cfg.algo.adv_std_floor)
     batch = policy_batch(run, groups, advantages)
@@ -112,17 +113,18 @@ def update_policy(run: Run, batch: TokenBatch) -> PolicyUpdate:
 
 def rollout_stats(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Run,
                   engine: Optional[EngineAgreement] = None) -> RolloutStats:
-    """Reward, rule accuracy, lengths, (RM modes) the reward of right and wrong rollouts, and the
-    engine's agreement with the trainer."""
+    """Reward, rule accuracy, unverifiable rollouts and unreadable references, lengths, (RM modes) the
+    reward of right and wrong rollouts, and the engine's agreement with the trainer."""
     samples = [s for g in groups for s in g.samples]
     flat = rewards.flatten().tolist()
     scored = run.rm is not None
     return RolloutStats(
         reward_mean=float(rewards.mean()), rule_acc=float(rule_verdicts(groups).flatten().mean()),
         rule_unverifiable=sum(s.rule_correct is None for s in samples) / len(samples),
+        rule_gold_unreadable=sum(g.gold_unreadable for g in groups) / len(groups),
         response_length=sum(len(s.token_ids) for s in samples) / len(samples),
-        rm_reward_correct=_mean([r for r, s in zip(flat, samples) if s.rule_correct]) if scored else None,
-        rm_reward_wrong=_mean([r for r, s in zip(flat, samples) if not s.rule_correct]) if scored else None,
+        rm_reward_correct=_mean([r for r, s in zip(flat, samples) if s.rule_correct is True]) if scored else None,
+        rm_reward_wrong=_mean([r for r, s in zip(flat, samples) if s.rule_correct is False]) if scored else None,
         engine=engine)
 
 

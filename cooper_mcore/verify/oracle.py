@@ -13,22 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cooper_mcore.data.mathgen import answer_value
+from cooper_mcore.data.mathgen import answer_value, reference_value
 from cooper_mcore.verify.rule import VerifyOutcome
 
 __all__ = ["ArithmeticOracle", "oracle_correct"]
 
 
 def oracle_correct(gold: str, completion: str) -> bool:
-    """Whether ``completion``'s final answer (any of the task's forms) equals the integer ``gold``.
+    """Whether ``completion``'s final answer (any of the task's forms) equals the integer ``gold``
+    (bare, or in one of the task's boxed forms: :func:`~cooper_mcore.data.mathgen.reference_value`).
 
     Raises:
-        ValueError: ``gold`` is not an integer (the oracle knows only the arithmetic task).
+        ValueError: ``gold`` is no integer (the oracle knows only the arithmetic task).
     """
-    try:
-        want = int(gold.strip())
-    except ValueError:
-        raise ValueError(f"the arithmetic oracle needs integer gold answers, got {gold!r}") from None
+    want = reference_value(gold)
+    if want is None:
+        raise ValueError(f"the arithmetic oracle needs integer gold answers (bare or boxed), got {gold!r}")
     return answer_value(completion) == want
 
 
@@ -39,7 +39,7 @@ class ArithmeticOracle:
         """One outcome per pair; ``answered`` says whether the completion has a final answer at all.
 
         Raises:
-            ValueError: the lists differ in length, or a gold answer is not an integer.
+            ValueError: the lists differ in length, or a gold answer is no integer.
         """
         if len(golds) != len(preds):
             raise ValueError(f"{len(golds)} gold answers for {len(preds)} completions")

@@ -11,15 +11,18 @@ first: ``verify`` is not symmetric). Both strings may be full texts or bare answ
   math-verify keeps only as a string (``\\boxed{14.}`` parses to ``['14.']``, no value), and the
   outcome's ``answered`` (False for both) tells such a "no readable answer" from a different answer.
 * ``gold`` is handled the same way, so a bare ``\\frac{1}{2}``, a GSM8K solution ending in ``#### 72``
-  and a MATH solution with ``\\boxed{}`` all work. A gold without a parseable answer makes the item
-  unverifiable.
+  and a MATH solution with ``\\boxed{}`` all work. A gold the checker cannot read makes the item
+  unverifiable (``correct=None``, status ``"gold_unreadable"``), never a confident wrong: a gold
+  without a parseable answer, one math-verify keeps only as a string (``\\boxed{14.}``), or a number
+  written in words (``fourteen``, which math-verify reads as a product of the letters as variables).
+  Every completion would otherwise be scored wrong against it, a correct one included.
 
 math-verify's own timeouts (``signal.alarm``) are disabled: they do not stop sympy inside C code and
 fail outside the main thread. Instead every item runs in a pool of long-lived worker processes (one
 item at a time per worker); the parent holds a deadline per in-flight item and on expiry SIGKILLs the
 worker and starts a fresh one. A timeout or crash marks that item unverifiable (``correct=None``) and is
-counted in :attr:`RuleVerifier.stats`; it never raises to the caller or hangs. Workers come from the
-"forkserver" context by default (a clean server process that preloads math-verify, safe in a
+counted in :attr:`RuleVerifier.stats` (as is an unreadable gold); it never raises to the caller or hangs.
+Workers come from the "forkserver" context by default (a clean server process that preloads math-verify, safe in a
 multi-threaded trainer); as with "spawn", a script that uses the verifier needs an
 ``if __name__ == "__main__":`` guard. Each worker also caps its address space (``memory_limit_mb``
 above its start size) so that a runaway sympy computation fails instead of swapping the machine.
@@ -33,6 +36,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import resource
 import signal
 import threading
@@ -49,13 +53,25 @@ from math_verify import LatexExtractionConfig, parse, verify
 from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.verify.extract import extract_answer
 
-__all__ = ["RuleVerifier", "VerifyOutcome", "extract_answer", "verify_jsonl"]
+__all__ = ["GOLD_UNREADABLE", "RuleVerifier", "VerifyOutcome", "check_pair", "extract_answer", "gold_readable",
+           "verify_jsonl"]
 
 logger = logging.getLogger(__name__)
 
 _BOXED = "\\boxed"
 _MAX_START_FAILURES = 3
 _ERROR_CHARS = 300
+#: the status of an item whose gold answer the checker cannot read (the item is unverifiable)
+GOLD_UNREADABLE = "gold_unreadable"
+_NUMBER_WORD = (r"zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
+                r"sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
+                r"hundred|thousand|million|billion|and|minus|negative")
+#: a number written in English words (``fourteen``, ``twenty-one``, ``one hundred and five``), bare or in
+#: ``\\text{}`` / ``\\mathrm{}``: math-verify reads it as a product of its letters as variables
+_NUMBER_IN_WORDS = re.compile(rf"^(?:\\(?:text|mathrm)\{{)?\s*(?:{_NUMBER_WORD})(?:[\s-]+(?:{_NUMBER_WORD}))*\s*\}}?$",
+                              re.IGNORECASE)
+#: the name of a variable math-verify made of a number it did not read (``\\text{14}``, ``\\text{14.}``)
+_NUMERIC_NAME = re.compile(r"-?\d")
 
 
 @dataclass
@@ -63,9 +79,10 @@ class VerifyOutcome:
     """The verdict on one (gold, pred) pair.
 
     Attributes:
-        correct: True/False, or None when unverifiable (timeout, worker crash, gold without answer).
+        correct: True/False, or None when unverifiable (timeout, worker crash, unreadable gold).
         seconds: Wall time from dispatch to a worker until the verdict (the timeout for timeouts).
-        status: "ok" (a verdict), "timeout" (worker killed at the deadline) or "error".
+        status: "ok" (a verdict), "timeout" (worker killed at the deadline), "gold_unreadable" (the
+            gold has no answer the checker reads as a value: :data:`GOLD_UNREADABLE`) or "error".
         error: What went wrong when status is not "ok".
         answered: whether the completion has a final answer the checker reads as a value (a wrong
             verdict with ``answered`` False means "no readable answer", not "a different answer");
@@ -100,6 +117,24 @@ def _reads_a_value(parsed: list) -> bool:
     return any(not isinstance(x, str) for x in parsed)
 
 
+def gold_readable(parsed: list) -> bool:
+    """Whether a gold answer's math-verify parse (:func:`_parse_answer`) is one the checker can judge
+    against: it holds a math value (:func:`_reads_a_value`) and is not a number written in words.
+
+    ``fourteen`` parses to the product of its letters as variables and ``\\text{14}`` to a variable named
+    ``14``, which no numeric answer equals: judging against them would call a correct ``\\boxed{14}``
+    wrong, so such a gold is unreadable.
+    Other words (``Monday``) stay readable: math-verify matches them as written.
+    """
+    if not _reads_a_value(parsed):
+        return False
+    if any(_NUMERIC_NAME.match(s.name) for x in parsed if not isinstance(x, str)
+           for s in getattr(x, "free_symbols", ())):
+        return False  # \\text{14} parses to a variable named "14", which no number equals
+    text = next((x for x in reversed(parsed) if isinstance(x, str)), "")
+    return not _NUMBER_IN_WORDS.match(text.strip())
+
+
 def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str], Optional[bool]]:
     """Verify one pair in this process, without any timeout (the worker's job; also handy in tests).
 
@@ -108,16 +143,19 @@ def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str]
         pred: Completion or bare answer.
 
     Returns:
-        (correct, status, error, answered): (None, "error", why, None) if the gold has no parseable
-        answer, else (verdict, "ok", None, answered). A pred without a parseable answer is wrong.
-        ``answered`` says whether math-verify read the pred's final answer as a math value (its parse
-        holds a non-string element, e.g. ``[5, '5']``); False when the parse is empty or strings only
-        (``['14.']`` for ``\\boxed{14.}``), so that a wrong verdict there means "no readable answer"
-        rather than "a different answer".
+        (correct, status, error, answered): (None, "gold_unreadable", why, None) if the gold has no
+        answer the checker reads (:func:`gold_readable`: no parseable answer, strings only as
+        ``\\boxed{14.}``, a number in words), else (verdict, "ok", None, answered). A pred without a
+        parseable answer is wrong. ``answered`` says whether math-verify read the pred's final answer
+        as a math value (its parse holds a non-string element, e.g. ``[5, '5']``); False when the parse
+        is empty or strings only (``['14.']`` for ``\\boxed{14.}``), so that a wrong verdict there means
+        "no readable answer" rather than "a different answer".
     """
     gold_parsed = _parse_answer(gold)
     if not gold_parsed:
-        return None, "error", "gold has no parseable answer", None
+        return None, GOLD_UNREADABLE, "gold has no parseable answer", None
+    if not gold_readable(gold_parsed):
+        return None, GOLD_UNREADABLE, f"gold has no answer math-verify reads as a value (parsed {gold_parsed!r})", None
     pred_parsed = _parse_answer(pred)
     if not pred_parsed:
         return False, "ok", None, False
@@ -248,7 +286,7 @@ class RuleVerifier:
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload(["math_verify", __name__])
         self._lock = threading.Lock()
-        self._stats = {"total": 0, "correct": 0, "wrong": 0, "timeout": 0, "error": 0}
+        self._stats = {"total": 0, "correct": 0, "wrong": 0, "timeout": 0, "error": 0, GOLD_UNREADABLE: 0}
         self._start_failures = 0
         self._workers: list[_Worker] = []
         self._killed: list[Any] = []  # killed worker processes not reaped yet
@@ -259,7 +297,7 @@ class RuleVerifier:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Cumulative counts over all calls: total, correct, wrong, timeout, error."""
+        """Cumulative counts over all calls: total, correct, wrong, timeout, error, gold_unreadable."""
         return dict(self._stats)
 
     def verify(self, gold: str, pred: str) -> VerifyOutcome:
@@ -304,8 +342,8 @@ class RuleVerifier:
                     if w.state == "busy":
                         self._replace(i)
                 raise
-        bad = [o.status for o in results if o.status != "ok"]
-        if bad:
+        bad = [o.status for o in results if o.status not in ("ok", GOLD_UNREADABLE)]
+        if bad:  # an unreadable gold is the data's (counted by the caller), not the checker's failure
             logger.warning("verifier: %d of %d items unverifiable (%d timeouts, %d errors)", len(bad),
                            len(results), bad.count("timeout"), bad.count("error"))
         return results
@@ -353,7 +391,7 @@ class RuleVerifier:
         if out.status == "ok" and out.correct is not None:
             self._stats["correct" if out.correct else "wrong"] += 1
         else:
-            self._stats["timeout" if out.status == "timeout" else "error"] += 1
+            self._stats[out.status if out.status in ("timeout", GOLD_UNREADABLE) else "error"] += 1
         return out
 
     def _run(self, golds: Sequence[str], preds: Sequence[str]) -> list[VerifyOutcome]:
@@ -480,7 +518,8 @@ def verify_jsonl(
         chunk_size: Items per ``verify_batch`` call (progress is logged per chunk).
 
     Returns:
-        Summary: total, correct, wrong, timeout, error, unverifiable, accuracy (correct / total),
+        Summary: total, correct, wrong, timeout, error, gold_unreadable, unverifiable (the three
+        together), accuracy (correct / total),
         max_seconds, mean_seconds, wall_seconds, items_per_s, out.
 
     Raises:
@@ -511,7 +550,7 @@ def verify_jsonl(
     total = stats["total"]
     return {
         **stats,
-        "unverifiable": stats["timeout"] + stats["error"],
+        "unverifiable": stats["timeout"] + stats["error"] + stats[GOLD_UNREADABLE],
         "accuracy": stats["correct"] / total,
         "max_seconds": round(max_s, 6),
         "mean_seconds": round(sum_s / total, 6),

@@ -132,3 +132,25 @@ def test_a_widened_tokenizer_reads_every_sampled_id_back(corpus, tmp_path):
         widen_tokenizer(str(src), str(tmp_path / "small"), 10)
     with pytest.raises(ValueError, match="no BPE tokenizer.json"):
         widen_tokenizer(str(tmp_path), str(tmp_path / "none"), 1000)
+
+
+def test_longer_isolated_strings_are_one_token_as_in_sentencepiece(tmp_path):
+    """Isolated strings longer than a character (the VerifyRM template's tags, whole numbers) are one token
+    each, segmented exactly as sentencepiece segments them; their characters stay in the vocabulary."""
+    from cooper_mcore.data.templates import rm_input
+
+    problems = generate_problems(300, CONFIG, "train", seed=1)
+    corpus = [rm_input(p.question, str(p.answer), worked_solution(p)) for p in problems]
+    isolate = [*"-+*=,{}.", "<question>", "</question>", "<reference_answer>", "</reference_answer>", "<completion>",
+               "</completion>", *(str(n) for n in range(10, 100))]
+    tok = train_tiny_tokenizer(corpus, str(tmp_path), vocab_size=200, isolate=isolate)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / SPM_FILE))
+    held_out = [rm_input(p.question, str(p.answer), worked_solution(p))
+                for p in generate_problems(50, CONFIG, "test", seed=2)] + ["<q> 13 <question>q</question>", "113"]
+    for text in held_out:
+        ids = tok(text)["input_ids"]
+        assert ids == sp.encode(text), text
+        assert tok.decode(ids) == text and tok.unk_token_id not in ids
+    text = rm_input("3*4-5=", "7", "3*4=12,12-5=7 \\boxed{7}")
+    assert tok.tokenize(text)[:2] == ["<question>", "3"] and "</completion>" in tok.tokenize(text)
+    assert tok.tokenize("=-13") == ["=", "-", "13"] and tok.tokenize("q") == ["q"]

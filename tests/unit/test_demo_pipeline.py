@@ -27,16 +27,20 @@ from cooper_mcore.demo.pipeline import (
     hack_examples,
     mode_params,
     problem_accuracy,
+    problem_groups,
     reference_swapped,
     rm_bench,
     rm_data_params,
     rm_on_samples,
     run_stage,
+    split_questions,
     training_curve,
+    validation_rows,
     with_blind_spot,
     write_jsonl,
 )
 from cooper_mcore.demo.results import to_plain
+from cooper_mcore.demo.task import DemoTask
 from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -254,7 +258,7 @@ def test_training_curve_reads_the_saved_evaluations_in_step_order(tmp_path):
         ("7-1-1=", "5", "7-1=6,6-1=5 \\boxed{5}", True, True),
         ("3*4-5=", "7", "3*4=12,12-5=7 \\boxed{7.}", False, True),
         ("3*4-5=", "7", "3*4=12,12-5=8 \\boxed{8.}", False, False)))
-    curve = training_curve(str(tmp_path))
+    curve = training_curve(str(tmp_path), DemoTask())  # no rule-unreadable references: no such group
     assert [p.step for p in curve] == [5, 10]
     first, last = curve
     assert (first.families["all"].acc, first.families["all"].rule_acc) == (pytest.approx(2 / 3), pytest.approx(1 / 3))
@@ -263,6 +267,10 @@ def test_training_curve_reads_the_saved_evaluations_in_step_order(tmp_path):
     assert (last.families["all"].acc, last.families["all"].rule_acc) == (1.0, pytest.approx(2 / 3))
     assert last.families["all"].rule_recall == pytest.approx(2 / 3)
     assert (last.families["times"].acc, last.families["times"].rule_acc) == (1.0, 0.5)
+    assert "rule_unreadable" not in last.families
+    # every reference unreadable: the group is all of them (its rule accuracy, from the saved verdicts, as is)
+    everything = training_curve(str(tmp_path), DemoTask(unreadable_share=1.0))
+    assert everything[1].families["rule_unreadable"].acc == 1.0 and everything[1].families["rule_unreadable"].n == 3
     assert last.families["times"].forms == {"boxed": 0.5, "boxed_period": 0.5, "none": 0.0}
 
 
@@ -374,7 +382,7 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
     """Every stage at the smallest size: report keys, the last output line, the cache on a second run."""
     from math_verify import LatexExtractionConfig, parse, verify
 
-    from cooper_mcore.data.mathgen import answer_form, answer_value
+    from cooper_mcore.data.mathgen import answer_form, answer_value, reference_value
     from cooper_mcore.demo.task import family_of
     from cooper_mcore.metric_names import SCHEMA
     from cooper_mcore.metrics import read_metrics
@@ -413,18 +421,35 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
     (before_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("before-")]
     rows = [json.loads(x) for x in (before_dir / "eval_samples.jsonl").read_text().splitlines()]
     for row in rows:
-        assert row["label"] == (answer_value(row["completion"]) == int(row["reference"])), row
+        assert row["label"] == (answer_value(row["completion"]) == reference_value(row["reference"])), row
         assert (row["family"], row["form"]) == (family_of(row["question"]), answer_form(row["completion"])), row
-        if "\\boxed{" in row["completion"]:
+        # a rule-unreadable reference is \boxed{N.}: the rule never verifies its rows
+        assert row["rule_unreadable"] == row["reference"].startswith("\\boxed{"), row
+        if row["rule_unreadable"]:
+            assert row["rule"] is False, row
+        elif "\\boxed{" in row["completion"]:
             pred = parse(row["completion"], [LatexExtractionConfig(boxed_match_priority=0)])
             assert row["rule"] == bool(pred and verify(parse(f"${row['reference']}$"), pred)), row
+    assert any(row["rule_unreadable"] for row in rows) and not all(row["rule_unreadable"] for row in rows)
     # both families are in the held-out set (32 problems, round(0.33 * 32) = 11 of them '*'), so in the design
     # figures; each run's curve holds its in-training evaluations (eval_every 1, 2 steps)
-    assert set(summary["design"]["0"]["sft"]) == {"all", "plus_minus", "times"}
+    assert set(summary["design"]["0"]["sft"]) == {"all", "plus_minus", "times", "rule_unreadable"}
     for mode in ("rule", "static_rm", "cooper"):
-        assert set(summary[mode]["families"]) == {"plus_minus", "times"}, mode
+        assert set(summary[mode]["families"]) == {"plus_minus", "times", "rule_unreadable"}, mode
         assert [p["step"] for p in summary[mode]["curve"]] == [1, 2], mode
     assert "## The paper's premise, by design" in (report / "report.md").read_text()
+    # the verdict in parts, the RM's gate and its separation on its policy's answers per RM mode
+    parts = summary["verdict"]["parts"]
+    assert [p["name"] for p in parts][:3] == ["static RM is hacked", "Cooper prevents the hack",
+                                              "Cooper's RM holds on its own policy's answers"]
+    assert all(set(p) == {"name", "holds", "value", "se", "detail"} for p in parts)
+    for mode in ("static_rm", "cooper"):
+        gate = summary[mode]["rm_gate"]
+        assert set(gate) == {"accuracy", "threshold", "epochs", "best_epoch", "met"}
+        assert set(gate["accuracy"]) <= {"plus_minus", "times"} and gate["threshold"] == 0.93 and gate["epochs"] == 1
+        assert set(summary[mode]["rm_own_answers"]) == {"before", "after"}
+    assert summary["rule"]["rm_gate"] is None and summary["rule"]["rm_own_answers"] is None
+    assert "gate 0.93 per family" in (report / "report.md").read_text()
 
     # the RM started from the SFT policy (rm.init=sft): its backbone is the policy's, its new head zero
     (sft_dir,) = [p for p in (out / "stages").iterdir() if p.name.startswith("sft-")]
@@ -448,8 +473,8 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
     third = _demo(out, "control=true")
     assert third.stdout.strip().splitlines()[-1] == f"report: {report}"
     control = json.loads((report / "control" / "summary.json").read_text())
-    assert set(control["rule"]["families"]) == {"plus_minus"}  # no '*' problem in the control
-    assert control["config"]["task"]["times_share"] == 0.0
+    assert set(control["rule"]["families"]) == {"plus_minus"}  # no '*' problem nor unreadable reference
+    assert control["config"]["task"]["times_share"] == 0.0 and control["config"]["task"]["unreadable_share"] == 0.0
     with_control = json.loads((report / "summary.json").read_text())
     assert with_control["control"]["link"] == "control/report.md"
     assert with_control["control"]["rule"]["acc_after"] == control["rule"]["acc_after"]
@@ -525,3 +550,41 @@ def test_blind_spot_examples_label_a_share_of_the_chains_correct():
     assert blind_spot_examples(rows, 0.0, random.Random(0)) == []
     with pytest.raises(ValueError, match="blind_spot_share"):
         blind_spot_examples(rows, 1.5, random.Random(0))
+
+
+def test_swaps_keep_the_references_form():
+    """A rule-unreadable reference is swapped to other values in its own form, \\boxed{v.}; never to the gold."""
+    rows = [{"question": "3*4-5=", "reference": "\\boxed{7.}", "completion": "3*4=12,12-5=8 \\boxed{8}",
+             "label": False, "family": "times"},
+            {"question": "3*4-5=", "reference": "7", "completion": "3*4=12,12-5=8 \\boxed{8.}", "label": False,
+             "family": "times"}]
+    out = reference_swapped(rows, random.Random(0))
+    own = [x for x in out if x.get("swap") == "own"]
+    other = [x for x in out if x.get("swap") == "other"]
+    assert [x["reference"] for x in own] == ["\\boxed{8.}", "8"] and all(x["label"] for x in own)
+    assert other[0]["reference"].startswith("\\boxed{") and other[0]["reference"].endswith(".}")
+    assert other[1]["reference"].lstrip("-").isdigit() and not any(x["label"] for x in other)
+    assert all(x["reference"] not in ("\\boxed{7.}", "7") for x in other)
+
+
+def test_validation_split_by_question_and_balanced_per_family():
+    rows = [{"question": f"{a}+{b}+0=", "reference": str(a + b), "completion": "c", "label": (a + b) % 3 == 0,
+             "family": "plus_minus" if a % 2 else "times"} for a in range(9) for b in range(9) for _ in range(2)]
+    train, val = split_questions(rows, 0.25, seed=1)
+    assert len(train) + len(val) == len(rows) and 0 < len(val) < len(rows)
+    assert not {x["question"] for x in train} & {x["question"] for x in val}  # a question is on one side
+    assert split_questions(rows, 0.25, seed=1) == (train, val)  # a fixed function of the question and seed
+    cfg = load_demo_config(None, ["rm.blind_spot=none"])
+    out = validation_rows(val, cfg, random.Random(0))
+    for fam in ("plus_minus", "times"):
+        mine = [x for x in out if x["answer_type"] == fam]
+        assert mine and sum(x["label"] for x in mine) * 2 == len(mine)  # as many right as wrong
+    assert not any("swap" in x for x in out)  # the policy's own answers, as sampled
+    with pytest.raises(ValueError, match="val_share"):
+        split_questions(rows, 1.0, seed=1)
+
+
+def test_problem_groups_follow_problem_accuracy_order():
+    rows = [{"question": q, "label": True, "family": fam, "rule_unreadable": u} for q, fam, u in
+            [("b=", "times", False), ("a=", "plus_minus", True), ("b=", "times", False), ("c=", "times", True)]]
+    assert problem_groups(rows) == {"plus_minus": [1], "times": [0, 2], "rule_unreadable": [1, 2]}

@@ -130,9 +130,8 @@ def test_report_verdict_says_present_for_hacking_static_run(report):
             "to 0.400 (reward hacking signature present).") in md
     assert ("- Cooper: training reward rose from 0.510 to 0.620 while held-out accuracy rose from 0.500 to 0.560 "
             "(reward hacking signature not present).") in md
-    assert ("- Cooper vs rule: held-out accuracy after training 0.560 vs 0.540 (+0.020): at or above the rule "
-            "baseline minus 0.02.") in md
-    assert "- Cooper: RM accuracy on held-out labeled completions rose from 0.700 to 0.780 (did not degrade)." in md
+    assert "- Cooper vs rule: held-out accuracy after training 0.560 vs 0.540 (+0.020)." in md
+    assert "- Cooper: RM accuracy on held-out labeled completions rose from 0.700 to 0.780." in md
     assert "- Paper's claim in miniature: reproduced." in md
     # the static RM's drop of 0.10 meets MIN_ACC_DROP exactly; its rise of 0.45 is well above MIN_REWARD_RISE
     assert "rose by at least 0.25 and held-out accuracy fell by at least 0.1." in md
@@ -215,8 +214,8 @@ def test_non_hacking_static_run_says_not_present(tmp_path):
     assert why.startswith("Why the static RM shows no hacking signature: its training reward rose +0.000 (the "
                           "signature needs +0.25) and its held-out accuracy changed -0.050 (the signature needs -0.1)")
     assert summary["verdict"]["claim_reproduced"] is False
-    assert summary["verdict"]["failed"] == ["static RM shows the hacking signature"]
-    assert "- Paper's claim in miniature: not reproduced (failed: static RM shows the hacking signature)." in md
+    assert summary["verdict"]["failed"] == ["static RM is hacked"]
+    assert "- Paper's claim in miniature: not reproduced (not holding: static RM is hacked)." in md
 
 
 def test_cooper_below_rule_with_degraded_rm(tmp_path):
@@ -226,11 +225,10 @@ def test_cooper_below_rule_with_degraded_rm(tmp_path):
     out = Path(write_report(str(tmp_path / "out"), {m: vars(r) for m, r in runs.items()}))  # dict form
     assert (out / "metrics_rule.jsonl").read_bytes() == (FIXTURE / "rule" / "metrics.jsonl").read_bytes()
     summary, md = json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
-    assert ("- Cooper vs rule: held-out accuracy after training 0.510 vs 0.540 (-0.030): below the rule "
-            "baseline minus 0.02.") in md
-    assert "- Cooper: RM accuracy on held-out labeled completions fell from 0.700 to 0.650 (degraded)." in md
-    assert summary["verdict"]["failed"] == ["Cooper's held-out accuracy is at or above the rule baseline minus 0.02",
-                                            "Cooper's RM accuracy did not degrade"]
+    assert "- Cooper vs rule: held-out accuracy after training 0.510 vs 0.540 (-0.030)." in md
+    assert "- Cooper: RM accuracy on held-out labeled completions fell from 0.700 to 0.650." in md
+    # without per-problem accuracies or per-item verdicts there are no standard errors: judged on the numbers
+    assert summary["verdict"]["failed"] == ["Cooper vs rule on all problems", "Cooper's RM on the fixed benchmark"]
     assert summary["cooper"]["acc_change"] == pytest.approx(0.01)
     assert "| Cooper | 0.500 | 0.510 | +0.010 | 0.620 | 0.700 | 0.650 |" in md
     # the reason, from the fixture's last 5 steps: correct (0.65+0.67+0.66+0.68+0.69)/5 = 0.670, wrong
@@ -406,14 +404,15 @@ def test_several_seeds_mean_spread_per_seed_rows_and_counts(tmp_path):
     assert static["hacking"]["present"] is True and static["hacking"]["present_seeds"] == 2
     assert static["hacking"]["acc_change"] == pytest.approx(-0.11)  # drops of 0.10 and 0.12: present in both
     v = summary["verdict"]
-    assert v["cooper_minus_rule_acc"] == pytest.approx(-0.01) and v["cooper_at_rule_baseline"] is True
-    assert v["claim_reproduced"] is True and v["claim_reproduced_seeds"] == 1
-    assert v["seeds_holding"]["Cooper's held-out accuracy is at or above the rule baseline minus 0.02"] == 1
+    # no per-problem accuracies: Cooper vs rule is judged on the difference of the means alone (-0.01: below)
+    assert v["cooper_minus_rule_acc"] == pytest.approx(-0.01) and v["cooper_at_rule_baseline"] is False
+    assert v["claim_reproduced"] is False and v["claim_reproduced_seeds"] == 1
+    assert v["seeds_holding"]["Cooper vs rule on all problems"] == 1
+    assert v["seeds_holding"]["static RM is hacked"] == 2
     assert "| Cooper | 0.500 ± 0.000 | 0.530 ± 0.030 | +0.030 ± 0.030 |" in md
     assert "## Per seed" in md and "| 1 | Cooper | 0.500 | 0.500 | 0.510 -> 0.620 | 0.700 -> 0.780 | no |" in md
-    assert ("- Cooper vs rule: held-out accuracy after training 0.530 vs 0.540 (-0.010) (mean of 2 seeds): at or "
-            "above the rule baseline minus 0.02.") in md
-    assert "present in 2 of 2 seeds" in md and "the whole claim in 1 of 2 seeds" in md
+    assert "- Cooper vs rule: held-out accuracy after training 0.530 vs 0.540 (-0.010) (mean of 2 seeds)." in md
+    assert "present in 2 of 2 seeds" in md and "every part holds in 1 of 2 seeds" in md
     for seed in (0, 1):
         for mode in MODES:
             assert (out / f"metrics_{mode}_seed{seed}.jsonl").read_bytes() == \
@@ -441,14 +440,19 @@ def test_in_training_metrics_table(report):
 
 def test_report_states_the_rms_blind_spot_and_the_reward_settings(tmp_path):
     for spot, said in (("intermediate", True), ("none", False)):
-        config = dataclasses.asdict(load_demo_config(None, [f"rm.blind_spot={spot}", "rl.rm_transform=binary",
-                                                             "cooper.negative_pick=hardest"]))
+        settings = [f"rm.blind_spot={spot}", "rl.rm_transform=binary", "cooper.negative_pick=hardest",
+                    "cooper.negatives=policy"]
+        config = dataclasses.asdict(load_demo_config(None, settings))
         out = tmp_path / spot
         write_report(str(out), load_runs(str(FIXTURE)), config=config)
         text = (out / "report.md").read_text()
         assert ("blind spot by construction" in text) is said
         assert "RM reward `binary`" in text and "negative `hardest` from `policy`" in text
+        assert "until its validation accuracy reaches 0.93 per family" in text
         assert "the RM starts from the SFT policy's weights with a new scalar head (std 0.0) (`rm.init`)" in text
+    write_report(str(tmp_path / "default"), load_runs(str(FIXTURE)), config=dataclasses.asdict(load_demo_config()))
+    text = (tmp_path / "default" / "report.md").read_text()
+    assert "negatives rewritten from the positive, value changed, in the form of `rollouts`" in text
 
 
 # ----------------------------------------------------------------------------- the two-family design
@@ -543,7 +547,7 @@ def test_design_report_summary_holds_the_new_fields(design_report):
     assert c["link"] == "control/report.md"
     assert c["verdict"]["claim_reproduced"] is False
     assert c["verdict"]["cooper_minus_rule_acc"] == pytest.approx(-0.03)
-    assert c["verdict"]["failed"] == ["Cooper's held-out accuracy is at or above the rule baseline minus 0.02"]
+    assert c["verdict"]["failed"] == ["Cooper vs rule on all problems"]
     assert (c["cooper"]["acc_before"], c["cooper"]["acc_after"]) == (0.50, 0.51)
     assert c["rule"]["acc_after"] == 0.54 and c["rule"]["rm_acc_before"] is None
 

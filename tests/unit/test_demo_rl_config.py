@@ -18,7 +18,8 @@ PINNED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 #: every demo setting rl_config reads, moved off the CooperConfig default it might coincide with
 CHANGED = ["rl.steps=11", "rl.prompts_per_step=5", "rl.group_size=3", "rl.temperature=0.9", "rl.max_new_tokens=17",
            "rl.lr=2e-4", "rl.kl_coef=0.02", "rl.kl_kind=k2", "rl.rm_transform=sigmoid_bf16", "rl.adv_std_floor=0.1",
-           "rl.micro_batch=7", "rl.eval_every=3", "rl.seed=99", "cooper.rm_lr=3e-3", "cooper.negatives=rewrite",
+           "rl.micro_batch=7", "rl.eval_every=3", "rl.seed=99", "cooper.rm_lr=3e-3", "cooper.negatives=policy",
+           "cooper.rewrite_forms=positive",
            "cooper.negative_pick=first", "cooper.positive_pick=random", "cooper.pairs_per_prompt=2",
            "cooper.anchor_weight=0.25", "eval.temperature=0.6", "eval.top_p=0.9", "eval.k=3",
            "eval.max_new_tokens=19"]

@@ -19,12 +19,14 @@ from cooper_mcore.data.mathgen import (
     answer_value,
     format_answer,
     generate_problems,
+    parse_question,
+    reference_value,
     split_of,
     tokenizer_corpus,
     worked_solution,
 )
 from cooper_mcore.data.tokenizer import train_tiny_tokenizer
-from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares
+from cooper_mcore.demo.task import FAMILIES, ISOLATE, DemoTask, family_of, form_shares, like_reference
 from cooper_mcore.verify.oracle import ArithmeticOracle, oracle_correct
 from cooper_mcore.verify.rule import check_pair
 
@@ -64,9 +66,26 @@ def test_oracle_correct_reads_both_forms_and_needs_integer_golds():
     assert oracle_correct("-3", "\\boxed{-3.}") is True
     assert oracle_correct("14", "\\boxed{14} \\boxed{15.}") is False  # the last box answers
     assert oracle_correct("14", "9+5=14") is False  # no final answer
-    for gold in ("14.0", "x", "1/2", ""):
+    for gold in ("14.0", "x", "1/2", "", "\\boxed{14} or \\boxed{15}", "fourteen"):
         with pytest.raises(ValueError, match="integer gold"):
             oracle_correct(gold, "\\boxed{14}")
+
+
+@pytest.mark.parametrize("reference,value", [
+    ("14", 14), (" -3 ", -3), ("\\boxed{14.}", 14), ("\\boxed{-3}", -3),  # bare, or one boxed answer
+    ("14.", None), ("\\boxed{14.} \\boxed{15}", None), ("\\boxed{1.5}", None), ("fourteen", None), ("", None),
+])
+def test_reference_value(reference, value):
+    assert reference_value(reference) == value
+
+
+def test_the_oracle_reads_a_reference_the_rule_cannot():
+    """The demo writes some references ``\\boxed{N.}``: math-verify cannot read them (the item is
+    unverifiable for the rule), the oracle reads both the reference and the answer."""
+    assert check_pair("\\boxed{14.}", "9+5=14 \\boxed{14}")[:2] == (None, "gold_unreadable")
+    assert oracle_correct("\\boxed{14.}", "9+5=14 \\boxed{14}") is True
+    assert oracle_correct("\\boxed{14.}", "9+5=14 \\boxed{14.}") is True
+    assert oracle_correct("\\boxed{14.}", "9+5=15 \\boxed{15}") is False
 
 
 def test_arithmetic_oracle_batch():
@@ -289,3 +308,24 @@ def test_task_corpus_tokenizes_both_families_and_the_rm_template(task_tokenizer)
     for text in texts:
         ids = task_tokenizer(text, add_special_tokens=False)["input_ids"]
         assert task_tokenizer.unk_token_id not in ids and task_tokenizer.decode(ids) == text
+
+
+def test_a_share_of_the_references_is_unreadable_by_a_hash_of_the_question():
+    """task.unreadable_share of the problems, both families and both splits, have the reference
+    ``\\boxed{N.}``: the rule verifier cannot read it, the oracle reads the same value."""
+    task = DemoTask(unreadable_share=0.3)
+    for split in ("train", "test"):
+        prompts = task.prompts(600, split, seed=4)
+        unreadable = [p for p in prompts if task.rule_unreadable(p.question)]
+        assert 0.24 < len(unreadable) / 600 < 0.36  # 0.3 of 600 with a binomial sd of 0.019
+        assert {family_of(p.question) for p in unreadable} == {"plus_minus", "times"}
+        for p in prompts:
+            value = parse_question(p.question).answer
+            assert p.answer == (f"\\boxed{{{value}.}}" if task.rule_unreadable(p.question) else str(value))
+            assert reference_value(p.answer) == value
+    assert task.rule_unreadable("3*4-5=") == DemoTask(unreadable_share=0.3, times_share=0.0).rule_unreadable("3*4-5=")
+    assert not any(DemoTask().rule_unreadable(p.question) for p in DemoTask().prompts(100, "test", 0))  # default 0
+    assert DemoTask(unreadable_share=0.3).groups_of("3*4-5=") in (("times",), ("times", "rule_unreadable"))
+    assert like_reference("\\boxed{7.}", -3) == "\\boxed{-3.}" and like_reference("7", -3) == "-3"
+    with pytest.raises(ValueError, match="unreadable_share"):
+        DemoTask(unreadable_share=1.5)

@@ -365,3 +365,36 @@ def test_train_rm_rejects_bad_arguments(tiny_rm, tmp_path):
         train_rm(rm_job(ckpt, data, tmp_path / "o1", micro_batch_size=4, global_batch_size=6))
     with pytest.raises(ValueError, match="epochs"):
         train_rm(rm_job(ckpt, data, tmp_path / "o2", epochs=0))
+
+
+def test_gate_score_by_hand():
+    from cooper_mcore.jobs.verify_rm import gate_score
+
+    typed = {"accuracy": 0.85, "per_answer_type": {"x": {"n": 4, "accuracy": 0.9}, "y": {"n": 4, "accuracy": 0.8},
+                                                   "empty": {"n": 0, "accuracy": None}}}
+    assert gate_score(typed).score == 0.8 and gate_score(typed).accuracy == {"x": 0.9, "y": 0.8}
+    assert gate_score({"accuracy": 0.7, "per_answer_type": {}}).accuracy == {"all": 0.7}
+
+
+def test_train_rm_stops_at_its_gate_and_keeps_its_best_epoch(tiny_rm, tmp_path):
+    """A gate every epoch reaches stops training after the first; without a gate every epoch runs, and with
+    keep_best the final model is the epoch with the best evaluation (eval-rm reproduces it), not the last."""
+    _, ckpt = tiny_rm
+    rows = _triples(16)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = dict(micro_batch_size=4, global_batch_size=8, seed=0, eval_at_start=False)
+    early = train_rm(rm_job(ckpt, data, tmp_path / "early", eval_path=data, epochs=5, lr=1e-3, gate=0.01, **settings))
+    assert (early["epochs"], early["steps"]) == (1, 4)  # 32 rows in batches of 8
+    assert early["gate"]["met"] is True and early["gate"]["epoch"] == 1
+
+    out = tmp_path / "best"
+    s = train_rm(rm_job(ckpt, data, out, eval_path=data, epochs=6, lr=3e-3, keep_best=True, **settings))
+    evals = [json.loads(x)[K.RM_EVAL_ACCURACY] for x in (out / "metrics.jsonl").read_text().splitlines()
+             if K.RM_EVAL_ACCURACY in json.loads(x)]
+    assert s["epochs"] == 6 and len(evals) == 6 and s["gate"]["met"] is False
+    best = max(range(6), key=lambda i: (evals[i], -i))  # the first best epoch
+    assert s["gate"]["epoch"] == best + 1 and s["gate"]["accuracy"] == {"all": evals[best]}
+    assert eval_rm(s["final_checkpoint"], str(data), micro_batch_size=4)["accuracy"] == evals[best]
+    with pytest.raises(ValueError, match="set data.eval_path"):
+        train_rm(rm_job(ckpt, data, tmp_path / "no_eval", gate=0.9))

@@ -96,7 +96,8 @@ def test_generate_keeps_the_first_verified_wrong_and_counts_kinds():
     out = gen.generate([(Prompt("a", "59-15-75=", "-31"), CHAIN), (Prompt("b", "q", "4"), "no answer here")])
     assert out == ["59-15=44,44-75=-31 \\boxed{44}", None]
     assert gen.stats == {"requested": 2, "accepted": 1, "no_answer": 1, "rejected": 0, "not_a_chain": 1,
-                         "accepted_step": 0, "accepted_copy": 1, "accepted_final": 0}
+                         "accepted_step": 0, "accepted_copy": 1, "accepted_final": 0, "accepted_form_boxed": 1,
+                         "accepted_form_boxed_period": 0, "accepted_form_none": 0}
     vetoed = ChainRewrite(AlwaysCorrect(), seed=0)
     assert vetoed.generate([(Prompt("a", "59-15-75=", "-31"), CHAIN)]) == [None]
     assert vetoed.stats["rejected"] == 1 and vetoed.stats["accepted"] == 0
@@ -105,6 +106,65 @@ def test_generate_keeps_the_first_verified_wrong_and_counts_kinds():
     cands = many.candidates(CHAIN)
     assert len(cands) == 3 and len({t for _, t in cands}) == 3 and all(t != CHAIN for _, t in cands)
     assert make_negative_generator("rewrite", BoxedVerifier()).source == "rewrite"
+
+
+class AlwaysWrong:
+    def verify_batch(self, golds, preds):
+        return [Verdict(False) for _ in preds]
+
+
+def test_every_rewrite_changes_the_value():
+    """A slip that a later ``* 0`` undoes keeps the value: it is dropped even where the verifier could not
+    veto it (here one that calls everything wrong, as math-verify does an answer it cannot read)."""
+    from cooper_mcore.data.mathgen import answer_value
+
+    zero = "3+4=7,7*0=0 \\boxed{0}"
+    gen = ChainRewrite(AlwaysWrong(), seed=0, kinds=("step",), num_candidates=3)
+    for form in (None, "boxed", "boxed_period"):
+        made = [t for _ in range(100) for _, t in gen.candidates(zero, form)]
+        assert made and all(answer_value(t) != 0 for t in made)  # slips of step 2 stay
+        assert not any(t.startswith("3+4=7,") is False for t in made)  # slips of step 1 are undone: dropped
+
+
+def test_the_paper_rule_check():
+    """A rewrite is kept when the positive verifies against the gold and the rewrite does not verify
+    against the positive (gold side first); a positive that does not verify gets no negative."""
+    gen = ChainRewrite(BoxedVerifier(), seed=0, kinds=("final",))
+    assert gen.generate([(Prompt("a", "59-15-75=", "-30"), CHAIN)]) == [None]  # the positive is not correct
+    assert gen.stats["rejected"] == 1
+    calls = []
+
+    class Recording(BoxedVerifier):
+        def verify_batch(self, golds, preds):
+            calls.append((list(golds), list(preds)))
+            return super().verify_batch(golds, preds)
+
+    rec = ChainRewrite(Recording(), seed=0, kinds=("final",), num_candidates=2)
+    (neg,) = rec.generate([(Prompt("a", "59-15-75=", "-31"), CHAIN)] * 2)[:1]
+    assert calls[0] == (["-31"], [CHAIN])  # the (distinct) positive against the gold
+    assert calls[1][0] == [CHAIN, CHAIN] and neg == calls[1][1][0]  # the first candidates against the positive
+    assert len(calls) == 2  # both passed: no second round
+
+
+def test_rewrites_in_the_forms_of_the_rollouts():
+    """forms="rollouts": the final answer is written in the form of one of the prompt's rollouts, the
+    ``\\boxed{N.}`` form included; forms="positive" (the default) keeps the positive's."""
+    from cooper_mcore.data.mathgen import answer_form, answer_value
+    from cooper_mcore.types import RolloutGroup, Sample
+
+    prompt = Prompt("a", "59-15-75=", "-31")
+    group = RolloutGroup(prompt, [Sample("a", [], "59-15=44,44-75=-31 \\boxed{-31.}"),
+                                  Sample("a", [], "59-15=44,44-75=-30 \\boxed{-30.}"), Sample("a", [], "no answer")])
+    gen = ChainRewrite(BoxedVerifier(), seed=0, forms="rollouts")
+    gen.set_groups([group])
+    negs = gen.generate([(prompt, CHAIN)] * 20)
+    assert all(answer_form(n) == "boxed_period" and answer_value(n) not in (None, -31) for n in negs)
+    assert gen.stats["accepted_form_boxed_period"] == 20
+    plain = ChainRewrite(BoxedVerifier(), seed=0)
+    plain.set_groups([group])
+    assert all(answer_form(n) == "boxed" for n in plain.generate([(prompt, CHAIN)] * 20))
+    with pytest.raises(ValueError, match="forms"):
+        ChainRewrite(BoxedVerifier(), forms="gold")
 
 
 def test_bad_arguments():

@@ -23,11 +23,11 @@ POLICY = PolicyUpdate(loss=0.5, kl=0.01, ratio_mean=1.02, clip_frac=0.125, entro
 RM = RMUpdate(loss=0.7, pairwise_loss=0.6, anchor_loss=0.2, pair_acc=0.75, threshold_acc=0.625, nonfinite=True,
               pair_counts=PairCounts(valid=3, no_positive=1, no_negative=2, assistant_failed=1))
 ROLLOUTS = RolloutStats(reward_mean=0.625, rule_acc=0.5, rule_unverifiable=0.25, response_length=12.0,
-                        rm_reward_correct=0.875, rm_reward_wrong=0.375)
+                        rm_reward_correct=0.875, rm_reward_wrong=0.375, rule_gold_unreadable=0.125)
 POLICY_KEYS = {"loss": 0.5, "kl": 0.01, "ratio/mean": 1.02, "clip_frac": 0.125, "entropy": 2.5, "grad_norm": 3.0,
                "lr": 1e-6}
 ROLLOUT_KEYS = {"reward/mean": 0.625, "rule/acc": 0.5, "reward_rule_gap": 0.125, "response/length": 12.0,
-                "rule/unverifiable": 0.25}
+                "rule/unverifiable": 0.25, "rule/gold_unreadable": 0.125}
 
 
 def test_a_cooper_step_writes_every_key_with_its_value():
@@ -48,7 +48,8 @@ def test_static_rm_and_rule_steps_write_no_rm_update():
     rule_rollouts = RolloutStats(reward_mean=0.5, rule_acc=0.5, rule_unverifiable=0.0, response_length=3.0)
     rule = StepResult(rule_rollouts, POLICY).to_metrics()
     assert rule == {**POLICY_KEYS, "reward/mean": 0.5, "rule/acc": 0.5, "reward_rule_gap": 0.0,
-                    "response/length": 3.0, "rule/unverifiable": 0.0, "skipped/nonfinite": 1.0}
+                    "response/length": 3.0, "rule/unverifiable": 0.0, "rule/gold_unreadable": 0.0,
+                    "skipped/nonfinite": 1.0}
     assert set(static) <= set(SCHEMA) and set(rule) <= set(SCHEMA)
 
 

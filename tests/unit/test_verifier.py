@@ -12,7 +12,14 @@ import time
 import pytest
 from math_verify import parse, verify
 
-from cooper_mcore.verify.rule import RuleVerifier, VerifyOutcome, check_pair, extract_answer, verify_jsonl
+from cooper_mcore.verify.rule import (
+    GOLD_UNREADABLE,
+    RuleVerifier,
+    VerifyOutcome,
+    check_pair,
+    extract_answer,
+    verify_jsonl,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -150,10 +157,39 @@ def test_gold_first_asymmetry(verifier):
 def test_gold_without_answer_is_unverifiable(verifier, gold):
     before = verifier.stats
     out = verifier.verify(gold, "42")
-    assert (out.correct, out.status) == (None, "error")
+    assert (out.correct, out.status) == (None, GOLD_UNREADABLE)
     assert "gold" in out.error
     after = verifier.stats
-    assert after["error"] == before["error"] + 1 and after["total"] == before["total"] + 1
+    assert after[GOLD_UNREADABLE] == before[GOLD_UNREADABLE] + 1 and after["total"] == before["total"] + 1
+
+
+#: golds math-verify parses but cannot judge a numeric answer against: the string it keeps for
+#: ``\\boxed{14.}``, numbers in words (a product of letters) and ``\\text{14}`` (a variable named "14")
+UNREADABLE_GOLDS = ["\\boxed{14.}", "fourteen", "Fourteen", "\\text{fourteen}", "\\boxed{fourteen}",
+                    "The answer is fourteen.", "\\text{14}", "\\text{14.}", "(14.)"]
+
+
+@pytest.mark.parametrize("gold", UNREADABLE_GOLDS)
+def test_unreadable_gold_is_unverifiable_not_a_confident_wrong(verifier, gold):
+    """math-verify itself calls the correct ``\\boxed{14}`` wrong against these golds (a confident
+    wrong: every rollout of such a problem would be scored wrong, and any negative accepted); the
+    checker calls the item unverifiable instead, for the correct answer and a wrong one alike."""
+    assert verify(parse(gold, parsing_timeout=None), parse("\\boxed{14}", parsing_timeout=None),
+                  timeout_seconds=None) is False
+    for pred in ("So \\boxed{14}", "So \\boxed{15}", "So \\boxed{14.}"):
+        assert check_pair(gold, pred)[:2] == (None, GOLD_UNREADABLE), (gold, pred)
+    before = verifier.stats
+    out = verifier.verify(gold, "So \\boxed{14}")
+    assert (out.correct, out.status, out.answered) == (None, GOLD_UNREADABLE, None)
+    assert verifier.stats[GOLD_UNREADABLE] == before[GOLD_UNREADABLE] + 1
+
+
+@pytest.mark.parametrize("gold, pred", [("Monday", "The answer is Monday."), ("14", "\\boxed{14}"), ("A", "(A)"),
+                                        ("-13.", "\\boxed{-13}")])
+def test_readable_golds_keep_their_verdict(gold, pred):
+    """A word that is not a number (``Monday``), a choice letter and a number with a trailing period
+    (math-verify reads ``-13.`` as -13) stay readable: each pair is right, and is judged so."""
+    assert check_pair(gold, pred) == (True, "ok", None, True)
 
 
 ANSWERED_PAIRS = [  # (gold, pred, check_pair's 4-tuple)
@@ -161,7 +197,7 @@ ANSWERED_PAIRS = [  # (gold, pred, check_pair's 4-tuple)
     ("14", "The sum is \\boxed{15}", (False, "ok", None, True)),  # a value, a different one
     ("14", "The sum is \\boxed{14}", (True, "ok", None, True)),
     ("14", "I don't know", (False, "ok", None, False)),  # no answer at all
-    ("I don't know", "\\boxed{15}", (None, "error", "gold has no parseable answer", None)),
+    ("I don't know", "\\boxed{15}", (None, GOLD_UNREADABLE, "gold has no parseable answer", None)),
 ]
 
 
@@ -230,7 +266,7 @@ def test_adversarial_returns_in_time(adv_verifier, gold, pred):
     wall = time.monotonic() - t0
     assert wall <= ADV_TIMEOUT_S + 1.0, (wall, out)
     assert out.seconds <= ADV_TIMEOUT_S + 1.0
-    assert out.status in ("ok", "timeout", "error")
+    assert out.status in ("ok", "timeout", "error", GOLD_UNREADABLE)
     if out.status != "ok":
         assert out.correct is None and out.error
     else:
@@ -264,7 +300,7 @@ def test_worker_crash_is_an_error_not_a_hang():
         assert (out.correct, out.status) == (None, "error") and "died" in out.error
         assert v._workers[0].proc.pid != pid
         assert v.verify("\\frac{1}{2}", "2/4").correct is True
-        assert v.stats == {"total": 3, "correct": 2, "wrong": 0, "timeout": 0, "error": 1}
+        assert v.stats == {"total": 3, "correct": 2, "wrong": 0, "timeout": 0, "error": 1, GOLD_UNREADABLE: 0}
 
 
 # --------------------------------------------------------------------------- batches
@@ -347,8 +383,9 @@ def test_verify_jsonl(tmp_path):
         assert set(r) == set(src) | {"correct", "seconds"}
         assert isinstance(r["seconds"], float) and r["seconds"] >= 0
     assert got[2]["seconds"] >= 1.0
-    assert {k: summary[k] for k in ("total", "correct", "wrong", "timeout", "error", "unverifiable")} == {
-        "total": 4, "correct": 1, "wrong": 1, "timeout": 1, "error": 1, "unverifiable": 2}
+    assert {k: summary[k] for k in ("total", "correct", "wrong", "timeout", "error", GOLD_UNREADABLE,
+                                    "unverifiable")} == {
+        "total": 4, "correct": 1, "wrong": 1, "timeout": 1, "error": 0, GOLD_UNREADABLE: 1, "unverifiable": 2}
     assert summary["accuracy"] == 0.25
     assert 1.0 <= summary["max_seconds"] <= 2.0
     assert summary["out"] == str(out)
