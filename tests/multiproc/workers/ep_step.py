@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.micro_batching.runner import MicroBatching
-from cooper_mcore.models.hf_mapping import canonical_mcore_name
+from cooper_mcore.models.hf_mapping import mapping_tensors
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.train.offload import ModelOffloader
@@ -24,11 +24,12 @@ from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
 
 
 def global_names(model, tensors) -> dict[str, torch.Tensor]:
-    """``{global name: tensor.clone()}`` of ``tensors(param)`` for every parameter of this rank."""
+    """``{global name: tensor.clone()}`` of ``tensors(param)`` for every parameter of this rank (one per
+    expert of stacked expert weights)."""
     local = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
     offset = parallel_state.get_expert_model_parallel_rank() * local
-    return {canonical_mcore_name(n, expert_offset=offset): tensors(p).detach().clone().cpu()
-            for n, p in model.named_parameters()}
+    return {name: t.detach().clone().cpu() for n, p in model.named_parameters()
+            for name, t in mapping_tensors(n, tensors(p), expert_offset=offset)}
 
 
 def policy(args, parallel: ParallelConfig, rank: int) -> dict:
