@@ -20,6 +20,7 @@ With Transformer Engine megatron's own ``TEGroupedMLP`` is used instead (:mod:`c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -127,7 +128,11 @@ class GroupedExperts(MegatronModule):
         self.linear_fc1 = StackedLinear(num_local_experts, 2 * ffn, config.hidden_size, config, 1, ep, device)
         self.linear_fc2 = StackedLinear(num_local_experts, config.hidden_size, ffn, config, 2, ep, device)
         if config.perform_initialization:
-            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            # as megatron's expert linears: the default generator when built on the host, the
+            # expert-parallel stream of the CUDA RNG tracker on a GPU (other experts on each EP rank)
+            rng = (contextlib.nullcontext() if config.use_cpu_initialization
+                   else get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()))
+            with rng:
                 config.init_method(self.linear_fc1.weight.data)
                 config.output_layer_init_method(self.linear_fc2.weight.data)
 
