@@ -194,11 +194,16 @@ def _model_layout_problems(par: ParallelConfig, models: list[tuple[str, str]], w
         if want is not None and dtype is not None and dtype != want:
             out.append(f"model.dtype={want} but {ckpt} holds {dtype} weights; convert the "
                        "checkpoint in the dtype you train in")
-        out += _expert_model_problems(name, ckpt, arch, par.ep, par.etp)
+        out += _expert_model_problems(name, ckpt, arch, par.ep, par.expert_tp)
         if isinstance(arch.get("moe"), dict) and par.tp > 1 and not par.sequence_parallel:
             out.append(f"{name} ({ckpt}) is a mixture-of-experts model: parallel.tp={par.tp} needs "
                        "parallel.sequence_parallel=true (megatron's MoE layer refuses to train without it)")
-    return out + _expert_layout_problems(par.ep, par.etp, par.pp, world_size)
+        drift = par.expert_drift_problem() if par.ep >= 1 and par.expert_tp >= 1 else None
+        if isinstance(arch.get("moe"), dict) and drift:
+            out.append(f"{name} ({ckpt}) is a mixture-of-experts model: {drift}")
+    if par.ep == 1 and par.etp is None:  # the expert layout is the dense one, tp*pp
+        return out
+    return out + _expert_layout_problems(par.ep, par.expert_tp, par.pp, world_size)
 
 
 def _expert_layout_problems(ep: int, etp: int, pp: int, world_size: int) -> list[str]:
@@ -231,14 +236,16 @@ def _expert_model_problems(name: str, ckpt: str, arch: dict[str, Any], ep: int, 
 
 
 def _dense_only_problems(par: ParallelConfig, models: list[tuple[str, str]]) -> list[str]:
-    """parallel.ep/etp > 1 need a mixture-of-experts model among ``models`` (the other may be dense)."""
-    if par.ep == 1 and par.etp == 1:
+    """parallel.ep/etp > 1 (etp set, not following tp) need a mixture-of-experts model among ``models``
+    (the other may be dense)."""
+    if par.ep == 1 and (par.etp or 1) == 1:
         return []
     archs = [checkpoint_arch_fields(ckpt)[0] for _, ckpt in models]
     if any(a is None for a in archs) or any(isinstance(a.get("moe"), dict) for a in archs):
         return []  # an unreadable checkpoint is reported by the path checks
     named = " and ".join(f"{name} ({ckpt})" for name, ckpt in models)
-    return [f"parallel.ep={par.ep} / etp={par.etp} need a mixture-of-experts model, but {named} "
+    settings = " / ".join(f"parallel.{k}={v}" for k, v in (("ep", par.ep), ("etp", par.etp or 1)) if v > 1)
+    return [f"{settings} need{'s' if ' / ' not in settings else ''} a mixture-of-experts model, but {named} "
             f"{'is' if len(models) == 1 else 'are'} dense"]
 
 

@@ -116,15 +116,15 @@ def moe_config(arch: ArchSpec, parallel: ParallelConfig) -> dict:
     """
     moe = arch.moe
     if moe is None:
-        if parallel.ep > 1 or parallel.etp > 1:
+        if parallel.ep > 1 or (parallel.etp or 1) > 1:
             raise ValueError(f"parallel.ep={parallel.ep} / etp={parallel.etp} need a mixture-of-experts model; "
                              f"this {arch.family} model is dense")
         return {}
     if moe.num_experts % parallel.ep:
         raise ValueError(f"num_experts={moe.num_experts} is not divisible by parallel.ep={parallel.ep}")
-    if moe.expert_ffn_hidden_size % parallel.etp:
+    if moe.expert_ffn_hidden_size % parallel.expert_tp:
         raise ValueError(f"moe_intermediate_size={moe.expert_ffn_hidden_size} is not divisible by "
-                         f"parallel.etp={parallel.etp}")
+                         f"parallel.etp={parallel.expert_tp}")
     pattern = [int(s) for s in arch.moe_layers()]
     return dict(
         num_moe_experts=moe.num_experts,
@@ -139,7 +139,7 @@ def moe_config(arch: ArchSpec, parallel: ParallelConfig) -> dict:
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,  # megatron's legacy GroupedMLP; the experts module is the layer spec's
         expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
+        expert_tensor_parallel_size=parallel.expert_tp,
     )
 
 

@@ -108,7 +108,7 @@ class RehearsalPlan:
 
     def layout(self) -> str:
         p = self.cfg.parallel
-        experts = f"ep={p.ep} etp={p.etp} " if p.ep > 1 or p.etp > 1 else ""
+        experts = f"ep={p.ep} etp={p.expert_tp} " if p.ep > 1 or (p.etp or 1) > 1 else ""
         return (f"tp={p.tp} pp={p.pp} dp={self.nproc // (p.tp * p.pp)} {experts}sequence_parallel="
                 f"{str(p.sequence_parallel).lower()} (world {self.nproc}), distributed optimizer")
 
@@ -173,17 +173,22 @@ def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, i
 
 
 def _cap_experts(cfg: CooperConfig, world: int, subs: list[Substitution]) -> None:
-    """EP, then expert TP, halved until ``world`` processes hold them (world divisible by etp * ep * pp)."""
+    """EP, then expert TP, halved until ``world`` processes hold them (world divisible by etp * ep * pp); at
+    EP=1 the expert TP is the TP size, the one layout of EP=1 whose experts train correctly
+    (:meth:`~cooper_mcore.parallel.ParallelConfig.expert_drift_problem`)."""
     par = cfg.parallel
-    ep, etp = par.ep, par.etp
+    ep, etp = par.ep, par.expert_tp
     while world % (etp * ep * par.pp):
         if ep > 1:
             ep //= 2
         else:
             etp //= 2
+    if ep == 1 and par.ep > 1 and etp != par.tp:
+        etp = par.tp
     why = f"{world} processes hold the expert layout etp*ep*pp at most"
     _set(cfg, subs, "parallel.ep", ep, why)
-    _set(cfg, subs, "parallel.etp", etp, why)
+    if etp != par.expert_tp:
+        _set(cfg, subs, "parallel.etp", etp, why)
 
 
 def _set(cfg: CooperConfig, subs: list[Substitution], setting: str, value: Any, why: str) -> None:

@@ -92,15 +92,17 @@ def test_a_layout_over_four_processes_is_capped_and_said():
 @pytest.mark.parametrize("overrides,ep,etp,changed", [
     ((), 4, 1, {"parallel.ep"}), (("parallel.etp=2",), 2, 2, {"parallel.ep"}),
     (("parallel.tp=1",), 2, 1, {"parallel.ep"}),
-    (("parallel.tp=1", "parallel.etp=4"), 1, 2, {"parallel.ep", "parallel.etp"})])
+    (("parallel.tp=1", "parallel.etp=4"), 1, 1, {"parallel.ep", "parallel.etp"})])
 def test_the_moe_preset_keeps_expert_parallelism_within_its_processes(overrides, ep, etp, changed):
-    """EP, then ETP, halved until the rehearsal's processes hold them (world divisible by etp * ep * pp)."""
+    """EP, then ETP, halved until the rehearsal's processes hold them (world divisible by etp * ep * pp);
+    at EP=1 the expert TP is the TP size (any other drifts)."""
     _, policy, plan = _plan(str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"), *overrides)
     p = plan.cfg.parallel
     assert policy.moe is not None and plan.shape.family == "qwen3_moe"  # model_configs/qwen3-30b-a3b.json
     assert plan.shape.fields["mlp_only_layers"] == []  # all sparse, as the real model (and SGLang serves)
     assert (p.ep, p.etp) == (ep, etp) and plan.nproc % (p.etp * p.ep * p.pp) == 0
-    assert f" ep={ep} etp={etp} " in plan.layout()
+    assert p.expert_drift_problem() is None
+    assert (f" ep={ep} etp={etp} " in plan.layout()) == (ep > 1 or etp > 1)
     assert {s.setting for s in plan.substitutions if s.setting.startswith("parallel.e")} == changed
 
 
