@@ -152,9 +152,21 @@ def real_shape(policy: ArchSpec, rm: Optional[ArchSpec]) -> TinyShape:
               "head_dim": policy.head_dim, "tie_word_embeddings": policy.tie_word_embeddings,
               "intermediate_size": policy.ffn_hidden_size, "vocab_size": policy.vocab_size,
               "max_position_embeddings": policy.max_position_embeddings, "rms_norm_eps": policy.rms_norm_eps,
-              "rope_theta": policy.rope.theta}
+              "rope_theta": policy.rope.theta, **_moe_fields(policy, rm)}
     return TinyShape(family=policy.family, rm_family=(rm or policy).family, fields=fields,
                      hidden_size=policy.hidden_size, num_layers=policy.num_layers, real=True)
+
+
+def _moe_fields(policy: ArchSpec, rm: Optional[ArchSpec]) -> dict:
+    """The experts of the preset's mixture-of-experts model (the policy's, else the RM's) as HF config
+    fields (they shape only the qwen3_moe family's models: :data:`cooper_mcore.models.tiny.MOE_FIELDS`)."""
+    moe = next((a.moe for a in (policy, rm) if a is not None and a.moe is not None), None)
+    if moe is None:
+        return {}
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+            "moe_intermediate_size": moe.expert_ffn_hidden_size, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": moe.decoder_sparse_step, "mlp_only_layers": list(moe.mlp_only_layers),
+            "router_aux_loss_coef": moe.router_aux_loss_coef}
 
 
 def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, int]:

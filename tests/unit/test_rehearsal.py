@@ -20,6 +20,7 @@ from cooper_mcore.rehearsal.preset import (
     STEPS,
     plan_rehearsal,
     preset_shapes,
+    real_shape,
     tiny_shape,
 )
 from cooper_mcore.rehearsal.run import _RANK_EXIT, _where
@@ -104,6 +105,20 @@ def test_the_moe_preset_keeps_expert_parallelism_within_its_processes(overrides,
     assert p.expert_drift_problem() is None
     assert (f" ep={ep} etp={etp} " in plan.layout()) == (ep > 1 or etp > 1)
     assert {s.setting for s in plan.substitutions if s.setting.startswith("parallel.e")} == changed
+
+
+def test_real_shape_keeps_the_presets_experts():
+    """``cooper rehearse --real-shape`` on an MoE preset builds the preset's experts, not the tiny ones."""
+    cfg = load_config(str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"), [])
+    policy, rm, _ = preset_shapes(cfg, str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"))
+    f = real_shape(policy, rm).fields
+    assert (f["num_experts"], f["num_experts_per_tok"], f["moe_intermediate_size"]) == (128, 8, 768)
+    assert (f["norm_topk_prob"], f["decoder_sparse_step"], f["mlp_only_layers"]) == (True, 1, [])
+    assert f["router_aux_loss_coef"] == policy.moe.router_aux_loss_coef
+    hf = tiny_hf_config("qwen3_moe", **f)
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == (128, 8, 768)
+    dense = ArchSpec.from_hf_config(tiny_hf_config("qwen2").to_dict())
+    assert "num_experts" not in real_shape(dense, None).fields
 
 
 def test_qwen3_traits_survive_the_shrink():
