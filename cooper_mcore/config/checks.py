@@ -167,6 +167,11 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
                            f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
     if cfg.model.moe_aux_loss_coef is not None and cfg.model.moe_aux_loss_coef < 0:
         out.append(f"model.moe_aux_loss_coef must be >= 0, got {cfg.model.moe_aux_loss_coef}")
+    if cfg.model.moe_routing_replay:
+        arch, _ = checkpoint_arch_fields(cfg.model.policy_ckpt)
+        if arch is not None and not isinstance(arch.get("moe"), dict):
+            out.append(f"model.moe_routing_replay needs a mixture-of-experts policy; model.policy_ckpt "
+                       f"({cfg.model.policy_ckpt}) is dense")
     models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
     if _uses_rm(cfg):
         models.append(("model.rm_ckpt", cfg.model.rm_ckpt))

@@ -93,6 +93,8 @@ class ModelConfig:
     moe_aux_loss_coef: Optional[float] = None
     """Weight of the routers' load-balancing loss of mixture-of-experts models (policy and RM, >= 0);
     unset: each checkpoint's HF ``router_aux_loss_coef``."""
+    moe_routing_replay: bool = False
+    """Rollout routing replay: the MoE policy's trainer forwards reuse the experts the engine chose per token."""
 
 
 @dataclass

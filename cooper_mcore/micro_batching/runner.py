@@ -37,6 +37,7 @@ from cooper_mcore.collectives import all_reduce
 from cooper_mcore.micro_batching.packing import PackedBatch, pack_rows, round_up
 from cooper_mcore.micro_batching.planning import plan_micro_batches
 from cooper_mcore.models.forward import moe_padding_kwargs, position_ids_for, valid_tokens
+from cooper_mcore.models.routing_replay import arm as arm_replay
 from cooper_mcore.parallel import device
 
 #: the token that fills a micro-batch's row past its sequences: a pack's last segment, or the columns
@@ -133,8 +134,11 @@ class MicroBatch:
 
     def forward(self, model: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
         """This rank's stage on the micro-batch (inside a megatron forward step); a mixture-of-experts
-        model's routers leave the padding out of their load balancing (:func:`moe_padding_kwargs`)."""
+        model's routers leave the padding out of their load balancing (:func:`moe_padding_kwargs`) and,
+        when the model is replaying the rollout's routing, take the micro-batch's routes
+        (:func:`cooper_mcore.models.routing_replay.arm`)."""
         kwargs = {**moe_padding_kwargs(model, self.valid_tokens()), **kwargs}
+        arm_replay(model, self.layout)
         if self.pack is not None:
             return forward_packed(model, self.pack, **kwargs)
         ids = self.input_ids.to(device())

@@ -42,9 +42,11 @@ def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVer
             samples = []
             for j in range(group_size):
                 o, v = outs[i * group_size + j], outcomes[i * group_size + j]
+                routes = None if o.routed_experts is None else o.routed_experts.to(torch.int16)
                 samples.append(Sample(prompt_id=p.id, token_ids=o.token_ids, text=o.text, logprobs=o.logprobs,
                                       finish_reason=o.finish_reason, rule_correct=v.correct,
-                                      rule_answered=getattr(v, "answered", None), weight_version=version))
+                                      rule_answered=getattr(v, "answered", None), weight_version=version,
+                                      routed_experts=routes))
             groups.append(RolloutGroup(p, samples))
     return broadcast_object_in_model_parallel_group(groups)
 

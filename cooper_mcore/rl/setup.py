@@ -28,6 +28,7 @@ from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.micro_batching.runner import MicroBatching
+from cooper_mcore.models.routing_replay import enable_routing_replay
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
@@ -101,7 +102,7 @@ class Run:
         """Rollout sampling with ``seed``."""
         ro = self.cfg.rollout
         return SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-                              stop=list(ro.stop), seed=seed)
+                              stop=list(ro.stop), seed=seed, routed_experts=self.cfg.model.moe_routing_replay)
 
     def eval_sampling(self) -> SamplingParams:
         """Held-out sampling (temperature 0.7, top-p 0.95 by default, as the paper)."""
@@ -149,11 +150,13 @@ def sglang_config(cfg: CooperConfig) -> SGLangConfig:
     if torch.cuda.is_available():
         return SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp, dtype=cfg.model.dtype,
                             mem_fraction_static=cfg.rollout.sglang_mem_fraction,
-                            base_gpu_id=torch.cuda.current_device(), trust_remote_code=cfg.model.trust_remote_code)
+                            base_gpu_id=torch.cuda.current_device(), trust_remote_code=cfg.model.trust_remote_code,
+                            enable_return_routed_experts=cfg.model.moe_routing_replay)
     per_rank = cfg.train.prompts_per_step // max(parallel_state.get_data_parallel_world_size(), 1)
     tokens = per_rank * cfg.rollout.group_size * (cfg.rollout.max_new_tokens + 256)
     return SGLangConfig.cpu(cfg.model.policy_hf, dtype=cfg.model.dtype, random_seed=cfg.train.seed,
-                            max_total_tokens=max(4096, tokens), trust_remote_code=cfg.model.trust_remote_code)
+                            max_total_tokens=max(4096, tokens), trust_remote_code=cfg.model.trust_remote_code,
+                            enable_return_routed_experts=cfg.model.moe_routing_replay)
 
 
 def build_engine(cfg: CooperConfig) -> RolloutEngine:
@@ -275,6 +278,8 @@ def build_run(cfg: CooperConfig) -> Run:
     tokenizer = load_tokenizer(cfg.model.policy_hf, trust_remote_code=cfg.model.trust_remote_code)
     policy = load_model("policy", cfg.model.policy_ckpt, cfg, tokenizer, cfg.optim,
                         cfg.train.steps * cfg.train.mini_batches)
+    if cfg.model.moe_routing_replay:  # the policy's routers only, never the reward model's
+        enable_routing_replay(policy.module)
     reference = ReferenceSwap(policy.module) if cfg.algo.kl_coef else None
     rm = None
     if mode.uses_rm:

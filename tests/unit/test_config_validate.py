@@ -244,6 +244,14 @@ def test_expert_parallel_layout(paths, tmp_path):
         "parallel.ep and parallel.etp must be >= 1, got ep=0 etp=1"]
 
 
+def test_routing_replay_needs_a_moe_policy(paths, tmp_path):
+    moe = {**paths, "model.policy_ckpt": _moe_ckpt(tmp_path / "moe_policy")}
+    assert config_problems(_cfg(moe, "model.moe_routing_replay=true", "reward.mode=rule"), 1) == []
+    assert config_problems(_cfg(paths, "model.moe_routing_replay=true", "reward.mode=rule"), 1) == [
+        f"model.moe_routing_replay needs a mixture-of-experts policy; model.policy_ckpt "
+        f"({paths['model.policy_ckpt']}) is dense"]
+
+
 def test_expert_layouts_that_would_drift_are_refused(paths, tmp_path):
     """At ep=1 megatron reduces expert gradients over the data-parallel group only: with etp != tp the
     experts' copies on a TP group's ranks would never be reduced. etp follows tp unless set."""
