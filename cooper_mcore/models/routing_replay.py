@@ -124,8 +124,11 @@ def replaying(model: torch.nn.Module, routes: Optional[torch.Tensor]) -> Iterato
     """Replay ``routes`` ``[N, S, layers, top_k]`` (the rows and token positions of the batch the passes
     inside take; :data:`NO_ROUTE` where none) in ``model``'s micro-batch forwards. Nothing is replayed
     with ``routes=None`` or a model without :func:`enable_routing_replay`."""
+    if routes is None:
+        yield
+        return
     inner = unwrap(model)
-    if routes is None or not _replays(inner):
+    if not _replays(inner):
         yield
         return
     assert routes.dim() == 4, f"routes must be [rows, tokens, layers, top_k], got {tuple(routes.shape)}"
