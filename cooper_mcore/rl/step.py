@@ -12,6 +12,7 @@ update. The new policy weights reach the engine at the start of the next generat
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Optional
 
@@ -105,7 +106,7 @@ def update_policy(run: Run, batch: TokenBatch, routes: Optional[torch.Tensor] = 
     updates = []
     for i in range(cfg.train.mini_batches):
         rows = slice(i * per_mini, (i + 1) * per_mini)
-        with replaying(policy.module, None if routes is None else routes[rows]):
+        with contextlib.nullcontext() if routes is None else replaying(policy.module, routes[rows]):
             u = policy_update(policy.ddp, policy.optimizer, batch.slice(rows.start, rows.stop), run.batching, loss)
         if not u.nonfinite:
             policy.scheduler.step(1)

@@ -106,7 +106,7 @@ def test_a_skipped_policy_update_does_not_step_the_schedule(monkeypatch):
     monkeypatch.setattr(step, "policy_update", lambda ddp, optimizer, batch, batching, loss: next(updates))
     schedule = _Schedule()
     run = SimpleNamespace(cfg=load_config(None, ["train.mini_batches=2"]), batching=None, policy=SimpleNamespace(
-        module=None, ddp=None, optimizer=SimpleNamespace(param_groups=[{"lr": 0.25}]), scheduler=schedule))
+        ddp=None, optimizer=SimpleNamespace(param_groups=[{"lr": 0.25}]), scheduler=schedule))
     u = step.update_policy(run, Batch())
     assert schedule.steps == 1 and u.skipped == 1 and u.lr == 0.25 and u.loss == 2.0
 
