@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from cooper_mcore.checkpoint.model import load_model_checkpoint, save_model_checkpoint
 from cooper_mcore.convert.hf import load_hf_weights, mapped_state
@@ -23,6 +24,14 @@ from cooper_mcore.models.tiny import save_tiny_hf_model
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 
 TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _aux_loss_scale():
+    """A backward outside megatron's schedule leaves megatron's process-wide aux-loss scale a 0-d
+    tensor, which the next schedule's ``set_loss_scale`` (a 1-element one) cannot copy into."""
+    yield
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 @pytest.fixture(scope="module")
