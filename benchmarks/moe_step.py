@@ -160,7 +160,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              f"(expert FFN {shape['moe_intermediate_size']}), vocab {shape['vocab_size']}; "
              f"{'bf16' if args.gpu else 'fp32'}; {args.micro_batches} micro-batches x {args.micro_batch} x "
              f"{args.seq} tokens per rank; {dev}; torch {torch.__version__}, megatron-core "
-             f"{megatron.core.__version__}; median of {args.steps} steps after {args.warmup}",
+             f"{megatron.core.__version__}; median of {args.steps} steps after {args.warmup}"
+             + (f", median run of {args.repeat}" if args.repeat > 1 else ""),
              "| ranks | EP | experts | experts/rank | tokens/step | ms/step | tokens/s | dispatcher fwd (ms/step) "
              "| all-to-all fwd+bwd (ms/step) | dispatch share |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -185,6 +186,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (CPU 256, GPU 4096)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (CPU 2, GPU 1)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every setting this many times, alternating the expert modules; report the median run")
     p.add_argument("--experts", default="grouped,sequential",
                    help="comma-separated expert modules to time: grouped (grouped matmuls), sequential (SequentialMLP)")
     p.add_argument("--warmup", type=int, default=1)
@@ -238,9 +241,12 @@ def main() -> None:
         raise ValueError(f"--experts {args.experts!r}: a comma-separated list of grouped and sequential")
     rows = []
     for ranks, ep in settings:
-        for kind in kinds:
-            logger.info("ranks=%d ep=%d experts=%s ...", ranks, ep, kind)
-            rows.append(run_setting(ranks, ep, kind, args, passthrough))
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+        for _ in range(args.repeat):  # alternating, so that a busy spell of a shared machine hits both
+            for kind in kinds:
+                logger.info("ranks=%d ep=%d experts=%s ...", ranks, ep, kind)
+                runs[kind].append(run_setting(ranks, ep, kind, args, passthrough))
+        rows += [sorted(r, key=lambda x: x["ms_per_step"])[len(r) // 2] for r in runs.values()]
     print(table(rows, args))
 
 
