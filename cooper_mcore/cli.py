@@ -358,6 +358,10 @@ def _add_tool_commands(sub: Any) -> None:
     rh.add_argument("--real-shape", action="store_true",
                     help="one process (a GPU) at the preset's real model shape with random weights: 3 steps that "
                          "measure time and peak memory per phase next to cooper plan's prediction")
+    rh.add_argument("--variant", action="append", metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="settings that must not change the numbers (e.g. offload.release_engine=false): the "
+                         "interrupted and resumed runs are made again with them and must equal the reference bit for "
+                         "bit; repeat for several variants")
     # the defaults of cooper_mcore.rehearsal.run.Limits, written out so that --help needs no import (tested equal)
     rh.add_argument("--step-timeout", type=float, default=180.0,
                     help="seconds one step may take before the run counts as hung")

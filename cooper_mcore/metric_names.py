@@ -184,6 +184,7 @@ class Phase:
     LOGPROBS = "logprobs"
     POLICY_UPDATE = "policy_update"
     RM_UPDATE = "rm_update"
+    NEGATIVES = "negatives"
     EVAL = "eval"
 
 
@@ -195,6 +196,8 @@ _PHASES = (
     (Phase.LOGPROBS, _EVERY, "the old (and, with a KL term, the reference) log-probabilities"),
     (Phase.POLICY_UPDATE, _EVERY, "the policy's GRPO update"),
     (Phase.RM_UPDATE, _COOPER, "building the preference pairs and the reward model's update"),
+    (Phase.NEGATIVES, _COOPER, "building the preference pairs (the negatives: assistant requests or the CPU "
+                               "generators), within rm_update"),
     (Phase.EVAL, "evaluation steps", "the held-out evaluation"),
 )
 

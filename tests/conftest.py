@@ -57,20 +57,35 @@ def last_json(stdout: str):
     raise AssertionError(f"no JSON line in worker output:\n{stdout[-2000:]}")
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A folder that every pytest worker of this run shares (under pytest-xdist each worker's base
+    temporary folder is a sibling of the others'): fixtures built there once serve them all."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
-    """{(family, model_type): (hf_dir, mcore_ckpt)} for every tiny variant."""
+    """{(family, model_type): (hf_dir, mcore_ckpt)} for every tiny variant, built once per test run
+    (the workers of a parallel run take turns; the later ones reuse them). Tests must not change them."""
+    from cooper_mcore.atomic import exclusive
     from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
 
-    root = tmp_path_factory.mktemp("tiny")
+    root = shared_dir(tmp_path_factory, "tiny")
     out = {}
-    for i, (family, model_type) in enumerate(VARIANTS):
-        hf_dir = str(root / f"{family}-{model_type}-hf")
-        ckpt = str(root / f"{family}-{model_type}-mcore")
-        save_tiny_hf_model(hf_dir, family, model_type, seed=i)
-        hf_to_mcore(hf_dir, ckpt)
-        out[(family, model_type)] = (hf_dir, ckpt)
+    with exclusive(str(root)):
+        for i, (family, model_type) in enumerate(VARIANTS):
+            hf_dir = str(root / f"{family}-{model_type}-hf")
+            ckpt = str(root / f"{family}-{model_type}-mcore")
+            if not os.path.isdir(ckpt):
+                save_tiny_hf_model(hf_dir, family, model_type, seed=i)
+                hf_to_mcore(hf_dir, ckpt)
+            out[(family, model_type)] = (hf_dir, ckpt)
     return out
 
 

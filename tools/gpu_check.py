@@ -3,20 +3,22 @@
 A GPU is lent for minutes, so the run is bounded (``--budget-s``, 8 minutes by default) and ordered
 by what it tells, most first; ``<out>/report.md`` is rewritten after every step, so a run cut short
 keeps what it measured. Each step runs in its own process group with a time limit (the rest of the
-budget at most):
+budget at most); a step past it is killed with every process it started, torchrun's ranks included
+(:class:`ProcessTree`: they run in sessions of their own), so none keeps GPU memory from the next:
 
 1. the ``gpu``-marked tests (``tests/gpu``, and ``tests/sglang/test_gpu.py`` when sglang imports):
-   2 min 10 s on an H200 (2026-11-26), the most informative minutes;
+   2 min 3 s on an H200 (2026-11-27), the most informative minutes;
 2. ``benchmarks/train_step.py``: tokens/s, MFU and peak memory of a Qwen2.5-1.5B-shaped policy
    step (bf16, sequence 4096) with megatron-core and with plain transformers, each in a fresh
    process;
-3. ``benchmarks/cooper_step.py`` (not with ``--quick``): one full Cooper step, time and peak memory
-   per phase, with and without offload, next to ``cooper plan``;
-4. the rehearsal of ``examples/qwen2.5-1.5b_8xh100.yaml`` at its real model shape on one GPU
-   (``cooper rehearse --real-shape``: random weights, TP=1, the transformers engine where SGLang is
-   absent, 3 steps): per-phase time and peak memory next to ``cooper plan``'s prediction. Last,
-   because building its real-shape assets alone took 3 minutes of the budget on an H200's host
-   (2026-11-26) and the run did not finish in the 6 minutes it had.
+3. ``benchmarks/cooper_step.py`` (not with ``--quick``): one full Cooper step at the Qwen2.5-1.5B
+   shape with random weights built on the GPU, without and with offload, each in a fresh process, at
+   the largest micro-batch ``cooper plan`` fits on this GPU: per phase seconds, peak memory, the
+   plan and their ratio, Cooper's extras as a share of the step, offload against no offload;
+4. ``benchmarks/moe_step.py --gpu`` (not with ``--quick``): a Qwen3-30B-A3B-shaped MoE training step.
+
+``cooper rehearse --config examples/qwen2.5-1.5b_8xh100.yaml --real-shape`` is not part of it: the
+Cooper-step benchmark measures the same phases of the same shape.
 
 The report holds the device, driver, versions, every figure, and every failure with the end of its
 log; raw logs and JSON lie beside it. Steps that fail are reported and the run goes on; a step the
@@ -34,6 +36,7 @@ exits 1 with one line that says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -47,6 +50,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("gpu_check")
@@ -78,14 +83,80 @@ class Step:
 
 #: the real-SGLang tier's GPU tests (marked ``gpu`` only: ``make test-sglang`` must not select them)
 SGLANG_GPU_TESTS = ["-m", "gpu", "tests/sglang/test_gpu.py"]
-#: the preset rehearsed at its real shape first (the tiny one with --allow-cpu)
-REHEARSED_PRESET = "examples/qwen2.5-1.5b_8xh100.yaml"
 MARGIN_S = 5  # left for writing the report after the last step
+
+
+#: set in a step's environment to a token of its own: every process the step starts inherits it
+STEP_ENV = "COOPER_GPU_CHECK_STEP"
+
+
+class ProcessTree:
+    """A step's process and every process it starts.
+
+    torchrun starts each rank in a session (and process group) of its own, so killing the step's
+    process group leaves the ranks running, holding their GPU memory through the steps after; and a
+    process whose parent exited is re-parented, no longer a descendant. So the tree is sampled while
+    the step runs, and at the end every process seen in it or carrying the step's token in its
+    environment (:data:`STEP_ENV`) is killed by pid (psutil refuses a pid that was reused).
+    """
+
+    def __init__(self, proc: subprocess.Popen, token: str) -> None:
+        self.proc = proc
+        self.token = token
+        self.seen: dict[int, psutil.Process] = {}
+        self._sample()
+
+    def _sample(self) -> None:
+        try:
+            root = psutil.Process(self.proc.pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.Error:  # the step has exited: its descendants seen so far are remembered
+            return
+        for p in family:
+            self.seen.setdefault(p.pid, p)
+
+    def _marked(self) -> list[psutil.Process]:
+        """This user's processes whose environment carries the step's token."""
+        out = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):  # gone, or another user's
+                if p.pid != os.getpid() and p.environ().get(STEP_ENV) == self.token:
+                    out.append(p)
+        return out
+
+    def wait(self, timeout_s: float, poll_s: float = 0.5) -> Optional[int]:
+        """The step's exit code, or None when it is still running after ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self._sample()
+            try:
+                return self.proc.wait(timeout=max(0.0, min(poll_s, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= end:
+                    return None
+
+    def kill(self) -> list[int]:
+        """SIGKILL the step's process group and every process of the step still running; returns
+        the pids killed that were running."""
+        self._sample()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in self._marked():
+            self.seen.setdefault(p.pid, p)
+        killed = []
+        for p in self.seen.values():
+            with contextlib.suppress(psutil.Error):  # gone already, or its pid reused by another process
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    p.kill()
+                    killed.append(p.pid)
+        self.proc.wait()
+        return killed
 
 
 def run_step(step: Step, out: Path, deadline: Optional[float] = None) -> Step:
     """Run ``step`` (output to ``<out>/<name>.log``) within its limit and the ``deadline``
-    (``time.monotonic()``); a step past either is killed with everything it started. Never raises."""
+    (``time.monotonic()``); a step past either is killed with every process it started
+    (:class:`ProcessTree`), and so is anything it leaves running when it exits. Never raises."""
     log_path = out / f"{step.name}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
@@ -98,17 +169,19 @@ def run_step(step: Step, out: Path, deadline: Optional[float] = None) -> Step:
         return step
     t0 = time.perf_counter()
     logger.info("%s: %s (limit %.0f s)", step.name, " ".join(step.cmd), limit)
+    token = f"{os.getpid()}-{step.name}-{time.time_ns()}"
+    env[STEP_ENV] = token
     with open(log_path, "w") as log:
-        # a process group of its own: a step past its limit is killed with its children (torchrun's ranks)
         proc = subprocess.Popen(step.cmd, cwd=step.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            step.rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        tree = ProcessTree(proc, token)
+        step.rc = tree.wait(limit)
+        killed = tree.kill()  # after a clean exit too: a rank left behind keeps its GPU memory
+        if step.rc is None:
             step.rc = 124
-            log.write(f"\n[gpu_check] timed out after {limit:.0f} s\n")
+            log.write(f"\n[gpu_check] timed out after {limit:.0f} s; killed {len(killed)} process(es)\n")
+        elif killed:
+            log.write(f"\n[gpu_check] the step left {len(killed)} process(es) running: killed\n")
     step.seconds = time.perf_counter() - t0
     step.log = log_path.read_text(errors="replace")
     logger.info("%s: rc=%s in %.0f s", step.name, step.rc, step.seconds)
@@ -147,66 +220,29 @@ def versions() -> dict[str, str]:
     return out
 
 
-def plan_comparison(measured: dict[str, Any], gpu_gib: float, out: Path) -> tuple[Step, list[str]]:
-    """``cooper plan`` for the Cooper-step benchmark's own settings, next to its measured peaks."""
-    rows = []
-    steps = []
-    for variant, res in measured.get("results", {}).items():
-        step = run_step(Step(f"plan_{variant}", [sys.executable, "-m", "cooper_mcore", "plan", "--config",
-                                                 str(ROOT / "examples" / "tiny_cpu.yaml"), "--gpus-per-node", "1",
-                                                 "--gpu-memory-gib", f"{gpu_gib:.2f}", "--json",
-                                                 *res.get("config_overrides", [])], 300), out)
-        steps.append(step)
-        doc = {}
-        if step.ok:
-            try:
-                doc = json.loads(step.log[step.log.index("{"):step.log.rindex("}") + 1])
-            except ValueError:
-                doc = {}
-        predicted = {p["phase"]: p["total_gib"] for p in doc.get("as_configured", {}).get("phases", [])}
-        for phase, peak in res.get("peaks", {}).items():
-            got = peak / 2**30
-            want = predicted.get(phase)
-            ratio = f"{got / want:.2f}" if want else "-"
-            rows.append(f"| {variant} | {phase} | {got:.2f} | {want if want is not None else '-'} | {ratio} |")
-    ok = Step("plan", [], 0, rc=0 if steps and all(s.ok for s in steps) else 1)
-    return ok, rows
+#: the benchmarks whose printed tables go into the report
+TABLE_STEPS = ("train_step", "cooper_step", "moe_step")
 
 
-def rehearsal_rows(out: Path) -> list[str]:
-    """The real-shape rehearsal's per-phase table, from its report.json."""
-    doc = _json(out / "rehearsal" / "report.json")
-
-    def cell(v: Optional[float]) -> str:
-        return f"{v:.2f}" if v is not None else "-"
-
-    rows = [f"| {m['phase']} | {cell(m['seconds'])} | {cell(m['peak_gib'])} | {cell(m['planned_gib'])} |"
-            for m in doc.get("phases", [])]
-    if not rows:
-        return []
-    return [f"{doc.get('verdict', '')}; {doc.get('layout', '')}; {doc.get('features', '')}", "",
-            "| phase | seconds (step 3) | peak GiB (max_memory_allocated) | cooper plan GiB |", "|---|---|---|---|",
-            *rows]
+def _last_table(log: str) -> list[str]:
+    """The last report a benchmark printed (the Cooper-step benchmark prints one after each setting)."""
+    lines = log.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(("shape ", "one Cooper"))]
+    tail = lines[starts[-1]:] if starts else lines
+    return [ln for ln in tail if ln.startswith(("|", "- ", "shape ", "one Cooper", "  "))]
 
 
-def report(out: Path, info: dict[str, str], steps: list[Step], plan_rows: list[str]) -> str:
+def report(out: Path, info: dict[str, str], steps: list[Step]) -> str:
     lines = [f"# gpu-check report ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", "## Steps", "", "| step | result | seconds |", "|---|---|---|"]
     lines += [f"| {s.name} | {s.result} | {s.seconds:.0f} |" for s in steps]
-    rehearsal = rehearsal_rows(out)
-    if rehearsal:
-        lines += ["", f"## {REHEARSED_PRESET} rehearsed at its real shape", "", *rehearsal]
     for s in steps:
-        if s.name.startswith(("train_step", "cooper_step")) and s.ok:
-            table = [ln for ln in s.log.splitlines() if ln.startswith("|") or ln.startswith(("shape ", "one Cooper"))]
-            lines += ["", f"## {s.name}", "", *table]
-    if plan_rows:
-        lines += ["", "## cooper plan vs measured (GiB per GPU, torch.cuda.max_memory_allocated per phase)", "",
-                  "Measured is what torch allocated; the plan also counts CUDA contexts, NCCL and fragmentation.",
-                  "", "| setting | phase | measured | planned | measured / planned |", "|---|---|---|---|---|",
-                  *plan_rows]
+        if s.name.startswith(TABLE_STEPS) and s.rc is not None:
+            table = _last_table(s.log)
+            if table:
+                lines += ["", f"## {s.name}" + ("" if s.ok else f" (its last report before {s.result})"), "", *table]
     for s in steps:
         if not s.ok and s.rc is not None:
             tail = "\n".join(s.log.strip().splitlines()[-40:])
@@ -219,7 +255,7 @@ def report(out: Path, info: dict[str, str], steps: list[Step], plan_rows: list[s
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="the GPU checks in one run, with one report")
     p.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"), help="report folder")
-    p.add_argument("--quick", action="store_true", help="the rehearsal, the tests and the train-step benchmark")
+    p.add_argument("--quick", action="store_true", help="the tests and the train-step benchmark only")
     p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole run (default 480)")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the tiny shapes on CPU
     args = p.parse_args(argv)
@@ -240,35 +276,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     info = versions() if not tiny else {"device": "CPU (--allow-cpu: tiny shapes, a test of this script)"}
     steps: list[Step] = []
-    plan_rows: list[str] = []
-
-    def do(step: Step) -> Step:
-        steps.append(run_step(step, out, deadline))
-        report(out, info, steps, plan_rows)  # after every step: a run cut short keeps what it measured
-        return steps[-1]
-
     for step in plan_steps(sys.executable, tiny, args.quick, out):
-        done = do(step)
-        if done.name == "cooper_step" and done.ok:
-            memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if not tiny else 24.0
-            plan_step, plan_rows = plan_comparison(_json(out / "cooper_step.json"), memory, out)
-            steps.append(plan_step)
+        steps.append(run_step(step, out, deadline))
+        report(out, info, steps)  # after every step: a run cut short keeps what it measured
     for variant in ("megatron-te",):  # a variant whose benchmark found nothing to run here (no TE) is not a step
         name = f"train_step_{variant}"
         if any(s.name == name and s.ok for s in steps) and not _json(out / f"{name}.json").get("rows"):
             logger.info("%s: not available on this machine", variant)
             steps[:] = [s for s in steps if s.name != name]
-    text = report(out, info, steps, plan_rows)
+    text = report(out, info, steps)
     print(text)
     print(f"report: {out / 'report.md'}")
     return 0 if all(s.ok for s in steps) else 1
 
 
 def plan_steps(py: str, tiny: bool, quick: bool, out: Path) -> list[Step]:
-    """The steps, most informative first (see the module doc)."""
+    """The steps in the order they run (see the module doc); ``tiny``: the CPU shapes (a test of this script)."""
     bench = ROOT / "benchmarks"
-    preset = ROOT / ("examples/tiny_cpu.yaml" if tiny else REHEARSED_PRESET)
-    steps = [Step("gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"], 240)]
+    steps = [Step("gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"], 180)]
     try:
         import sglang  # noqa: F401  (optional)
 
@@ -282,12 +307,13 @@ def plan_steps(py: str, tiny: bool, quick: bool, out: Path) -> list[Step]:
         skip = ",".join(v for v in variants if v != variant)
         js = out / f"train_step_{variant}.json"
         steps.append(Step(f"train_step_{variant}", [py, "train_step.py", *shape, "--steps", "3", "--warmup", "1",
-                                                    "--skip", skip, "--json", str(js)], 150, cwd=bench))
-    if not quick:
-        steps.append(Step("cooper_step", [py, "cooper_step.py", *shape, "--steps", "2", "--json",
-                                          str(out / "cooper_step.json")], 300, cwd=bench))
-    steps.append(Step("rehearsal", [py, "-m", "cooper_mcore", "rehearse", "--config", str(preset), "--real-shape",
-                                    "--out", str(out / "rehearsal")], 360))
+                                                    "--skip", skip, "--json", str(js)], 120, cwd=bench))
+    if quick:
+        return steps
+    steps.append(Step("cooper_step", [py, "cooper_step.py", *shape, "--steps", "2", "--json",
+                                      str(out / "cooper_step.json")], 270, cwd=bench))
+    moe = ["--settings", "1x1", "--steps", "1"] if tiny else ["--gpu"]
+    steps.append(Step("moe_step", [py, "moe_step.py", *moe], 120, cwd=bench))
     return steps
 
 

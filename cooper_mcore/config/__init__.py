@@ -1,2 +1,3 @@
 """The jobs' configuration: typed sections (:mod:`.schema`), the checks of a whole config before
-any work starts (:mod:`.checks`) and the presets shipped with the package (:mod:`.presets`)."""
+any work starts (:mod:`.checks`), the presets shipped with the package (:mod:`.presets`) and the
+shapes of a run built with random weights (:mod:`.model_shapes`)."""

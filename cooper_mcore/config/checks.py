@@ -15,9 +15,10 @@ import typing
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from enum import Enum
-from typing import Any, Literal, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 from cooper_mcore.checkpoint.model import META_FILE, checkpoint_arch_fields, is_model_checkpoint
+from cooper_mcore.config.model_shapes import random_init_shapes
 from cooper_mcore.config.schema import CooperConfig, RewardMode, SFTConfig, VerifyRMConfig
 from cooper_mcore.files import read_json_object
 from cooper_mcore.parallel import ParallelConfig
@@ -167,25 +168,51 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
                            f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
     if cfg.model.moe_aux_loss_coef is not None and cfg.model.moe_aux_loss_coef < 0:
         out.append(f"model.moe_aux_loss_coef must be >= 0, got {cfg.model.moe_aux_loss_coef}")
-    if cfg.model.moe_routing_replay:
-        arch, _ = checkpoint_arch_fields(cfg.model.policy_ckpt)
-        if arch is not None and not isinstance(arch.get("moe"), dict):
-            out.append(f"model.moe_routing_replay needs a mixture-of-experts policy; model.policy_ckpt "
-                       f"({cfg.model.policy_ckpt}) is dense")
-    models = [("model.policy_ckpt", cfg.model.policy_ckpt)]
-    if _uses_rm(cfg):
-        models.append(("model.rm_ckpt", cfg.model.rm_ckpt))
-    return out + _model_layout_problems(par, models, world_size, {"model.policy_ckpt": cfg.model.dtype})
+    models, problems = _run_models(cfg)
+    policy = models[0] if models else None
+    if cfg.model.moe_routing_replay and policy is not None and policy.arch is not None \
+            and not isinstance(policy.arch.get("moe"), dict):
+        out.append(f"model.moe_routing_replay needs a mixture-of-experts policy; {policy.name} ({policy.path}) "
+                   "is dense")
+    return out + problems + _model_layout_problems(par, models, world_size, {"model.policy_ckpt": cfg.model.dtype})
 
 
-def _model_layout_problems(par: ParallelConfig, models: list[tuple[str, str]], world_size: int,
+class _Model(NamedTuple):
+    """A model a job builds: the setting that names it, its checkpoint or config, and its shape's
+    fields (``ArchSpec.to_dict``; None when unreadable: the path checks report why) and dtype."""
+
+    name: str
+    path: str
+    arch: Optional[dict[str, Any]]
+    dtype: Optional[str]
+
+
+def _checkpoint_model(name: str, ckpt: str) -> _Model:
+    return _Model(name, ckpt, *checkpoint_arch_fields(ckpt))
+
+
+def _run_models(cfg: CooperConfig) -> tuple[list[_Model], list[str]]:
+    """A Cooper run's models (the RM when it has one): their checkpoints, or with ``model.init: random``
+    their configs (:func:`~cooper_mcore.config.model_shapes.random_init_shapes`); and why a config cannot be read."""
+    if not cfg.model.random_init:
+        names = [("model.policy_ckpt", cfg.model.policy_ckpt)] + ([("model.rm_ckpt", cfg.model.rm_ckpt)]
+                                                                  if _uses_rm(cfg) else [])
+        return [_checkpoint_model(name, ckpt) for name, ckpt in names], []
+    try:
+        shapes = random_init_shapes(cfg.model, _uses_rm(cfg))
+    except ValueError as e:
+        return [], [str(e)]
+    return [_Model(name, s.source, s.arch.to_dict(), None)
+            for name, s in zip(("model.policy_config", "model.rm_config"), shapes) if s is not None], []
+
+
+def _model_layout_problems(par: ParallelConfig, models: list[_Model], world_size: int,
                            dtypes: Optional[dict[str, str]] = None) -> list[str]:
-    """The checkpoints ``models`` (setting name, folder) against the layout: heads, key/value heads and
-    vocabulary by tp, layers by pp, experts by ep/etp (:func:`_expert_model_problems`), and the
-    dtype a model is trained in (``dtypes``: setting name -> dtype) against its weights'."""
+    """``models`` against the layout: heads, key/value heads and vocabulary by tp, layers by pp,
+    experts by ep/etp (:func:`_expert_model_problems`), and the dtype a model is trained in
+    (``dtypes``: setting name -> dtype) against its weights'."""
     out = _dense_only_problems(par, models)
-    for name, ckpt in models:
-        arch, dtype = checkpoint_arch_fields(ckpt)
+    for name, ckpt, arch, dtype in models:
         if arch is None:
             continue
         for field_name, what, size, by in (("num_attention_heads", "attention heads", par.tp, "tp"),
@@ -240,15 +267,15 @@ def _expert_model_problems(name: str, ckpt: str, arch: dict[str, Any], ep: int, 
     return out
 
 
-def _dense_only_problems(par: ParallelConfig, models: list[tuple[str, str]]) -> list[str]:
+def _dense_only_problems(par: ParallelConfig, models: list[_Model]) -> list[str]:
     """parallel.ep/etp > 1 (etp set, not following tp) need a mixture-of-experts model among ``models``
     (the other may be dense)."""
     if par.ep == 1 and (par.etp or 1) == 1:
         return []
-    archs = [checkpoint_arch_fields(ckpt)[0] for _, ckpt in models]
-    if any(a is None for a in archs) or any(isinstance(a.get("moe"), dict) for a in archs):
+    archs = [m.arch for m in models]
+    if not archs or any(a is None for a in archs) or any(isinstance(a.get("moe"), dict) for a in archs):
         return []  # an unreadable checkpoint is reported by the path checks
-    named = " and ".join(f"{name} ({ckpt})" for name, ckpt in models)
+    named = " and ".join(f"{m.name} ({m.path})" for m in models)
     settings = " / ".join(f"parallel.{k}={v}" for k, v in (("ep", par.ep), ("etp", par.etp or 1)) if v > 1)
     return [f"{settings} need{'s' if ' / ' not in settings else ''} a mixture-of-experts model, but {named} "
             f"{'is' if len(models) == 1 else 'are'} dense"]
@@ -257,7 +284,11 @@ def _dense_only_problems(par: ParallelConfig, models: list[tuple[str, str]]) -> 
 def _engine_problems(cfg: CooperConfig) -> list[str]:
     """What the rollout engine cannot serve. SGLang's Qwen3-MoE (``srt/models/qwen3_moe.py``, 0.5.x)
     builds every layer sparse whatever ``mlp_only_layers``/``decoder_sparse_step`` say, so a policy
-    with dense layers would be served wrong (log-probabilities ~1e-2 off, measured) rather than refused."""
+    with dense layers would be served wrong (log-probabilities ~1e-2 off, measured) rather than refused.
+    SGLang loads its first weights from ``model.policy_hf``, which a run with random weights does not have."""
+    if cfg.rollout.uses_sglang and cfg.model.random_init:
+        return ["model.init=random needs rollout.engine=hf: SGLang starts from the weights in model.policy_hf, "
+                "the transformers engine is built empty and filled by the weight push"]
     if not cfg.rollout.uses_sglang or not cfg.model.policy_ckpt:
         return []
     arch, _ = checkpoint_arch_fields(cfg.model.policy_ckpt)
@@ -276,7 +307,7 @@ def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
     m = cfg.model
     out = []
     ckpts = [("model.policy_ckpt", m.policy_ckpt)] + ([("model.rm_ckpt", m.rm_ckpt)] if _uses_rm(cfg) else [])
-    for name, ckpt in ckpts:
+    for name, ckpt in ckpts if not m.random_init else []:
         problem = _json_problem(os.path.join(ckpt, META_FILE)) if ckpt else None
         if problem:
             out.append(f"{name}: {problem}")
@@ -288,7 +319,7 @@ def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
             out.append(f"model.policy_hf: {problem}")
         elif os.path.isfile(path):
             hf_cfg = read_json_object(path)
-    arch, _ = checkpoint_arch_fields(m.policy_ckpt) if m.policy_ckpt else (None, None)
+    arch, _ = checkpoint_arch_fields(m.policy_ckpt) if m.policy_ckpt and not m.random_init else (None, None)
     if arch is None or hf_cfg is None:
         return out
     diffs = []
@@ -325,7 +356,13 @@ def _path_problems(cfg: CooperConfig) -> list[str]:
     if _uses_rm(cfg):
         ckpts.append(("model.rm_ckpt", m.rm_ckpt))
     files = [("data.train_path", d.train_path)] + ([("data.eval_path", d.eval_path)] if cfg.eval.every else [])
-    out = _read_path_problems(ckpts, [("model.policy_hf", m.policy_hf)], files)
+    if m.random_init:  # no checkpoint is read; model.policy_hf holds the tokenizer (the shapes are checked apart)
+        out = _read_path_problems([], [], files)
+        if not m.policy_hf or not os.path.isdir(m.policy_hf):
+            out.insert(0, f"model.policy_hf must be the folder of the tokenizer with model.init=random, got "
+                          f"{m.policy_hf!r}")
+    else:
+        out = _read_path_problems(ckpts, [("model.policy_hf", m.policy_hf)], files)
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.isdir(cfg.checkpoint.resume):
         out.append(f"checkpoint.resume must be 'none', 'auto' or a checkpoint folder; got {cfg.checkpoint.resume!r}")
     return out
@@ -372,7 +409,7 @@ def _checkpoint_problems(par: ParallelConfig, ckpt: str, world_size: int) -> lis
     problem = _json_problem(os.path.join(ckpt, META_FILE)) if ckpt else None
     out = [f"ckpt: {problem}"] if problem else []
     if par.tp >= 1 and par.pp >= 1:
-        out += _model_layout_problems(par, [("ckpt", ckpt)], world_size)
+        out += _model_layout_problems(par, [_checkpoint_model("ckpt", ckpt)], world_size)
     return out
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import cooper_mcore
+from cooper_mcore.files import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,21 @@ def resolve_model_config(given: str) -> str:
     names = ", ".join(p.stem for p in sorted(root.glob(f"{MODEL_CONFIGS}/*.json"))) if root else "none"
     raise FileNotFoundError(f"model config {given!r} not found, neither as a file nor as a shipped model config "
                             f"(shipped: {names})")
+
+
+def read_model_config(given: str) -> dict[str, Any]:
+    """An HF config: a ``config.json`` file, the model folder holding it, or a shipped model config's name.
+
+    Raises:
+        FileNotFoundError: none of these (naming the shipped model configs), or a folder without ``config.json``.
+        ValueError: the file is not valid JSON (file, line and column named) or not an object.
+    """
+    path = resolve_model_config(given)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {given!r}")
+    return read_json_object(path)
 
 
 def shipped_model_config(model_path: str, preset: Optional[str] = None) -> Optional[str]:

@@ -45,6 +45,8 @@ NegativeKind = Literal["assistant", "policy", "rewrite", "perturb", "random"]
 RewriteKind = Literal["step", "copy", "final"]
 FailureAction = Literal["mask", "stop"]
 EngineKind = Literal["hf", "sglang"]
+#: where a run's model weights come from (``model.init``)
+ModelInit = Literal["checkpoint", "random"]
 RMQuestion = Literal["prompt", "question"]
 #: the checkers of held-out accuracy (``eval.verifier``; :func:`cooper_mcore.rl.setup.build_eval_oracle`)
 EvalVerifier = Literal["rule", "arithmetic_oracle"]
@@ -78,14 +80,16 @@ class RewardMode(str, Enum):
 @dataclass
 class ModelConfig:
     """The models: Megatron checkpoints (``cooper convert hf-to-mcore``) and the HF folder the
-    policy's tokenizer and rollout engine load from."""
+    policy's tokenizer and rollout engine load from; or, with ``init: random``, random weights
+    built on the device at the models' shapes."""
 
     policy_ckpt: str = ""
-    """Megatron checkpoint of the initial policy (also the frozen KL reference)."""
+    """Megatron checkpoint of the initial policy (also the frozen KL reference); unused with init=random."""
     policy_hf: str = ""
-    """HF folder of the same policy (the rollout engine's start and the tokenizer)."""
+    """HF folder of the same policy (the rollout engine's start and the tokenizer); with init=random only its
+    tokenizer is read (and its config.json when model.policy_config is empty)."""
     rm_ckpt: str = ""
-    """Megatron checkpoint of the VerifyRM reward model (unused in rule mode)."""
+    """Megatron checkpoint of the VerifyRM reward model (unused in rule mode and with init=random)."""
     dtype: Dtype = "float32"
     """Parameter dtype of both models; the checkpoints must hold it."""
     trust_remote_code: bool = False
@@ -95,6 +99,22 @@ class ModelConfig:
     unset: each checkpoint's HF ``router_aux_loss_coef``."""
     moe_routing_replay: bool = False
     """Rollout routing replay: the MoE policy's trainer forwards reuse the experts the engine chose per token."""
+    init: ModelInit = "checkpoint"
+    """checkpoint: load model.policy_ckpt and model.rm_ckpt; random: build the policy, its reference and the RM
+    with random weights directly on the device at the shapes of model.policy_config and model.rm_config, and fill
+    the rollout engine through the weight push (nothing read or converted: to measure time and memory at a real
+    shape in seconds; the models learn nothing useful)."""
+    policy_config: str = ""
+    """With init=random: the policy's HF config (a config.json, a folder holding one, or a shipped name such as
+    qwen2.5-1.5b-instruct); empty: model.policy_hf's config.json."""
+    rm_config: str = ""
+    """With init=random: the reward model's HF config (as model.policy_config); empty: the policy's backbone with
+    a scalar head (VerifyRM is a fine-tuned model of the policy's size)."""
+
+    @property
+    def random_init(self) -> bool:
+        """Whether the models are built with random weights rather than loaded (``init: random``)."""
+        return self.init == "random"
 
 
 @dataclass

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
+from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.types import Prompt
 
 QUESTION_PLACEHOLDER = "{question}"
@@ -119,6 +120,20 @@ def template_prompts(
         if tokenize:
             p.token_ids = list(tokenizer(p.text, add_special_tokens=not use_chat_template)["input_ids"])
     return out
+
+
+def longest_prompt_tokens(path: str, template: str, tokenizer: Any, use_chat_template: bool = False,
+                          question_key: str = "question", answer_key: str = "answer",
+                          skip_malformed: bool = False) -> int:
+    """The most tokens of a prompt file's prompts once templated as the trainer templates them
+    (:func:`template_prompts`): what ``cooper plan --prompt-tokens`` should be told for a run on it.
+
+    Raises:
+        ValueError: as :func:`cooper_mcore.data.datasets.read_prompts` and :func:`template_prompts`.
+    """
+    prompts, _ = read_prompts(path, question_key=question_key, answer_key=answer_key, skip_malformed=skip_malformed)
+    template_prompts(prompts, template, tokenizer, use_chat_template, tokenize=True)
+    return max((len(p.token_ids) for p in prompts), default=1)
 
 
 def truncate_completion(

@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
@@ -199,6 +200,52 @@ def train_tiny_tokenizer(
     assert loaded.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(len(SPECIAL_TOKENS)))
     logger.info("trained a %s tokenizer with %d tokens into %s", model_type, len(loaded), out_dir)
     return loaded
+
+
+#: the first code point of the one-character tokens :func:`widen_tokenizer` adds (planes 2-13: no
+#: tiny tokenizer's corpus holds them, and every one is a single Unicode scalar value)
+WIDE_FIRST_CODE_POINT = 0x20000
+_WIDE_LAST_CODE_POINT = 0xDFFFF
+
+
+def widen_tokenizer(src_dir: str, out_dir: str, vocab_size: int) -> Any:
+    """A copy of the tokenizer in ``src_dir`` (as :func:`train_tiny_tokenizer` writes it) whose
+    vocabulary is filled up to ``vocab_size`` ids with one-character tokens (code points from
+    :data:`WIDE_FIRST_CODE_POINT`), saved in ``out_dir``.
+
+    The stand-in for a real model's tokenizer where a run has random weights at a real shape: every
+    id such a policy samples then decodes to text that tokenizes back to the same id, so the reward
+    model reads completions as long as the policy wrote them (with the tiny tokenizer, the ids past
+    its few pieces would decode to nothing). The tiny tokenizer's own pieces and special ids are kept.
+
+    Returns:
+        The widened tokenizer as :func:`load_tokenizer` reads it back.
+
+    Raises:
+        ValueError: ``src_dir`` holds no BPE ``tokenizer.json``, or ``vocab_size`` is smaller than its
+            vocabulary or larger than the code points available.
+    """
+    path = os.path.join(src_dir, "tokenizer.json")
+    spec = read_json_object(path) if os.path.isfile(path) else {}
+    vocab = spec.get("model", {}).get("vocab")
+    if spec.get("model", {}).get("type") != "BPE" or not isinstance(vocab, dict):
+        raise ValueError(f"widen_tokenizer: {src_dir!r} has no BPE tokenizer.json (make one with "
+                         "train_tiny_tokenizer)")
+    used = max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", []))]) + 1
+    most = _WIDE_LAST_CODE_POINT - WIDE_FIRST_CODE_POINT + 1  # id i is the character WIDE_FIRST_CODE_POINT + i
+    if not used <= vocab_size <= most:
+        raise ValueError(f"widen_tokenizer: vocab_size={vocab_size} must be between the tokenizer's {used} ids and "
+                         f"{most}")
+    vocab.update({chr(WIDE_FIRST_CODE_POINT + i): i for i in range(used, vocab_size)})
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(src_dir):
+        if name not in ("tokenizer.json", SPM_FILE):  # the sentencepiece model does not know the new ids
+            shutil.copy(os.path.join(src_dir, name), out_dir)
+    tmp = os.path.join(out_dir, "tokenizer.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False)
+    os.replace(tmp, os.path.join(out_dir, "tokenizer.json"))
+    return load_tokenizer(out_dir)
 
 
 def _set_tokenizer_class(out_dir: str) -> None:

@@ -24,7 +24,7 @@ from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
 from cooper_mcore.data.datasets import write_prompts
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_prompts, tokenizer_corpus
 from cooper_mcore.data.templates import rm_input
-from cooper_mcore.data.tokenizer import train_tiny_tokenizer
+from cooper_mcore.data.tokenizer import load_tokenizer, train_tiny_tokenizer, widen_tokenizer
 from cooper_mcore.jobs.sft import math_sft_examples, sft
 from cooper_mcore.models.tiny import FAMILIES, save_tiny_hf_model
 from cooper_mcore.types import Prompt
@@ -81,18 +81,10 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
         if name not in FAMILIES:  # before the tokenizer and models are built
             raise ValueError(f"{what} {name!r} is not a tiny family; choose from {FAMILIES}")
     task = task or TINY_TASK
-    paths = {k: os.path.join(out, v) for k, v in {
-        "train": "train.jsonl", "eval": "eval.jsonl", "tokenizer": "tokenizer", "policy_hf": "policy_hf",
-        "policy_ckpt": "policy_mcore", "rm_hf": "rm_hf", "rm_ckpt": "rm_mcore"}.items()}
-    os.makedirs(out, exist_ok=True)
-    if not os.path.exists(paths["train"]):
-        _write_prompts_once(out, paths, prompts or (generate_prompts(n_train, task, split="train", seed=seed),
-                                                    generate_prompts(n_eval, task, split="test", seed=seed)))
-    if corpus is None:
-        corpus = tokenizer_corpus(2000, config=task, seed=seed)
-        # the VerifyRM template's tags too, so that each is a few tokens rather than one <unk> per letter
-        corpus += [rm_input(q, "0", c) for q, c in zip(corpus[0::3], corpus[1::3])][:200]
-    tok = train_tiny_tokenizer(corpus, paths["tokenizer"], vocab_size=vocab_size, isolate=isolate)
+    paths = build_task_assets(out, n_train, n_eval, seed, task, vocab_size, prompts, corpus, isolate)
+    paths.update({k: os.path.join(out, v) for k, v in {
+        "policy_hf": "policy_hf", "policy_ckpt": "policy_mcore", "rm_hf": "rm_hf", "rm_ckpt": "rm_mcore"}.items()})
+    tok = load_tokenizer(paths["tokenizer"])
     maker = _RandomModels(paths["tokenizer"], {"causal_lm": family, "reward": rm_family}, seed, dtype,
                           dict(vocab_size=-(-len(tok) // 8) * 8, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id, max_position_embeddings=max_positions),
@@ -109,6 +101,41 @@ def build_tiny_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int 
     if not os.path.exists(paths["policy_hf"]):  # the SFT policy's HF folder (the rollout engine's start)
         mcore_to_hf(paths["policy_ckpt"], paths["policy_hf"])
     logger.info("tiny assets in %s", out)
+    return paths
+
+
+def build_task_assets(out: str, n_train: int = 512, n_eval: int = 64, seed: int = 0,
+                      task: Optional[MathTaskConfig] = None, vocab_size: int = 128,
+                      prompts: Optional[tuple[list[Prompt], list[Prompt]]] = None,
+                      corpus: Optional[list[str]] = None, isolate: str = "") -> dict[str, str]:
+    """The task's prompts and the tiny tokenizer under ``out`` (prompts already there are reused):
+    ``{"train", "eval", "tokenizer"}`` paths. The arguments are :func:`build_tiny_assets`'s."""
+    task = task or TINY_TASK
+    paths = {"train": os.path.join(out, "train.jsonl"), "eval": os.path.join(out, "eval.jsonl"),
+             "tokenizer": os.path.join(out, "tokenizer")}
+    os.makedirs(out, exist_ok=True)
+    if not os.path.exists(paths["train"]):
+        _write_prompts_once(out, paths, prompts or (generate_prompts(n_train, task, split="train", seed=seed),
+                                                    generate_prompts(n_eval, task, split="test", seed=seed)))
+    if corpus is None:
+        corpus = tokenizer_corpus(2000, config=task, seed=seed)
+        # the VerifyRM template's tags too, so that each is a few tokens rather than one <unk> per letter
+        corpus += [rm_input(q, "0", c) for q, c in zip(corpus[0::3], corpus[1::3])][:200]
+    train_tiny_tokenizer(corpus, paths["tokenizer"], vocab_size=vocab_size, isolate=isolate)
+    return paths
+
+
+def build_real_shape_assets(out: str, vocab_size: int, n_train: int = 512, n_eval: int = 16,
+                            seed: int = 0) -> dict[str, str]:
+    """What a run with random weights at a real shape reads (``model.init: random``): the tiny
+    task's prompts and the tiny tokenizer widened to the model's ``vocab_size``
+    (:func:`~cooper_mcore.data.tokenizer.widen_tokenizer`: every id the random policy samples reads
+    back as one token, so the reward model's inputs are as long as the completions). A few hundred
+    kilobytes of prompts and a tokenizer: no model is written. Returns ``{"train", "eval", "tokenizer"}``."""
+    wide = os.path.join(out, f"tokenizer_v{vocab_size}")
+    paths = {"train": os.path.join(out, "train.jsonl"), "eval": os.path.join(out, "eval.jsonl"), "tokenizer": wide}
+    if not (os.path.isfile(paths["train"]) and os.path.isfile(os.path.join(wide, "tokenizer.json"))):
+        widen_tokenizer(build_task_assets(out, n_train, n_eval, seed)["tokenizer"], wide, vocab_size)
     return paths
 
 

@@ -631,3 +631,60 @@ def plan(cfg: CooperConfig, policy: ArchSpec, rm: Optional[ArchSpec], opts: Plan
             recommended = min(fitting, key=lambda ev: (_transfer_cost(ev, p.states[0]), ev.peak.total,
                                                        sum(dataclasses.astuple(ev.offload))))
     return Plan(p.lay, policy, p.rm, opts, given, effects, recommended, p.assistant, list(p.notes))
+
+
+@dataclass(frozen=True)
+class MicroBatchFit:
+    """The largest micro-batches a run fits in, by :func:`largest_micro_batch`.
+
+    Attributes:
+        setting: the dotted setting sized: ``train.micro_batch_size``, or ``train.max_tokens_per_micro_batch``
+            when the run forms micro-batches by a token budget.
+        value: the largest value the run accepts whose plan fits: a micro-batch size dividing a
+            data-parallel rank's sequences per mini-batch (what the config checks require), or a
+            token budget in multiples of the granularity.
+        largest_fitting: the largest value whose plan fits, accepted by the run or not (``value`` <= it).
+        limit: the largest value tried: a whole mini-batch of a rank in one micro-batch.
+        peak: the predicted peak phase at ``value``.
+    """
+
+    setting: str
+    value: int
+    largest_fitting: int
+    limit: int
+    peak: PhaseMemory
+
+
+def largest_micro_batch(cfg: CooperConfig, policy: ArchSpec, rm: Optional[ArchSpec], opts: PlanOptions,
+                        granularity: int = 256) -> Optional[MicroBatchFit]:
+    """The largest ``train.micro_batch_size`` (or, when ``train.max_tokens_per_micro_batch`` is set, the
+    largest token budget, in multiples of ``granularity``) whose predicted peak fits
+    ``opts.gpu_memory_gib`` with the run's offload settings as configured; None when one sequence per
+    micro-batch does not fit. Every value up to the limit is planned: the answer does not rely on memory
+    growing with the micro-batch.
+
+    Raises:
+        ValueError: an impossible layout or setting (as :func:`plan`).
+    """
+    t = cfg.train
+    lay = layout_of(cfg, opts.world_size)
+    per_mini = max(t.prompts_per_step // lay.dp * cfg.rollout.group_size // t.mini_batches, 1)
+    if t.max_tokens_per_micro_batch:
+        setting, field_name = "train.max_tokens_per_micro_batch", "max_tokens_per_micro_batch"
+        top = -(-per_mini * _seq_len(cfg, opts) // granularity)
+        values = [granularity * k for k in range(1, top + 1)]
+        accepted = set(values)
+    else:
+        setting, field_name = "train.micro_batch_size", "micro_batch_size"
+        values = list(range(1, per_mini + 1))
+        accepted = {v for v in values if per_mini % v == 0}
+
+    def evaluate(value: int) -> Evaluation:
+        sized = dataclasses.replace(cfg, train=dataclasses.replace(t, **{field_name: value}))
+        return _Planner(sized, policy, rm, opts).evaluate(cfg.offload)
+
+    fitting = [v for v in values if evaluate(v).fits]
+    usable = [v for v in fitting if v in accepted]
+    if not usable:
+        return None
+    return MicroBatchFit(setting, max(usable), max(fitting), values[-1], evaluate(max(usable)).peak)

@@ -11,13 +11,13 @@ policy's backbone (VerifyRM is a fine-tuned policy-size model), and the report s
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cooper_mcore.checkpoint.model import checkpoint_arch
-from cooper_mcore.config.presets import resolve_model_config, shipped_model_config
+from cooper_mcore.checkpoint.model import is_model_checkpoint, read_meta
+from cooper_mcore.config.model_shapes import ModelShape, random_init_shapes, reward_hf_config
+from cooper_mcore.config.presets import read_model_config, shipped_model_config
 from cooper_mcore.config.schema import CooperConfig, load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.planner.plan import (
@@ -41,31 +41,31 @@ _SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer":
           "activations": "act", "logits": "logits", "buffers": "buf", "contexts": "ctx", "overhead": "ovh"}
 
 
-def _read_config(path: str) -> dict[str, Any]:
-    """An HF config: a ``config.json`` file, the model folder holding it, or a shipped model config's name."""
-    path = resolve_model_config(path)
-    if os.path.isdir(path):
-        return load_hf_config(path)
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
-                rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
-    """The policy's and the RM's architectures for ``cfg``, and notes on where they came from.
+def find_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
+                rm_config: Optional[str] = None) -> tuple[ModelShape, Optional[ModelShape], list[str]]:
+    """The policy's and the RM's shapes for ``cfg`` (architecture and HF config), and notes on where
+    they came from: ``--policy-config``, ``model.policy_hf/config.json``, the policy checkpoint, the
+    config shipped for ``model.policy_hf``; the RM's ``--rm-config``, its checkpoint, else the
+    policy's backbone with a scalar head. With ``model.init: random`` and neither config given, the
+    run's own shapes (:func:`~cooper_mcore.config.model_shapes.random_init_shapes`).
 
     Raises:
         ValueError: no policy shape can be found (naming the places looked at).
     """
     notes = []
+    if cfg.model.random_init and not policy_config and not rm_config:
+        policy_shape, rm_shape = random_init_shapes(cfg.model, cfg.reward.mode.uses_rm)
+        notes.append(f"random weights (model.init=random): policy from {policy_shape.source}"
+                     + (f", reward model from {rm_shape.source}" if rm_shape else ""))
+        return policy_shape, rm_shape, notes
     if policy_config:
-        policy = ArchSpec.from_hf_config(_read_config(policy_config), "causal_lm")
+        policy = _config_shape(policy_config, "causal_lm", f"--policy-config {policy_config}")
     elif cfg.model.policy_hf and os.path.isfile(os.path.join(cfg.model.policy_hf, "config.json")):
-        policy = ArchSpec.from_hf_config(load_hf_config(cfg.model.policy_hf), "causal_lm")
-    elif (found := checkpoint_arch(cfg.model.policy_ckpt)) is not None:
-        policy = found
+        policy = _config_shape(cfg.model.policy_hf, "causal_lm", f"model.policy_hf={cfg.model.policy_hf}")
+    elif cfg.model.policy_ckpt and is_model_checkpoint(cfg.model.policy_ckpt):
+        policy = _checkpoint_shape(cfg.model.policy_ckpt, "model.policy_ckpt")
     elif (shipped := shipped_model_config(cfg.model.policy_hf)) is not None:
-        policy = ArchSpec.from_hf_config(_read_config(shipped), "causal_lm")
+        policy = _config_shape(shipped, "causal_lm", f"the shipped {os.path.basename(shipped)}")
         notes.append(f"policy shape from the shipped {os.path.basename(shipped)} (model.policy_hf has no "
                      f"config.json here); pass --policy-config to set it")
     else:
@@ -75,14 +75,36 @@ def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
     if not cfg.reward.mode.uses_rm:
         return policy, None, notes
     if rm_config:
-        rm = ArchSpec.from_hf_config(_read_config(rm_config), "reward")
-    elif (found := checkpoint_arch(cfg.model.rm_ckpt)) is not None:
-        rm = found
+        rm = _config_shape(rm_config, "reward", f"--rm-config {rm_config}")
+    elif cfg.model.rm_ckpt and is_model_checkpoint(cfg.model.rm_ckpt):
+        rm = _checkpoint_shape(cfg.model.rm_ckpt, "model.rm_ckpt")
     else:
-        rm = dataclasses.replace(policy, model_type="reward", tie_word_embeddings=False)
+        rm = ModelShape(dataclasses.replace(policy.arch, model_type="reward", tie_word_embeddings=False),
+                        reward_hf_config(policy.hf_config), f"the policy's backbone ({policy.source})")
         notes.append("reward model shape not found (model.rm_ckpt): assumed to be the policy's backbone with a "
                      "scalar head; pass --rm-config to set it")
     return policy, rm, notes
+
+
+def _config_shape(given: str, model_type: str, source: str) -> ModelShape:
+    hf = read_model_config(given)
+    return ModelShape(ArchSpec.from_hf_config(hf, model_type), hf, source)
+
+
+def _checkpoint_shape(ckpt: str, setting: str) -> ModelShape:
+    arch, hf, _ = read_meta(ckpt)
+    return ModelShape(arch, hf, f"{setting}={ckpt}")
+
+
+def load_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
+                rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
+    """The policy's and the RM's architectures of :func:`find_shapes`, and its notes.
+
+    Raises:
+        ValueError: no policy shape can be found (naming the places looked at).
+    """
+    policy, rm, notes = find_shapes(cfg, policy_config, rm_config)
+    return policy.arch, rm.arch if rm is not None else None, notes
 
 
 def _text(value: Any) -> str:

@@ -25,10 +25,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cooper_mcore.config.model_shapes import ModelShape
 from cooper_mcore.config.presets import shipped_model_config
 from cooper_mcore.config.schema import CooperConfig
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.planner.report import load_shapes
+from cooper_mcore.planner.report import find_shapes
 
 #: the rehearsal's run: STEPS steps, a stop signal in step STOP_STEP, a checkpoint every CKPT_EVERY
 STEPS = 4
@@ -105,6 +106,9 @@ class RehearsalPlan:
     """Whether a stand-in assistant server is started (``rm.negatives: assistant``)."""
     real_shape: bool = False
     """One process at the preset's model shape: one run that measures, no stop and resume."""
+    model_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """At the real shape: the HF configs of the preset's models by setting (``model.policy_config``,
+    ``model.rm_config``), which the run builds with random weights."""
 
     def layout(self) -> str:
         p = self.cfg.parallel
@@ -198,12 +202,12 @@ def _cap_experts(cfg: CooperConfig, world: int, subs: list[Substitution]) -> Non
     if ep == 1 and par.ep > 1 and etp != par.tp:
         etp = par.tp
     why = f"{world} processes hold the expert layout etp*ep*pp at most"
-    _set(cfg, subs, "parallel.ep", ep, why)
+    change_setting(cfg, subs, "parallel.ep", ep, why)
     if etp != par.expert_tp:
-        _set(cfg, subs, "parallel.etp", etp, why)
+        change_setting(cfg, subs, "parallel.etp", etp, why)
 
 
-def _set(cfg: CooperConfig, subs: list[Substitution], setting: str, value: Any, why: str) -> None:
+def change_setting(cfg: CooperConfig, subs: list[Substitution], setting: str, value: Any, why: str) -> None:
     """Set a dotted setting of ``cfg`` and record it when it changes."""
     *path, name = setting.split(".")
     section = cfg
@@ -243,21 +247,27 @@ def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optiona
     par.tp, par.pp = tp, pp
     _cap_experts(cfg, tp * pp * dp, subs)
     if par.sequence_parallel and tp == 1:
-        _set(cfg, subs, "parallel.sequence_parallel", False, "needs tp > 1 after the cap")
-    _set(cfg, subs, "parallel.timeout_minutes", TIMEOUT_MINUTES, "a rank-divergent collective fails fast")
+        change_setting(cfg, subs, "parallel.sequence_parallel", False, "needs tp > 1 after the cap")
+    change_setting(cfg, subs, "parallel.timeout_minutes", TIMEOUT_MINUTES, "a rank-divergent collective fails fast")
     shape = real_shape(policy, rm) if at_real_shape else tiny_shape(policy, rm, tp, pp)
     tiny = "the tiny task of the rehearsal"
-    _set(cfg, subs, "data.template", "{question}", tiny)
-    _set(cfg, subs, "data.use_chat_template", False, "the tiny tokenizer has no chat template")
-    _set(cfg, subs, "data.eval_limit", EVAL_PROMPTS, "a short evaluation")
-    if cfg.rollout.uses_sglang and not sglang_available:
-        _set(cfg, subs, "rollout.engine", "hf", "SGLang is not installed here; the transformers engine models its "
-                                               "release and weight-push semantics")
+    change_setting(cfg, subs, "data.template", "{question}", tiny)
+    change_setting(cfg, subs, "data.use_chat_template", False, "the tiny tokenizer has no chat template")
+    change_setting(cfg, subs, "data.eval_limit", EVAL_PROMPTS, "a short evaluation")
+    if at_real_shape:
+        change_setting(cfg, subs, "model.init", "random",
+                       "random weights built on the device at the real shape: nothing written or converted")
+        change_setting(cfg, subs, "rollout.engine", "hf", "with random weights the transformers engine is built "
+                                                          "empty and filled by the weight push (SGLang loads "
+                                                          "model.policy_hf)")
+    elif cfg.rollout.uses_sglang and not sglang_available:
+        change_setting(cfg, subs, "rollout.engine", "hf", "SGLang is not installed here; the transformers engine "
+                                                          "models its release and weight-push semantics")
     if at_real_shape:
         _sizes_real(cfg, subs)
     else:
         _sizes_tiny(cfg, subs, dp)
-    _set(cfg, subs, "logging.wandb", False, "no metrics service in a rehearsal")
+    change_setting(cfg, subs, "logging.wandb", False, "no metrics service in a rehearsal")
     assistant = cfg.uses_assistant
     if assistant:
         subs.append(Substitution("rm.assistant_url", cfg.rm.assistant_url or "(none)", "a local stand-in",
@@ -268,45 +278,57 @@ def plan_rehearsal(preset: str, cfg: CooperConfig, policy: ArchSpec, rm: Optiona
 
 def _sizes_tiny(cfg: CooperConfig, subs: list[Substitution], dp: int) -> None:
     """Tiny batches and the compressed cadence: 4 steps, evaluation every step, checkpoints."""
-    _set(cfg, subs, "rollout.group_size", GROUP_SIZE, "tiny sizes")
-    _set(cfg, subs, "rollout.max_new_tokens", MAX_NEW_TOKENS, "tiny sizes")
-    _set(cfg, subs, "rollout.bucket_mb", BUCKET_MB, "several weight-push buckets for a tiny model")
-    _set(cfg, subs, "reward.verifier_workers", 1, "2 cores")
+    change_setting(cfg, subs, "rollout.group_size", GROUP_SIZE, "tiny sizes")
+    change_setting(cfg, subs, "rollout.max_new_tokens", MAX_NEW_TOKENS, "tiny sizes")
+    change_setting(cfg, subs, "rollout.bucket_mb", BUCKET_MB, "several weight-push buckets for a tiny model")
+    change_setting(cfg, subs, "reward.verifier_workers", 1, "2 cores")
     t = cfg.train
     per_rank = PROMPTS_PER_RANK * t.mini_batches
-    _set(cfg, subs, "train.steps", STEPS, f"a stop signal in step {STOP_STEP}, then a resume")
-    _set(cfg, subs, "train.prompts_per_step", per_rank * dp, "tiny sizes")
-    _set(cfg, subs, "train.micro_batch_size", min(t.micro_batch_size, 4), "tiny sizes")
+    change_setting(cfg, subs, "train.steps", STEPS, f"a stop signal in step {STOP_STEP}, then a resume")
+    change_setting(cfg, subs, "train.prompts_per_step", per_rank * dp, "tiny sizes")
+    change_setting(cfg, subs, "train.micro_batch_size", min(t.micro_batch_size, 4), "tiny sizes")
     if t.max_tokens_per_micro_batch:
-        _set(cfg, subs, "train.max_tokens_per_micro_batch", 2 * TINY_SEQUENCE,
+        change_setting(cfg, subs, "train.max_tokens_per_micro_batch", 2 * TINY_SEQUENCE,
              "scaled to the tiny sequences: about 2 per micro-batch")
-    _set(cfg, subs, "eval.every", 1, "evaluate every step")
-    _set(cfg, subs, "eval.k", 1, "a short evaluation")
-    _set(cfg, subs, "eval.max_new_tokens", MAX_NEW_TOKENS, "tiny sizes")
-    _set(cfg, subs, "checkpoint.every", CKPT_EVERY, "a checkpoint every 2 steps")
-    _set(cfg, subs, "checkpoint.keep", max(cfg.checkpoint.keep, 2), "keep the stop's and the last checkpoint")
-    _set(cfg, subs, "checkpoint.resume", "none", "the first run starts fresh; the resume asks for auto")
+    change_setting(cfg, subs, "eval.every", 1, "evaluate every step")
+    change_setting(cfg, subs, "eval.k", 1, "a short evaluation")
+    change_setting(cfg, subs, "eval.max_new_tokens", MAX_NEW_TOKENS, "tiny sizes")
+    change_setting(cfg, subs, "checkpoint.every", CKPT_EVERY, "a checkpoint every 2 steps")
+    change_setting(cfg, subs, "checkpoint.keep", max(cfg.checkpoint.keep, 2), "keep the stop's and the last checkpoint")
+    change_setting(cfg, subs, "checkpoint.resume", "none", "the first run starts fresh; the resume asks for auto")
 
 
 def _sizes_real(cfg: CooperConfig, subs: list[Substitution]) -> None:
     """The preset's group, lengths and micro-batching, a few prompts, 3 steps, one evaluation."""
     t = cfg.train
-    _set(cfg, subs, "train.steps", REAL_STEPS, "a few steps that measure")
-    _set(cfg, subs, "train.prompts_per_step", REAL_PROMPTS * t.mini_batches, "a few prompts on one GPU")
-    _set(cfg, subs, "eval.every", REAL_STEPS, "one evaluation, at the end")
-    _set(cfg, subs, "eval.k", 1, "a short evaluation")
-    _set(cfg, subs, "checkpoint.every", 0, "the CPU rehearsal checks checkpoints and the resume")
-    _set(cfg, subs, "checkpoint.resume", "none", "a fresh run")
+    change_setting(cfg, subs, "train.steps", REAL_STEPS, "a few steps that measure")
+    change_setting(cfg, subs, "train.prompts_per_step", REAL_PROMPTS * t.mini_batches, "a few prompts on one GPU")
+    change_setting(cfg, subs, "eval.every", REAL_STEPS, "one evaluation, at the end")
+    change_setting(cfg, subs, "eval.k", 1, "a short evaluation")
+    change_setting(cfg, subs, "checkpoint.every", 0, "the CPU rehearsal checks checkpoints and the resume")
+    change_setting(cfg, subs, "checkpoint.resume", "none", "a fresh run")
 
 
-def preset_shapes(cfg: CooperConfig, preset: str, policy_config: Optional[str] = None,
-                  rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
-    """The preset's architectures, as ``cooper plan`` finds them, else from the config shipped
-    for ``model.policy_hf`` (:func:`~cooper_mcore.config.presets.shipped_model_config`).
+def preset_model_shapes(cfg: CooperConfig, preset: str, policy_config: Optional[str] = None,
+                        rm_config: Optional[str] = None) -> tuple[ModelShape, Optional[ModelShape], list[str]]:
+    """The preset's models' shapes (architectures and HF configs), as ``cooper plan`` finds them,
+    else from the config shipped for ``model.policy_hf``
+    (:func:`~cooper_mcore.config.presets.shipped_model_config`).
 
     Raises:
         ValueError: no shape anywhere (naming the places looked at).
     """
     if policy_config is None and not os.path.isfile(os.path.join(cfg.model.policy_hf, "config.json")):
         policy_config = shipped_model_config(cfg.model.policy_hf, preset)
-    return load_shapes(cfg, policy_config, rm_config)
+    return find_shapes(cfg, policy_config, rm_config)
+
+
+def preset_shapes(cfg: CooperConfig, preset: str, policy_config: Optional[str] = None,
+                  rm_config: Optional[str] = None) -> tuple[ArchSpec, Optional[ArchSpec], list[str]]:
+    """The architectures of :func:`preset_model_shapes`.
+
+    Raises:
+        ValueError: no shape anywhere (naming the places looked at).
+    """
+    policy, rm, notes = preset_model_shapes(cfg, preset, policy_config, rm_config)
+    return policy.arch, rm.arch if rm is not None else None, notes

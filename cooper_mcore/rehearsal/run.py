@@ -41,10 +41,14 @@ import psutil
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
+from cooper_mcore.atomic import exclusive
 from cooper_mcore.config.checks import validate
+from cooper_mcore.config.model_shapes import ModelShape
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.config.schema import CooperConfig, load_config, save_config
-from cooper_mcore.demo.assets import build_tiny_assets
+from cooper_mcore.data.templates import longest_prompt_tokens
+from cooper_mcore.data.tokenizer import load_tokenizer
+from cooper_mcore.demo.assets import build_real_shape_assets, build_tiny_assets
 from cooper_mcore.job import EXIT_PREEMPTED
 from cooper_mcore.metric_names import TIME_PREFIX, Phase, memory_key, time_key
 from cooper_mcore.metric_names import MetricKey as K
@@ -52,7 +56,7 @@ from cooper_mcore.metrics import METRICS_FILE
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
 from cooper_mcore.parallel import single_process_world
-from cooper_mcore.planner.plan import PHASES, PlanOptions
+from cooper_mcore.planner.plan import PHASES, PlanOptions, largest_micro_batch
 from cooper_mcore.planner.plan import plan as plan_memory
 from cooper_mcore.planner.report import load_shapes
 from cooper_mcore.rehearsal.assistant import StandInAssistant
@@ -63,8 +67,9 @@ from cooper_mcore.rehearsal.preset import (
     RehearsalPlan,
     Substitution,
     TinyShape,
+    change_setting,
     plan_rehearsal,
-    preset_shapes,
+    preset_model_shapes,
 )
 from cooper_mcore.train.faults import FAULT_ENV, format_fault
 
@@ -128,6 +133,11 @@ class PhaseMeasure:
     planned_gib: Optional[float]
     """``cooper plan``'s per-GPU total for the phase (it also counts CUDA contexts and an overhead)."""
 
+    @property
+    def ratio(self) -> Optional[float]:
+        """Measured peak over planned."""
+        return self.peak_gib / self.planned_gib if self.peak_gib is not None and self.planned_gib else None
+
 
 @dataclass
 class RehearsalReport:
@@ -173,12 +183,30 @@ class RehearsalReport:
                                             for k in TABLE_KEYS]
             lines.append("  " + " ".join(cells))
         if self.phases:
-            lines.append(f"  {'phase':>14} {'seconds':>9} {'peak GiB':>9} {'planned GiB':>12}")
+            lines.append(f"  {'phase':>14} {'seconds':>9} {'peak GiB':>9} {'planned GiB':>12} {'peak/plan':>10}")
             lines += [f"  {m.phase:>14} {_cell(m.seconds, '.2f', 9)} {_cell(m.peak_gib, '.2f', 9)} "
-                      f"{_cell(m.planned_gib, '.2f', 12)}" for m in self.phases]
+                      f"{_cell(m.planned_gib, '.2f', 12)} {_cell(m.ratio, '.2f', 10)}" for m in self.phases]
+            lines.append(f"  {self.extras()}")
         lines += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
         lines.append(self.verdict())
         return "\n".join(lines)
+
+    def extras(self) -> str:
+        """Cooper's extras (RM scoring and the RM update, negatives included) as a share of the last
+        step and of the step without the rollout."""
+        last = self.runs[0].steps[-1] if self.runs and self.runs[0].steps else {}
+        step, rollout = last.get(K.TIME_STEP), last.get(time_key(Phase.ROLLOUT), 0.0)
+        if not step:
+            return "Cooper's extras: no step measured"
+        extras = sum(last.get(time_key(p), 0.0) for p in (Phase.RM_SCORE, Phase.RM_UPDATE))
+        pairs = last.get(K.PAIRS_VALID, 0)
+        text = (f"Cooper's extras (rm_score + rm_update, negatives {last.get(time_key(Phase.NEGATIVES), 0.0):.2f} s "
+                f"of it): {extras:.2f} s = {100 * extras / step:.1f}% of the step, "
+                f"{100 * extras / max(step - rollout, 1e-9):.1f}% of the step without the rollout")
+        if not pairs:
+            text += ("; no valid pair in the last step (a random policy is rarely right), so its RM update was "
+                     "skipped: benchmarks/cooper_step.py measures the update with a pair per prompt")
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         return {"preset": self.plan.preset, "ok": self.ok, "verdict": self.verdict(), "layout": self.plan.layout(),
@@ -194,16 +222,68 @@ def _cell(value: Optional[float], spec: str, width: int) -> str:
 
 
 def build_assets(shape: TinyShape, dtype: str, root: str) -> dict[str, str]:
-    """The tiny task and tokenizer, a policy and a random RM of ``shape`` (cached under ``root``):
-    tiny ones get a short SFT so that the RM sees pairs; at the real shape both are random."""
+    """The tiny task and tokenizer, a policy with a short SFT (so that the RM sees pairs) and a random
+    RM of ``shape`` (cached under ``root``)."""
     f = shape.fields
     key = (f"{shape.family}-{shape.rm_family}-l{shape.num_layers}-h{shape.hidden_size}-a{f['num_attention_heads']}"
            f"-kv{f['num_key_value_heads']}-{'tied' if f['tie_word_embeddings'] else 'untied'}-{dtype}"
-           + (f"-v{f['vocab_size']}-real" if shape.real else "")
            + ("-allsparse" if f.get("mlp_only_layers") == [] else ""))
-    return build_tiny_assets(os.path.join(root, key), n_train=512, n_eval=16, hidden_size=shape.hidden_size,
-                             num_layers=shape.num_layers, sft_steps=0 if shape.real else SFT_STEPS,
-                             family=shape.family, rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
+    folder = os.path.join(root, key)
+    with exclusive(folder):  # rehearsals run side by side build each shape once, the others reuse it
+        return build_tiny_assets(folder, n_train=512, n_eval=16, hidden_size=shape.hidden_size,
+                                 num_layers=shape.num_layers, sft_steps=SFT_STEPS, family=shape.family,
+                                 rm_family=shape.rm_family, shape=dict(f), dtype=DTYPES[dtype])
+
+
+def use_real_shape(plan: RehearsalPlan, root: str) -> PlanOptions:
+    """Point the real-shape run at random weights of the preset's shapes (their configs written in its
+    folder), the task's prompts and a tokenizer of the model's vocabulary (cached under ``root``), and
+    set its micro-batch to the largest ``cooper plan`` fits on this device (recorded as a substitution).
+
+    Returns:
+        The planner's options for this device and these prompts (the phases are compared with it).
+    """
+    cfg = plan.cfg
+    for setting, hf_config in plan.model_configs.items():
+        path = os.path.join(cfg.out, f"{setting.split('.')[-1]}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(hf_config, f, indent=2)
+        setattr(cfg.model, setting.split(".")[-1], path)
+    vocab = plan.model_configs["model.policy_config"]["vocab_size"]
+    with exclusive(os.path.join(root, f"real-v{vocab}")):
+        paths = build_real_shape_assets(os.path.join(root, f"real-v{vocab}"), vocab)
+    cfg.model.policy_hf, cfg.model.policy_ckpt, cfg.model.rm_ckpt = paths["tokenizer"], "", ""
+    cfg.data.train_path, cfg.data.eval_path = paths["train"], paths["eval"]
+    name, memory = device_memory()
+    opts = PlanOptions(gpus_per_node=1, gpu_memory_gib=memory, assistant="none",
+                       prompt_tokens=longest_prompt_tokens(cfg.data.train_path, cfg.data.template,
+                                                           load_tokenizer(cfg.model.policy_hf),
+                                                           cfg.data.use_chat_template))
+    policy, rm, _ = load_shapes(cfg)
+    fit = largest_micro_batch(cfg, policy, rm, opts)
+    if fit is None:
+        plan.substitutions.append(Substitution("train.micro_batch_size", str(cfg.train.micro_batch_size), "kept",
+                                               f"cooper plan fits no micro-batch in {memory:.2f} GiB ({name})"))
+    else:
+        change_setting(cfg, plan.substitutions, fit.setting, fit.value,
+             f"the largest cooper plan fits in {memory:.2f} GiB ({name}; planned peak {fit.peak.total / 2**30:.2f} "
+             f"GiB in {fit.peak.phase}, prompts up to {opts.prompt_tokens} tokens)")
+    return opts
+
+
+def device_memory() -> tuple[str, float]:
+    """This machine's first GPU and its memory in GiB (``nvidia-smi``, so that this process makes no
+    CUDA context beside the run's), else the host's memory."""
+    try:
+        query = ["nvidia-smi", "-i", "0", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        name, mib = out.rsplit(",", 1)
+        return name.strip(), float(mib) / 1024
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory / 2**30
+    return "the host's memory (no GPU)", psutil.virtual_memory().total / 2**30
 
 
 def _use_assets(cfg: CooperConfig, assets: dict[str, str]) -> None:
@@ -373,7 +453,14 @@ def check_runs(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: Run
     if cfg.reward.mode.trains_rm:
         valid = sum(m.get(K.PAIRS_VALID, 0) for m in ref.steps)
         checks.append(Check("rm pairs", valid > 0, f"{valid:g} valid reward-model pairs over {len(ref.steps)} steps"))
-    stop_ckpt = os.path.join(cfg.out, "cut", "checkpoints", f"step_{STOP_STEP}")
+    return checks + interrupted_checks(plan, ref, cut, resumed)
+
+
+def interrupted_checks(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: RunResult,
+                       folder: str = "cut", label: str = "") -> list[Check]:
+    """The stop signal and the resume of the interrupted launches that ran in ``<out>/<folder>``,
+    against the reference; ``label`` names a variant's settings in the checks' names."""
+    stop_ckpt = os.path.join(plan.cfg.out, folder, "checkpoints", f"step_{STOP_STEP}")
     codes = sorted(set(cut.rank_exit_codes.values()))
     said = sum(bool(re.search(rf"preempted \(.*\) after step {STOP_STEP}\b", open(p, errors="replace").read()))
                for p in _rank_logs(cut.log_dir).values()) if cut.log_dir else 0
@@ -381,15 +468,15 @@ def check_runs(plan: RehearsalPlan, ref: RunResult, cut: RunResult, resumed: Run
     # was still tearing down then shows -15
     preempted = EXIT_PREEMPTED in codes and set(codes) <= {EXIT_PREEMPTED, -signal.SIGTERM} and said == plan.nproc
     stopped = preempted and os.path.isdir(stop_ckpt) and len(cut.steps) == STOP_STEP
-    checks.append(Check("stop signal", stopped, f"SIGUSR1 in step {STOP_STEP}: {said} of {plan.nproc} ranks wrote "
-                        f"their part and said so, exit codes {codes} ({EXIT_PREEMPTED} expected), "
-                        f"{len(cut.steps)} step(s), checkpoint step_{STOP_STEP} "
-                        f"{'written' if os.path.isdir(stop_ckpt) else 'missing'}"))
-    checks.append(Check("resume", *_resume_check(cfg, ref, cut, resumed)))
-    return checks
+    suffix = f" [{label}]" if label else ""
+    return [Check(f"stop signal{suffix}", stopped,
+                  f"SIGUSR1 in step {STOP_STEP}: {said} of {plan.nproc} ranks wrote their part and said so, exit "
+                  f"codes {codes} ({EXIT_PREEMPTED} expected), {len(cut.steps)} step(s), checkpoint step_{STOP_STEP} "
+                  f"{'written' if os.path.isdir(stop_ckpt) else 'missing'}"),
+            Check(f"resume{suffix}", *_resume_check(plan.cfg, ref, resumed, folder))]
 
 
-def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: RunResult) -> tuple[bool, str]:
+def _resume_check(cfg: CooperConfig, ref: RunResult, resumed: RunResult, folder: str) -> tuple[bool, str]:
     if resumed.rc != 0 or resumed.resumed_from != STOP_STEP:
         return False, f"exit {resumed.rc}, resumed from step {resumed.resumed_from} (step {STOP_STEP} expected)"
     if len(ref.steps) != STEPS or len(resumed.steps) != STEPS:
@@ -404,7 +491,7 @@ def _resume_check(cfg: CooperConfig, ref: RunResult, cut: RunResult, resumed: Ru
     final = f"step_{STEPS}"
     for part in parts:
         differ = _weights_differ(os.path.join(cfg.out, "reference", "checkpoints", final, part),
-                                 os.path.join(cfg.out, "cut", "checkpoints", final, part))
+                                 os.path.join(cfg.out, folder, "checkpoints", final, part))
         if differ:
             return False, f"{part} weights at {final} differ from the uninterrupted run's: {differ[:3]}"
     return True, (f"resumed from step {STOP_STEP}; every step's metrics and the {' and '.join(parts)} weights at "
@@ -423,16 +510,14 @@ def check_real_shape_run(run: RunResult) -> list[Check]:
                   "no update skipped for a non-finite loss or gradient norm")]
 
 
-def measure_phases(cfg: CooperConfig, run: RunResult) -> list[PhaseMeasure]:
+def measure_phases(cfg: CooperConfig, run: RunResult, opts: PlanOptions) -> list[PhaseMeasure]:
     """Per-phase seconds (last step) and peak memory (over the steps) next to ``cooper plan``'s
-    per-GPU prediction for the same config on this device."""
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    per-GPU prediction for the same config with ``opts`` (this device, these prompts)."""
     policy, rm, _ = load_shapes(cfg)
-    predicted = plan_memory(cfg, policy, rm, PlanOptions(gpus_per_node=1, gpu_memory_gib=gpu_gib, assistant="none"))
-    planned = {p.phase: p.total / 2**30 for p in predicted.given.phases}
+    planned = {p.phase: p.total / 2**30 for p in plan_memory(cfg, policy, rm, opts).given.phases}
     last = run.steps[-1] if run.steps else {}
     out = []
-    for phase in (Phase.OFFLOAD, *PHASES, Phase.EVAL):
+    for phase in (Phase.OFFLOAD, *PHASES, Phase.NEGATIVES, Phase.EVAL):
         peaks = [m[memory_key(phase)] for m in run.steps if memory_key(phase) in m]
         if time_key(phase) in last or peaks or phase in planned:
             out.append(PhaseMeasure(phase, last.get(time_key(phase)), max(peaks) if peaks else None,
@@ -440,11 +525,20 @@ def measure_phases(cfg: CooperConfig, run: RunResult) -> list[PhaseMeasure]:
     return out
 
 
-def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> RehearsalReport:
-    """Build the assets, run the launches, check them (see the module doc)."""
+def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits,
+             variants: Optional[list[list[str]]] = None) -> RehearsalReport:
+    """Build the assets, run the launches, check them (see the module doc).
+
+    ``variants``: lists of dotted settings that must not change the numbers (the engine's memory
+    release, offloading): for each, the interrupted and resumed launches run again with those
+    settings and must end on the reference's metrics and weights bit for bit.
+    """
     cfg = plan.cfg
     os.makedirs(cfg.out, exist_ok=True)
-    _use_assets(cfg, build_assets(plan.shape, cfg.model.dtype, assets_root))
+    if plan.real_shape:
+        opts = use_real_shape(plan, assets_root)
+    else:
+        _use_assets(cfg, build_assets(plan.shape, cfg.model.dtype, assets_root))
     counts: dict[str, int] = {}
     with StandInAssistant(cfg.rm.assistant_model) as assistant:
         if plan.assistant:
@@ -452,25 +546,42 @@ def rehearse(plan: RehearsalPlan, assets_root: str, limits: Limits) -> Rehearsal
         validate(cfg, plan.nproc)
         cfg_path = os.path.join(cfg.out, "rehearsal.yaml")
         save_config(cfg, cfg_path)
-        for name in ("reference", "cut"):
-            shutil.rmtree(os.path.join(cfg.out, name), ignore_errors=True)
+        shutil.rmtree(os.path.join(cfg.out, "reference"), ignore_errors=True)
         ref = launch("reference", cfg_path, os.path.join(cfg.out, "reference"), plan.nproc, limits)
         if plan.real_shape:
             counts = dict(assistant.counts) if plan.assistant else {}
-            report = RehearsalReport(plan, [ref], check_real_shape_run(ref), counts, measure_phases(cfg, ref))
+            report = RehearsalReport(plan, [ref], check_real_shape_run(ref), counts, measure_phases(cfg, ref, opts))
             _write(report)
             return report
         cut = resumed = RunResult("cut", None, [], 0.0, "", errors=["not run: the reference run failed"])
+        runs, extra = [ref], []
         if ref.rc == 0:  # else the interrupted runs would fail the same way: report the reference's failure
-            fault = {FAULT_ENV: format_fault(Phase.ROLLOUT, STOP_STEP, sig=signal.SIGUSR1)}
-            cut = launch("cut", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, env=fault)
-            resumed = launch("resumed", cfg_path, os.path.join(cfg.out, "cut"), plan.nproc, limits, resume="auto")
+            cut, resumed = interrupted_launches(plan, cfg_path, "cut", limits)
+            runs += [cut, resumed]
+            for i, settings in enumerate(variants or []):
+                label = " ".join(settings)
+                path = os.path.join(cfg.out, f"rehearsal.variant{i}.yaml")
+                variant = load_config(cfg_path, settings)
+                validate(variant, plan.nproc)
+                save_config(variant, path)
+                v_cut, v_resumed = interrupted_launches(plan, path, f"variant{i}", limits)
+                runs += [v_cut, v_resumed]
+                extra += interrupted_checks(plan, ref, v_cut, v_resumed, f"variant{i}", label)
         if plan.assistant:
             counts = dict(assistant.counts)
-    runs = [ref, cut, resumed] if ref.rc == 0 else [ref]
-    report = RehearsalReport(plan, runs, check_runs(plan, ref, cut, resumed), counts)
+    report = RehearsalReport(plan, runs, check_runs(plan, ref, cut, resumed) + extra, counts)
     _write(report)
     return report
+
+
+def interrupted_launches(plan: RehearsalPlan, cfg_path: str, folder: str, limits: Limits) -> tuple[RunResult, ...]:
+    """The job of ``cfg_path`` in ``<out>/<folder>``: sent SIGUSR1 in step :data:`STOP_STEP`, then resumed."""
+    out = os.path.join(plan.cfg.out, folder)
+    shutil.rmtree(out, ignore_errors=True)
+    fault = {FAULT_ENV: format_fault(Phase.ROLLOUT, STOP_STEP, sig=signal.SIGUSR1)}
+    suffix = "" if folder == "cut" else f"-{folder}"
+    cut = launch(f"cut{suffix}", cfg_path, out, plan.nproc, limits, env=fault)
+    return cut, launch(f"resumed{suffix}", cfg_path, out, plan.nproc, limits, resume="auto")
 
 
 def _write(report: RehearsalReport) -> None:
@@ -490,28 +601,39 @@ def sglang_runs_here() -> bool:
 
 def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str = "",
                     policy_config: Optional[str] = None, rm_config: Optional[str] = None,
-                    limits: Optional[Limits] = None, at_real_shape: bool = False) -> RehearsalReport:
+                    limits: Optional[Limits] = None, at_real_shape: bool = False,
+                    variants: Optional[list[list[str]]] = None) -> RehearsalReport:
     """Rehearse the preset at ``preset`` with ``overrides`` (dotted settings) in ``out`` (default
     ``runs/rehearse/<preset name>``; the assets are cached beside it, in ``assets/``).
     ``at_real_shape``: one process at the preset's model shape (on a GPU), see
-    :func:`~cooper_mcore.rehearsal.preset.plan_rehearsal`.
+    :func:`~cooper_mcore.rehearsal.preset.plan_rehearsal`. ``variants``: settings that must not
+    change the numbers, each checked against the same reference (:func:`rehearse`).
 
     Raises:
-        ValueError: the preset or its rehearsal config is invalid, or no model shape is found.
+        ValueError: the preset or its rehearsal config is invalid, or no model shape is found, or
+            variants are asked of a real-shape rehearsal.
     """
+    if at_real_shape and variants:
+        raise ValueError("--variant needs the interrupted and resumed runs, which a --real-shape rehearsal does not "
+                         "make; leave out one of them")
     preset = resolve_preset(preset)
     cfg = load_config(preset, overrides or [])
     try:
-        policy, rm, _ = preset_shapes(cfg, preset, policy_config, rm_config)
+        policy, rm, _ = preset_model_shapes(cfg, preset, policy_config, rm_config)
         missing = None
     except ValueError as e:  # e.g. tiny_cpu.yaml before `cooper tiny-assets`: its models are that family
         if policy_config:
             raise
-        policy, rm = ArchSpec.from_hf_config(tiny_hf_config("qwen2_tied").to_dict()), None
+        tiny = tiny_hf_config("qwen2_tied").to_dict()
+        policy, rm = ModelShape(ArchSpec.from_hf_config(tiny), tiny, "the tiny qwen2 (tied)"), None
         missing = Substitution("model shape", "not found", "qwen2 (tied), as `cooper tiny-assets` makes", str(e))
-    plan = plan_rehearsal(preset, cfg, policy, rm, sglang_available=sglang_runs_here(), at_real_shape=at_real_shape)
+    plan = plan_rehearsal(preset, cfg, policy.arch, rm.arch if rm else None, sglang_available=sglang_runs_here(),
+                          at_real_shape=at_real_shape)
+    if at_real_shape:
+        plan.model_configs = {"model.policy_config": policy.hf_config,
+                              **({"model.rm_config": rm.hf_config} if rm is not None else {})}
     if missing:
         plan.substitutions.insert(0, missing)
     stem = os.path.splitext(os.path.basename(preset))[0]
     plan.cfg.out = os.path.abspath(out or os.path.join("runs", "rehearse", stem))
-    return rehearse(plan, os.path.join(os.path.dirname(plan.cfg.out), "assets"), limits or Limits())
+    return rehearse(plan, os.path.join(os.path.dirname(plan.cfg.out), "assets"), limits or Limits(), variants)

@@ -3,6 +3,11 @@ frozen reference, the reward model, optimizers and schedules, the rollout engine
 colocation with the models, the rule verifier (and the evaluation's oracle), the assistant client and
 the data.
 
+The models come from their checkpoints, or with ``model.init: random`` are built with random
+weights directly on the device at their shapes (the reference is then a host copy of that policy,
+and the transformers engine is built empty and filled by the first weight push): a run at a real
+model shape that starts in seconds, to measure time and memory, with nothing written or converted.
+
 Validation happens before any heavy work.
 """
 
@@ -21,6 +26,7 @@ from cooper_mcore.checkpoint.model import EXTRA_DIR, load_checkpoint_model, read
 from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer
 from cooper_mcore.collectives import any_rank, is_group_leader
 from cooper_mcore.config.checks import validate
+from cooper_mcore.config.model_shapes import ModelShape, random_init_shapes
 from cooper_mcore.config.schema import CooperConfig, OptimSection
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.iterator import PromptIterator
@@ -28,6 +34,8 @@ from cooper_mcore.data.templates import template_prompts
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.micro_batching.runner import MicroBatching
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.routing_replay import enable_routing_replay
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.rl.colocate import Colocation
@@ -130,6 +138,32 @@ def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Option
     if tokenizer is not None:  # before the load: no IndexError in a forward
         check_tokenizer_fits(tokenizer, ckpt_arch.vocab_size, ckpt)
     module, arch = load_checkpoint_model(ckpt, cfg.parallel)
+    return _model_state(name, module, arch, hf_config, dtype, ckpt, cfg, tokenizer, optim, schedule_steps)
+
+
+def random_model(name: str, shape: ModelShape, cfg: CooperConfig, tokenizer, optim: Optional[OptimSection],
+                 schedule_steps: int, seed: int) -> ModelState:
+    """A model of ``shape`` with random weights (megatron's initialisation) built directly on this
+    rank's device at the run's layout (``model.init: random``); wrapped for training when ``optim``
+    is given. The CPU generator is seeded with ``seed`` for the build (on a GPU megatron's seeded
+    trackers draw), so every data-parallel replica builds the same weights.
+
+    Raises:
+        ValueError: ``tokenizer`` has ids past the shape's vocabulary.
+    """
+    if tokenizer is not None:
+        check_tokenizer_fits(tokenizer, shape.arch.vocab_size, shape.source)
+    dtype = DTYPES[cfg.model.dtype]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = build_model(shape.arch, cfg.parallel, dtype=dtype, init_weights=True)
+    return _model_state(name, module, shape.arch, shape.hf_config, dtype, "", cfg, tokenizer, optim, schedule_steps)
+
+
+def _model_state(name: str, module: torch.nn.Module, arch: ArchSpec, hf_config: dict, dtype: torch.dtype,
+                 source_ckpt: str, cfg: CooperConfig, tokenizer, optim: Optional[OptimSection],
+                 schedule_steps: int) -> ModelState:
+    """A built model with its training state: DDP, optimizer and schedule when ``optim`` is given."""
     if cfg.model.moe_aux_loss_coef is not None and arch.moe is not None:
         set_aux_loss_coef(module, cfg.model.moe_aux_loss_coef)
     ddp = optimizer = scheduler = None
@@ -138,7 +172,7 @@ def load_model(name: str, ckpt: str, cfg: CooperConfig, tokenizer, optim: Option
         scheduler = build_scheduler(optimizer, optim.lr, optim.warmup_steps, schedule_steps, optim.weight_decay)
     # gradients are not copied out and back: every update zeroes them first
     offloader = ModelOffloader(ddp if ddp is not None else module, optimizer, discard_grads=True)
-    return ModelState(name=name, module=module, arch=arch, hf_config=hf_config, dtype=dtype, source_ckpt=ckpt,
+    return ModelState(name=name, module=module, arch=arch, hf_config=hf_config, dtype=dtype, source_ckpt=source_ckpt,
                       tokenizer=tokenizer, offloader=offloader, ddp=ddp, optimizer=optimizer, scheduler=scheduler)
 
 
@@ -159,11 +193,15 @@ def sglang_config(cfg: CooperConfig) -> SGLangConfig:
                             enable_return_routed_experts=cfg.model.moe_routing_replay)
 
 
-def build_engine(cfg: CooperConfig) -> RolloutEngine:
-    """This model-parallel group's rollout engine, started from the policy's HF folder."""
+def build_engine(cfg: CooperConfig, policy: ModelState) -> RolloutEngine:
+    """This model-parallel group's rollout engine, started from the policy's HF folder; with
+    ``model.init: random`` a transformers model of the policy's shape built on the device with its
+    weights undefined: the first generation's weight push fills it (:mod:`cooper_mcore.rl.colocate`)."""
     if cfg.rollout.uses_sglang:
         return SGLangEngine.offline(sglang_config(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.model.random_init:
+        return HFEngine.from_config(policy.hf_config, policy.tokenizer, dtype=DTYPES[cfg.model.dtype], device=device)
     return HFEngine.from_pretrained(cfg.model.policy_hf, dtype=DTYPES[cfg.model.dtype], device=device,
                                     trust_remote_code=cfg.model.trust_remote_code)
 
@@ -266,6 +304,28 @@ def build_eval_oracle(cfg: CooperConfig, eval_prompts: list[Prompt]) -> Optional
     return ArithmeticOracle() if is_group_leader() else None
 
 
+def build_models(cfg: CooperConfig, tokenizer) -> tuple[ModelState, Optional[ModelState]]:
+    """The policy and (unless in rule mode) the reward model: loaded from their checkpoints, or with
+    ``model.init: random`` built with random weights at their shapes
+    (:func:`~cooper_mcore.config.model_shapes.random_init_shapes`). The RM reads with the tokenizer
+    of its checkpoint when it has one, else the policy's."""
+    mode, m = cfg.reward.mode, cfg.model
+    policy_steps, rm_optim = cfg.train.steps * cfg.train.mini_batches, cfg.rm.optim if mode.trains_rm else None
+    if m.random_init:
+        policy_shape, rm_shape = random_init_shapes(m, mode.uses_rm)
+        policy = random_model("policy", policy_shape, cfg, tokenizer, cfg.optim, policy_steps, cfg.train.seed)
+        rm = (random_model("rm", rm_shape, cfg, tokenizer, rm_optim, cfg.train.steps, cfg.train.seed + 1)
+              if rm_shape is not None else None)
+        return policy, rm
+    policy = load_model("policy", m.policy_ckpt, cfg, tokenizer, cfg.optim, policy_steps)
+    if not mode.uses_rm:
+        return policy, None
+    has_tokenizer = os.path.isdir(os.path.join(m.rm_ckpt, EXTRA_DIR))
+    rm_tokenizer = (load_checkpoint_tokenizer(m.rm_ckpt, trust_remote_code=m.trust_remote_code)
+                    if has_tokenizer else tokenizer)
+    return policy, load_model("rm", m.rm_ckpt, cfg, rm_tokenizer, rm_optim, cfg.train.steps)
+
+
 def build_run(cfg: CooperConfig) -> Run:
     """Initialise the distributed world and build the run (collective)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -273,26 +333,17 @@ def build_run(cfg: CooperConfig) -> Run:
     init_distributed(cfg.parallel, seed=cfg.train.seed)
     if dist.get_world_size() != world:  # a launcher without WORLD_SIZE: check the real layout
         validate(cfg, dist.get_world_size())
-    mode = cfg.reward.mode
 
     tokenizer = load_tokenizer(cfg.model.policy_hf, trust_remote_code=cfg.model.trust_remote_code)
-    policy = load_model("policy", cfg.model.policy_ckpt, cfg, tokenizer, cfg.optim,
-                        cfg.train.steps * cfg.train.mini_batches)
+    policy, rm = build_models(cfg, tokenizer)
     if cfg.model.moe_routing_replay:  # the policy's routers only, never the reward model's
         enable_routing_replay(policy.module)
     reference = ReferenceSwap(policy.module) if cfg.algo.kl_coef else None
-    rm = None
-    if mode.uses_rm:
-        has_tokenizer = os.path.isdir(os.path.join(cfg.model.rm_ckpt, EXTRA_DIR))
-        rm_tokenizer = (load_checkpoint_tokenizer(cfg.model.rm_ckpt, trust_remote_code=cfg.model.trust_remote_code)
-                        if has_tokenizer else tokenizer)
-        rm = load_model("rm", cfg.model.rm_ckpt, cfg, rm_tokenizer, cfg.rm.optim if mode.trains_rm else None,
-                        cfg.train.steps)
 
     assistant = connect_assistant(cfg)
     engine = verifier = None
     if is_group_leader():
-        engine = build_engine(cfg)
+        engine = build_engine(cfg, policy)
         verifier = RuleVerifier(timeout_s=cfg.reward.verifier_timeout_s, num_workers=cfg.reward.verifier_workers)
     # A GPU SGLang engine has the policy's TP size on the same GPUs: each TP rank feeds its own SGLang rank.
     per_tp_rank = cfg.rollout.uses_sglang and torch.cuda.is_available()

@@ -56,7 +56,8 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepR
     rm_step, pairs = None, []
     if cfg.reward.mode.trains_rm:
         with timer.phase(Phase.RM_UPDATE):
-            pairs = make_pairs(groups, logits, cfg.rm, run.verifier, run.assistant, seed=cfg.train.seed + run.step)
+            with timer.phase(Phase.NEGATIVES):
+                pairs = make_pairs(groups, logits, cfg.rm, run.verifier, run.assistant, seed=cfg.train.seed + run.step)
             rm_step = update_reward_model(run.rm, pairs, cfg, run.batching)
     return StepResult(rollout_stats(groups, rewards, run), policy, rm_step, pairs)
 

@@ -17,15 +17,24 @@ into released weight memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import transformers
+
+try:  # transformers 5
+    from transformers.initialization import no_init_weights
+except ImportError:
+    try:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
+    except ImportError:  # the weights are initialised, then overwritten by the first push: only slower
+        no_init_weights = contextlib.nullcontext
 
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams, memory_tags
@@ -91,6 +100,31 @@ class HFEngine:
         if tok is not None:
             check_tokenizer_fits(tok, model.get_input_embeddings().num_embeddings, path, tokenizer_path=path)
         return cls(model.to(device), tok, **kwargs)
+
+    @classmethod
+    def from_config(cls, hf_config: dict[str, Any], tokenizer=None, dtype: torch.dtype = torch.float32,
+                    device: str = "cpu", **kwargs) -> HFEngine:
+        """An engine whose model is built from an HF config directly on ``device``, its weights left
+        undefined (nothing is read or initialised): like an engine whose released weights were lost,
+        it refuses to generate until every weight has been pushed with :meth:`update_weights`.
+
+        Args:
+            hf_config: the model's ``config.json`` contents (its ``model_type`` picks the class).
+            tokenizer: as for the constructor; must fit the config's vocabulary.
+            dtype / device: the model's parameter dtype and device.
+
+        Raises:
+            ValueError: the tokenizer has ids past the config's vocabulary (both sizes named).
+        """
+        config = transformers.AutoConfig.for_model(**hf_config)
+        if tokenizer is not None:
+            check_tokenizer_fits(tokenizer, config.vocab_size, f"{config.model_type} config")
+        with torch.device(device), no_init_weights():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.tie_weights()  # skipping the initialisation skips tying the output layer to the embedding too
+        engine = cls(model, tokenizer, **kwargs)
+        engine._stale = set(engine._params)
+        return engine
 
     # -- generation ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, shared_dir
 
 
 @pytest.fixture(scope="session")
 def rehearsal_root(tmp_path_factory):
-    """One folder for every rehearsal of the session: their tiny assets are built once per shape."""
-    return tmp_path_factory.mktemp("rehearsals")
+    """One folder for every rehearsal of the test run (every pytest worker's): their tiny assets are
+    built once per shape (``cooper rehearse`` locks a shape's folder while it builds it)."""
+    return shared_dir(tmp_path_factory, "rehearsals")
 
 
 def rehearse(root, name: str, preset: str, *overrides: str, timeout: int = 900) -> tuple[str, dict]:

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.rehearsal.conftest import rehearse
+from tests.rehearsal.test_run_matrix import KEEP, VARIANT_CHECKS
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.rehearsal]
 PRESETS = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
@@ -26,10 +27,15 @@ def test_every_preset_is_found():
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: os.path.splitext(os.path.basename(p))[0])
 def test_preset_rehearses(preset, rehearsal_root):
-    stdout, report = rehearse(rehearsal_root, os.path.splitext(os.path.basename(preset))[0], preset)
+    name = os.path.splitext(os.path.basename(preset))[0]
+    # tiny_cpu's rehearsal (DP=2, the engine released) is also the run matrix's DP=2 case: with the engine kept too
+    variant = ("--variant", KEEP) if name == "tiny_cpu" else ()
+    stdout, report = rehearse(rehearsal_root, name, preset, *variant)
     assert report["ok"] and report["nproc"] <= 4
     names = {c["name"] for c in report["checks"]}
     assert {"collectives", "evaluation", "checkpoints", "stop signal", "resume"} <= names
+    if variant:
+        assert VARIANT_CHECKS <= names and report["layout"].startswith("tp=1 pp=1 dp=2 ")
     assert "substituted:" in stdout and "layout:" in stdout
     if os.path.basename(preset).startswith("qwen3-30b-a3b_"):  # expert parallelism kept, shrunk to the ranks
         ep = re.search(r" ep=(\d+) etp=1 ", report["layout"])

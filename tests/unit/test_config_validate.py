@@ -305,11 +305,13 @@ def test_sft_configs_go_through_the_same_checks(tmp_path):
     msg = str(info.value)
     lines = [ln for ln in msg.splitlines() if ln.startswith("  - ")]
     assert msg.startswith(f"invalid config ({len(lines)} problems):")
-    for want in ("data.style must be one of ('boxed', 'gsm8k', 'boxed_period'), got 'latex'", "train.steps must be >= 1, got 0",
+    for want in ("data.style must be one of ('boxed', 'gsm8k', 'boxed_period'), got 'latex'",
+                 "train.steps must be >= 1, got 0",
                  "optim.lr must be > 0, got 0.0", "train.min_lr must be in [0, optim.lr=0.0]",
                  "data.mix_wrong must be in [0, 1], got 1.5", "data.template 'Q' has no {question} placeholder",
                  f"ckpt ({ckpt}) has 4 attention heads, not divisible by parallel.tp=3",
-                 "train.global_batch_size=6 is not a multiple of train.micro_batch_size * the data-parallel size = 4 * 1"):
+                 "train.global_batch_size=6 is not a multiple of train.micro_batch_size * the data-parallel size "
+                 "= 4 * 1"):
         assert any(want in ln for ln in lines), (want, lines)
     with pytest.raises(ValueError, match=r"ckpt: '/missing' does not exist"):
         validate(_job(SFTConfig, "ckpt=/missing"), 1)
@@ -331,7 +333,8 @@ def test_verify_rm_configs_go_through_the_same_checks(tmp_path):
         validate(bad, 2)
     lines = [ln for ln in str(info.value).splitlines() if ln.startswith("  - ")]
     for want in ("data.eval_format must be one of ('auto', 'labeled', 'verifybench'), got 'csv'",
-                 "train.epochs must be >= 1, got 0", "optim.warmup_steps must be 0", "train.threshold must be in (0, 1)",
+                 "train.epochs must be >= 1, got 0", "optim.warmup_steps must be 0",
+                 "train.threshold must be in (0, 1)",
                  f"data.train_path: '{tmp_path}' is a directory", "data.eval_path: '/missing.jsonl' does not exist",
                  f"ckpt ({ckpt}) has 3 layers, not divisible by parallel.pp=2"):
         assert any(want in ln for ln in lines), (want, lines)

@@ -12,7 +12,7 @@ import transformers
 
 from cooper_mcore.data.mathgen import MathTaskConfig, generate_problems, tokenizer_corpus, worked_solution
 from cooper_mcore.data.templates import apply_prompt_template
-from cooper_mcore.data.tokenizer import SPECIAL_TOKENS, SPM_FILE, train_tiny_tokenizer
+from cooper_mcore.data.tokenizer import SPECIAL_TOKENS, SPM_FILE, tokenizer_size, train_tiny_tokenizer, widen_tokenizer
 
 CONFIG = MathTaskConfig(num_steps=3, operators=("+", "-", "*"))
 
@@ -112,3 +112,23 @@ def test_segmentation_matches_sentencepiece_on_ambiguous_text(model_type, tmp_pa
         ids = tok(text)["input_ids"]
         assert ids == sp.encode(text), text
         assert tok.decode(ids) == text
+
+
+def test_a_widened_tokenizer_reads_every_sampled_id_back(corpus, tmp_path):
+    """Random weights at a real shape sample ids all over the vocabulary: each must decode to text
+    that tokenizes back to it (the reward model then reads completions as long as they were
+    generated), while the tiny tokenizer's own texts tokenize as before."""
+    src = tmp_path / "tiny"
+    tiny = train_tiny_tokenizer(corpus[:300], str(src), vocab_size=64)
+    wide = widen_tokenizer(str(src), str(tmp_path / "wide"), 151_936)
+    assert tokenizer_size(wide) == len(wide) == 151_936
+    assert not (tmp_path / "wide" / SPM_FILE).exists() and (tmp_path / "wide" / "tokenizer_config.json").exists()
+    for text in corpus[:50]:
+        assert wide(text)["input_ids"] == tiny(text)["input_ids"]
+    fresh = random.Random(0).choices(range(len(tiny), 151_936), k=512)  # (the tiny pieces may merge when adjacent)
+    assert wide(wide.decode(fresh), add_special_tokens=False)["input_ids"] == fresh
+    assert wide.eos_token_id == tiny.eos_token_id and wide.pad_token_id == tiny.pad_token_id
+    with pytest.raises(ValueError, match="vocab_size=10 must be between"):
+        widen_tokenizer(str(src), str(tmp_path / "small"), 10)
+    with pytest.raises(ValueError, match="no BPE tokenizer.json"):
+        widen_tokenizer(str(tmp_path), str(tmp_path / "none"), 1000)

@@ -221,7 +221,7 @@ def test_each_sglang_engine_starts_on_its_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 6)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node
     cfg = load_config(str(ROOT / "examples" / "qwen2.5-7b_multinode.yaml"))
-    run_setup.build_engine(cfg)
+    run_setup.build_engine(cfg, policy=None)  # SGLang starts from model.policy_hf
     assert len(seen) == 1
     assert (seen[0].base_gpu_id, seen[0].tp_size, seen[0].dtype) == (6, 2, "bfloat16")
     assert seen[0].model_path == "/models/Qwen2.5-7B-Instruct"

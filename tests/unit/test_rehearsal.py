@@ -236,3 +236,43 @@ def test_a_hung_launch_dumps_every_ranks_stack_and_dies(tmp_path):
     assert dead()
     dump = log.read_text()
     assert "most recent call first" in dump and "wait_in_collective" in dump
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=os.path.basename)
+def test_a_real_shape_plan_builds_random_weights_on_one_process(preset):
+    cfg = load_config(preset)
+    policy, rm, _ = preset_shapes(cfg, preset)
+    plan = plan_rehearsal(preset, cfg, policy, rm, sglang_available=True, at_real_shape=True)
+    r = plan.cfg
+    assert plan.real_shape and plan.nproc == 1 and (r.parallel.tp, r.parallel.pp) == (1, 1)
+    assert r.model.init == "random" and r.rollout.engine == "hf"  # SGLang would load model.policy_hf's weights
+    changed = {s.setting: s for s in plan.substitutions}
+    assert changed["model.init"].rehearsal == "random"
+    assert (r.rollout.group_size, r.rollout.max_new_tokens) == (cfg.rollout.group_size, cfg.rollout.max_new_tokens)
+    assert plan.shape.real and plan.shape.hidden_size == policy.hidden_size
+
+
+def test_variants_parse_from_the_command_line_and_need_the_interrupted_runs(monkeypatch):
+    """`--variant a=1,b=2` (repeatable) reaches the rehearsal as one list of settings per variant; a
+    real-shape rehearsal, which makes no interrupted runs, refuses variants before any work."""
+    from cooper_mcore.cli import build_parser
+    from cooper_mcore.commands import rehearse as command
+    from cooper_mcore.rehearsal.run import rehearse_preset
+
+    seen = {}
+
+    class Report:
+        ok = True
+
+        def format(self):
+            return "rehearsal: PASS"
+
+    monkeypatch.setattr(command, "rehearse_preset", lambda *a, **kw: seen.update(kw) or Report())
+    both = "offload.policy_params=true,offload.rm_params=true"
+    args = build_parser().parse_args(["rehearse", "--config", "tiny_cpu", "--variant", "offload.release_engine=false",
+                                      "--variant", both, "parallel.tp=2"])
+    assert command.rehearse(args) == 0
+    assert seen["variants"] == [["offload.release_engine=false"], both.split(",")]
+    assert args.overrides == ["parallel.tp=2"]
+    with pytest.raises(ValueError, match="--variant needs the interrupted and resumed runs"):
+        rehearse_preset("tiny_cpu", at_real_shape=True, variants=[["offload.release_engine=false"]])

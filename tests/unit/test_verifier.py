@@ -16,7 +16,7 @@ from cooper_mcore.verify.rule import RuleVerifier, VerifyOutcome, check_pair, ex
 
 pytestmark = pytest.mark.timeout(120)
 
-ADV_TIMEOUT_S = 1.0  # per-item limit of the adversarial verifier
+ADV_TIMEOUT_S = 3.0  # per-item limit of the adversarial verifier (slowest items ~30 ms; room for a loaded CPU)
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
     "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"

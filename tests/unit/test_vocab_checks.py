@@ -114,5 +114,5 @@ def test_sft_refuses_token_ids_past_the_vocabulary(tiny_models, tmp_path):
     with pytest.raises(ValueError, match=r"the tokenizer of the SFT examples has 201 token ids \(0\.\.200\), the model "
                                          rf"'{re.escape(ckpt)}' a vocabulary of 128"):
         sft(SFTConfig(ckpt=ckpt, out=str(tmp_path / "out"), optim=OptimSection(lr=1e-3),
-                      train=SFTTrainConfig(steps=1, global_batch_size=1)), [([5, 6], [7, 200])])
+                      train=SFTTrainConfig(steps=1, global_batch_size=1, micro_batch_size=1)), [([5, 6], [7, 200])])
     assert not os.path.exists(tmp_path / "out")
