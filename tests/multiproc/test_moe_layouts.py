@@ -22,11 +22,15 @@ replica the same reduced gradient (the drift this guards against was ~1e-3 in ev
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from cooper_mcore.convert.hf import hf_to_mcore
+from cooper_mcore.convert.hf import hf_to_mcore, stream_checkpoint_tensors
+from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import save_tiny_hf_model
+from cooper_mcore.parallel import single_process_world
 from tests.conftest import torchrun
 
 pytestmark = pytest.mark.multiproc
@@ -79,12 +83,20 @@ def _assert_same_step(got: list[dict], ref: list[dict]) -> None:
 
 def test_tp2_with_sequence_parallel_trains_as_one_process(moe_ckpts, tmp_path):
     ref = _run(moe_ckpts, 1, tmp_path / "ref")
-    tp2 = _run(moe_ckpts, 2, tmp_path / "tp2", "--tp", "2")
+    tp2 = _run(moe_ckpts, 2, tmp_path / "tp2", "--tp", "2", "--save", str(tmp_path / "tp2-ckpt"))
     experts = [k for k in tp2[0]["policy_params"] if "local_experts" in k]
     assert experts and all("#shard" in k for k in experts)  # etp followed tp: each expert split over the TP ranks
     assert any(k in tp2[1]["policy_params"] for k in tp2[0]["policy_params"] if "router" in k)  # replicated router
     _assert_replicas_equal(tp2)
     _assert_same_step(tp2, ref)
+    # the checkpoint saved at ETP=2 (each expert's [gate; up] halves written as two row blocks) is the
+    # model the weight push sent, bit for bit
+    with single_process_world():
+        arch = ArchSpec.from_dict(json.loads((tmp_path / "tp2-ckpt" / "cooper_model.json").read_text())["arch"])
+        saved = dict(stream_checkpoint_tensors(str(tmp_path / "tp2-ckpt"), arch))
+    assert saved.keys() == tp2[0]["policy_full"].keys()
+    for name, t in saved.items():
+        assert torch.equal(t, tp2[0]["policy_full"][name]), name
 
 
 def test_tp2_ep2_etp1_trains_as_two_data_parallel_ranks(moe_ckpts, tmp_path):

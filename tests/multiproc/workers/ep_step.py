@@ -5,16 +5,17 @@ same data on each data-parallel rank whatever the layout. Every rank saves its p
 and the RM's gradients under global names (expert numbers with the rank's expert offset; a tensor
 split over TP or ETP keyed by its shard), the step metrics, and an offload/onload round trip of the
 policy (expert buffers included); each replica's first rank also saves both models' full updated
-tensors under HF names (what a weight push sends).
+tensors under HF names (what a weight push sends). With ``--save DIR`` the updated policy is also
+written as a model checkpoint (collective).
 """
-
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from cooper_mcore.checkpoint.model import load_checkpoint_model
+from cooper_mcore.checkpoint.model import load_checkpoint_model, read_meta, save_model_checkpoint
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.hf_mapping import is_expert_param, mapping_tensors
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
@@ -65,6 +66,12 @@ def policy(args, parallel: ParallelConfig, rank: int) -> dict:
     batch.old_logp = compute_logprobs(model, batch, MicroBatching(2)) + noise
     initial = global_names(model, lambda p: p)
     m = policy_update(ddp, opt, batch, MicroBatching(2), GRPOLoss(clip_low=0.2, clip_high=0.2))
+    if args.save:
+        if dist.get_rank() == 0:
+            os.makedirs(args.save)
+        dist.barrier()
+        _, hf_config, dtype = read_meta(args.policy)
+        save_model_checkpoint(model, args.save, arch, hf_config, dtype)
     return {"policy_params": global_names(model, lambda p: p), "policy_initial": initial, "policy_loss": m.loss,
             "policy_grad_norm": m.grad_norm, "policy_aux": m.moe_aux_loss, "policy_full": full_tensors(model, arch),
             **offload_round_trip(ddp, opt)}
@@ -106,6 +113,7 @@ def main():
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--save", default="")
     args = p.parse_args()
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, sequence_parallel=args.tp > 1)
     init_distributed(parallel)
