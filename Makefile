@@ -84,7 +84,7 @@ gpu-wheels:
 # runs against one process) under each ATen CPU kernel set this CPU can run: default and avx2, and
 # avx512 where /proc/cpuinfo reports avx512f (torch dies with "Illegal instruction" otherwise).
 # CI and users run other x86 CPUs than the developers': a tolerance must hold on all three.
-ISA_TESTS := tests/unit/test_algo.py tests/unit/test_policy_update.py tests/unit/test_reward_model.py \
+ISA_TESTS := tests/unit/test_algo.py tests/unit/test_policy_update.py tests/unit/test_vocab_logprobs.py tests/unit/test_reward_model.py \
 	tests/unit/test_micro_batching_runner.py tests/unit/test_micro_batching_packing.py tests/unit/test_pairs.py \
 	tests/unit/test_nonfinite.py tests/multiproc/test_parallel.py tests/multiproc/test_trainer.py \
 	tests/multiproc/test_micro_batching_packing.py tests/multiproc/test_rm_dist.py \

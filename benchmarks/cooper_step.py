@@ -31,13 +31,18 @@ least once. An assistant's negatives (an LLM server's time) are not measured.
 
 Per phase (``offload``, ``weight_sync``, ``rollout``, ``rm_score``, ``logprobs``, ``policy_update``,
 ``rm_update`` and, within it, ``negatives``): seconds, and the peak memory while it ran, by the
-trainer's :class:`~cooper_mcore.metrics.PhaseTimer`: ``torch.cuda.max_memory_allocated`` on a GPU,
-the process's resident set size (sampled every 5 ms) on CPU; next to ``cooper plan``'s per-GPU
-total for the phase and the ratio. Then Cooper's extras (RM scoring and the RM update, negatives
-included) as a share of the step and of the step without the rollout, and offload against no offload.
+trainer's :class:`~cooper_mcore.metrics.PhaseTimer`: ``torch.cuda.max_memory_allocated`` on a GPU;
+on CPU the process's resident set size: its high-water mark (``VmHWM``, reset at each phase
+through ``/proc/self/clear_refs``, Linux; else sampled every 5 ms), with the allocator returning
+every freed block above 128 KiB to the system (``MALLOC_MMAP_THRESHOLD_``), so that the resident
+set follows the live tensors; next to ``cooper plan``'s per-GPU total for the phase and the ratio.
+Then Cooper's extras (RM scoring and the RM update, negatives included) as a share of the step and
+of the step without the rollout, offload against no offload, and the rollout engine's agreement with
+the trainer (``rollout/logprob_*``).
 
     python benchmarks/cooper_step.py              # GPU: Qwen2.5-1.5B shape, bf16, 8 prompts x 16, 512 new tokens
     python benchmarks/cooper_step.py --tiny       # CPU: a tiny shape, float32, seconds
+    python benchmarks/cooper_step.py --tiny --vocab 151936 --bf16 --max-new-tokens 128 --micro-batch 8  # big logits
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ VARIANTS = {"no-offload": [], "offload": [f"offload.{m}_{k}=true" for m in ("pol
                                           for k in ("params", "grads", "optimizer")]}
 STEP = "step"
 GIB = 2**30
+#: the CPU allocator returns blocks above this to the system when freed (the children's environment)
+MMAP_THRESHOLD = 131072
 
 
 @dataclass
@@ -110,18 +117,38 @@ class VariantResult:
     sequences: int
     pairs_valid: int
     steps: int = 1
+    engine: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The last step's ``rollout/logprob_*`` metrics (the engine against the trainer)."""
 
     @classmethod
     def from_json(cls, d: dict) -> VariantResult:
         return cls(**dict(d, sizing=Sizing(**d["sizing"])))
 
 
+def _hwm_bytes() -> int:
+    """This process's resident-set high-water mark (``VmHWM``), bytes."""
+    with open("/proc/self/status", encoding="utf-8") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_hwm() -> bool:
+    """Reset the high-water mark to the current resident set (Linux >= 4.0); whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class RssPeak:
-    """The process's largest resident set size since the last call (a background thread samples
-    every 5 ms): a :class:`~cooper_mcore.metrics.PhaseTimer` ``peak_memory`` for the CPU."""
+    """The process's largest resident set size since the last call: the kernel's high-water mark
+    where it can be reset (exact), and a background thread's samples every 5 ms: a
+    :class:`~cooper_mcore.metrics.PhaseTimer` ``peak_memory`` for the CPU."""
 
     def __init__(self) -> None:
         self._proc = psutil.Process()
+        self._hwm = _reset_hwm()
         self._peak = self._proc.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -133,7 +160,9 @@ class RssPeak:
 
     def __call__(self) -> int:
         now = self._proc.memory_info().rss
-        peak, self._peak = max(self._peak, now), now
+        peak, self._peak = max(self._peak, now, _hwm_bytes() if self._hwm else 0), now
+        if self._hwm:
+            _reset_hwm()
         return peak
 
     def close(self) -> None:
@@ -163,15 +192,19 @@ class OnePairPerPrompt:
         self.inner.close()
 
 
-def write_assets(work: str, shape: str) -> dict[str, str]:
-    """The prompts, the widened tokenizer and the shape's HF config (cached in ``work``)."""
+def write_assets(work: str, shape: str, vocab: int = 0) -> dict[str, str]:
+    """The prompts, the widened tokenizer and the shape's HF config (cached in ``work``); ``vocab``
+    replaces the shape's vocabulary size (the tiny shape with a large vocabulary: the logits dominate)."""
     from cooper_mcore.demo.assets import build_real_shape_assets
     from cooper_mcore.models.tiny import tiny_hf_config
 
-    paths = build_real_shape_assets(os.path.join(work, "assets"), SHAPES[shape]["vocab_size"], n_train=256, n_eval=8)
-    config = os.path.join(work, f"{shape}.json")
+    dims = dict(SHAPES[shape], **({"vocab_size": vocab} if vocab else {}))
+    name = f"{shape}-v{vocab}" if vocab else shape
+    paths = build_real_shape_assets(os.path.join(work, f"assets-v{vocab}" if vocab else "assets"), dims["vocab_size"],
+                                    n_train=256, n_eval=8)
+    config = os.path.join(work, f"{name}.json")
     with open(config, "w", encoding="utf-8") as f:
-        json.dump(tiny_hf_config("qwen2_tied", **SHAPES[shape]).to_dict(), f)
+        json.dump(tiny_hf_config("qwen2_tied", **dims).to_dict(), f)
     return dict(paths, policy_config=config)
 
 
@@ -179,7 +212,7 @@ def run_overrides(work: str, paths: dict[str, str], variant: str, args: argparse
     """The dotted settings of one setting's run on ``examples/tiny_cpu.yaml``."""
     return [f"out={os.path.join(work, 'run-' + variant)}", "model.init=random",
             f"model.policy_config={paths['policy_config']}", f"model.policy_hf={paths['tokenizer']}",
-            f"model.dtype={'float32' if args.tiny else 'bfloat16'}", f"data.train_path={paths['train']}",
+            f"model.dtype={args.dtype}", f"data.train_path={paths['train']}",
             f"data.eval_path={paths['eval']}", "eval.every=0", "checkpoint.every=0", "logging.wandb=false",
             "rm.negatives=policy", "reward.mode=cooper", f"rollout.group_size={args.group}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"train.prompts_per_step={args.prompts}",
@@ -234,7 +267,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> VariantResult:
     from cooper_mcore.rl.setup import build_run
     from cooper_mcore.rl.step import cooper_step
 
-    paths = write_assets(args.workdir, args.shape)
+    paths = write_assets(args.workdir, args.shape, args.vocab)
     overrides = run_overrides(args.workdir, paths, variant, args)
     cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                                    "tiny_cpu.yaml"), overrides)
@@ -264,9 +297,10 @@ def run_variant(args: argparse.Namespace, variant: str) -> VariantResult:
     times = {p: metrics[time_key(p)] for p in PHASES if time_key(p) in metrics}
     times[STEP] = metrics[MetricKey.TIME_STEP]
     peaks = {p: metrics[memory_key(p)] for p in PHASES if memory_key(p) in metrics}
+    engine = {k: v for k, v in result.rollouts.to_metrics().items() if k.startswith("rollout/")}
     return VariantResult(variant, device, device_gib, prompt_tokens, overrides, sizing, setup_s, startup_s, times,
                          peaks, planned, tensors, at_rest / GIB, result.rollouts.response_length,
-                         args.prompts * args.group, sum(p.valid for p in result.pairs), args.steps)
+                         args.prompts * args.group, sum(p.valid for p in result.pairs), args.steps, engine)
 
 
 def launch(args: argparse.Namespace, variant: str) -> VariantResult:
@@ -274,9 +308,11 @@ def launch(args: argparse.Namespace, variant: str) -> VariantResult:
     out = os.path.join(args.workdir, f"result-{variant}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--workdir", args.workdir,
            "--result", out, "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-           "--max-new-tokens", str(args.max_new_tokens)] + (["--tiny"] if args.tiny else []) + (
+           "--max-new-tokens", str(args.max_new_tokens), "--vocab", str(args.vocab)] + (
+           ["--tiny"] if args.tiny else []) + (["--bf16"] if args.bf16 else []) + (
            ["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))  # freed CPU tensors leave the resident set
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{r.stderr[-4000:]}")
     with open(out, encoding="utf-8") as f:
@@ -322,6 +358,10 @@ def summary(results: dict[str, VariantResult]) -> list[str]:
                      f"{extras:.3f} s = {100 * extras / step:.1f}% of the step, "
                      f"{100 * extras / max(step - rollout, 1e-9):.1f}% of the step without the rollout "
                      f"({r.pairs_valid} valid pairs)")
+    for r in results.values():
+        if r.engine:
+            lines.append(f"- {r.variant}: the engine against the trainer: "
+                         + ", ".join(f"{k} {v:.3g}" for k, v in r.engine.items()))
     if {"no-offload", "offload"} <= results.keys():
         a, b = results["no-offload"], results["offload"]
         lines.append(f"- offload against no offload: step {b.times[STEP]:.3f} s vs {a.times[STEP]:.3f} s "
@@ -336,7 +376,8 @@ def format_report(results: dict[str, VariantResult], args: argparse.Namespace) -
     first = next(iter(results.values()))
     cuda = "CPU" not in first.device
     mem = "torch.cuda.max_memory_allocated" if cuda else "the process's RSS (not comparable with the plan)"
-    lines = [f"one Cooper step, {args.shape} policy and RM ({'float32' if args.tiny else 'bf16'}, random weights built "
+    vocab = args.vocab or SHAPES[args.shape]["vocab_size"]
+    lines = [f"one Cooper step, {args.shape} policy and RM ({args.dtype}, vocabulary {vocab}, random weights built "
              f"on the device), transformers engine, everything colocated on {first.device} ({first.device_gib:.2f} "
              f"GiB); {first.sequences} rollouts ({args.prompts} prompts x {args.group}), max {args.max_new_tokens} new "
              f"tokens (mean {first.response_length:.0f}), prompts up to {first.prompt_tokens} tokens; step "
@@ -361,13 +402,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="GPU 512, tiny 16")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per micro-batch (default: the largest cooper plan fits on the device)")
+    p.add_argument("--vocab", type=int, default=0,
+                   help="with --tiny: this vocabulary instead of the tiny shape's (the logits dominate)")
+    p.add_argument("--bf16", action="store_true", help="with --tiny: bf16 models instead of float32")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated settings to run")
     p.add_argument("--workdir", default=None, help="assets are kept here (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write every setting's figures as JSON here")
     p.add_argument("--variant", choices=sorted(VARIANTS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if (args.vocab or args.bf16) and not args.tiny:
+        p.error("--vocab and --bf16 need --tiny")
     args.shape = "tiny" if args.tiny else "qwen2.5-1.5b"
+    args.dtype = "float32" if args.tiny and not args.bf16 else "bfloat16"
     args.prompts = args.prompts or (4 if args.tiny else 8)
     args.group = args.group or (4 if args.tiny else 16)
     args.max_new_tokens = args.max_new_tokens or (16 if args.tiny else 512)
@@ -388,13 +435,15 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"cooper_step.py: unknown --variants {unknown}; choose from {sorted(VARIANTS)}")
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="cooper-bench-step-")
-    write_assets(args.workdir, args.shape)  # once, before the timed processes
+    write_assets(args.workdir, args.shape, args.vocab)  # once, before the timed processes
     results: dict[str, VariantResult] = {}
     for variant in args.variants.split(","):
         results[variant] = launch(args, variant)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"shape": args.shape, "prompts": args.prompts, "group": args.group,
+                json.dump({"shape": args.shape, "dtype": args.dtype,
+                           "vocab": args.vocab or SHAPES[args.shape]["vocab_size"], "prompts": args.prompts,
+                           "group": args.group,
                            "max_new_tokens": args.max_new_tokens, "steps": args.steps,
                            "results": {v: dataclasses.asdict(r) for v, r in results.items()}}, f, indent=2)
         # the report so far after each setting: a run stopped at its time limit keeps what it measured

@@ -64,6 +64,7 @@ _EVERY = "every step"
 _RM = "reward.mode static_rm, cooper"
 _COOPER = "reward.mode cooper"
 _MOE = "mixture-of-experts models"
+_ENGINE_LOGPROBS = "every step (when the engine returns log-probabilities: both engines do)"
 
 
 def _define(key: str, section: str, written: str, description: str) -> str:
@@ -95,6 +96,20 @@ class MetricKey:
                                 "mean reward-model reward of the rule-correct rollouts (NaN without one)")
     RM_REWARD_WRONG = _define("rm/reward_wrong", "rollouts", _RM,
                               "mean reward-model reward of the rule-wrong rollouts (NaN without one)")
+    LOGPROB_DIFF_MEAN = _define("rollout/logprob_diff_mean", "rollouts", _ENGINE_LOGPROBS,
+                                "mean |engine - trainer| log-probability of the response tokens (nats; the "
+                                "trainer's before the update); far above bf16 rounding: the engine's weights are "
+                                "not the policy's (the first step stops above `algo.logprob_diff_guard`)")
+    LOGPROB_DIFF_MAX = _define("rollout/logprob_diff_max", "rollouts", _ENGINE_LOGPROBS,
+                               "largest |engine - trainer| log-probability of a response token, over the world")
+    LOGPROB_KL = _define("rollout/logprob_kl", "rollouts", _ENGINE_LOGPROBS,
+                         "k3 estimate of KL(engine || trainer) from the engine's samples: mean of "
+                         "r - 1 - log r, r = exp(trainer - engine)")
+    TIS_WEIGHT_MEAN = _define("rollout/tis_weight_mean", "rollouts", "algo.tis_cap set",
+                              "mean truncated importance-sampling weight min(exp(trainer - engine), "
+                              "`algo.tis_cap`) of the response tokens")
+    TIS_CAPPED_FRAC = _define("rollout/tis_capped_frac", "rollouts", "algo.tis_cap set",
+                              "share of the response tokens whose importance weight the cap truncated")
 
     LOSS = _define("loss", "policy", _EVERY, "the GRPO loss (clipped surrogate + KL term - entropy bonus)")
     KL = _define("kl", "policy", _EVERY, "KL of the policy to the reference by `algo.kl_kind` (0 with "

@@ -80,6 +80,7 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     ranges = [("train.steps", t.steps, 0), ("train.prompts_per_step", t.prompts_per_step, 1),
               ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
               ("train.micro_batch_size", t.micro_batch_size, 1), ("train.mini_batches", t.mini_batches, 1),
+              ("train.logprob_chunk_tokens", t.logprob_chunk_tokens, 1),
               ("rollout.group_size", ro.group_size, 2), ("rollout.max_new_tokens", ro.max_new_tokens, 1),
               ("rollout.bucket_mb", ro.bucket_mb, 1), ("reward.verifier_workers", r.verifier_workers, 1),
               ("rm.assistant_max_retries", cfg.rm.assistant_max_retries, 0), ("eval.every", cfg.eval.every, 0),
@@ -95,6 +96,9 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     out += [f"{name} must be >= 0, got {value}" for name, value in non_negative if not value >= 0]
     if cfg.algo.clip_ratio_c is not None and not cfg.algo.clip_ratio_c > 1:
         out.append(f"algo.clip_ratio_c must be > 1 (or null: no dual clip), got {cfg.algo.clip_ratio_c}")
+    out += [f"algo.{name} must be > 0 (or null: off), got {value}" for name, value in
+            (("tis_cap", cfg.algo.tis_cap), ("logprob_diff_guard", cfg.algo.logprob_diff_guard))
+            if value is not None and not value > 0]
     out += [f"{name} must be in (0, 1], got {value}" for name, value in
             (("rollout.top_p", ro.top_p), ("eval.top_p", cfg.eval.top_p)) if not 0 < value <= 1]
     if "{question}" not in cfg.data.template:

@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
+from cooper_mcore.algo.vocab import DEFAULT_CHUNK_TOKENS
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.parallel import ParallelConfig
@@ -208,6 +209,10 @@ class AlgoConfig:
     """Minimum group std in the advantage's divisor, so tiny RM differences stay small (0: plain GRPO)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the loss (the paper: 0)."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling: token policy loss x min(exp(old - engine log-prob), tis_cap) (null: off)."""
+    logprob_diff_guard: Optional[float] = 0.5
+    """Stop at the first step if the engine's log-probs differ from the trainer's by more (mean nats; null: off)."""
 
 
 @dataclass
@@ -301,6 +306,8 @@ class TrainConfig:
     """Sequences per forward/backward (when max_tokens_per_micro_batch is 0)."""
     max_tokens_per_micro_batch: int = 0
     """Form micro-batches by this token budget in all four passes instead of micro_batch_size (0: off)."""
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Positions per chunk when log-probs and entropy are read from the logits (fp32 temporaries: chunk x vocab/tp)."""
     pack_sequences: bool = False
     """With the token budget, pack each micro-batch's sequences into one row (no padding; thd attention)."""
     mini_batches: int = 1

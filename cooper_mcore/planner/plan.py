@@ -38,13 +38,16 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   set while it is recomputed. 1F1B keeps ``min(PP - stage, micro-batches)`` micro-batches in
   flight on a stage; one more layer's worth is counted as backward workspace. Forward-only
   passes (log-probs, RM scores, the HF engine's prefill) count one layer's set as workspace.
-* Logits on the last stage, per token and vocabulary entry on this TP rank: the bf16 output
-  (2 B) and its fp32 copy that megatron's vocab-parallel cross entropy turns into the softmax in
-  place and keeps for backward (4 B): 6 B (4 B for fp32 models, whose output is not copied) in
-  forward-only passes. The update adds the entropy metric's temporaries: at TP=1
-  ``algo.entropy_from_logits`` holds an fp32 copy, log-probabilities, probabilities, a -inf mask
-  (1 B), the masked log-probabilities and their product (21 B); at TP>1 the policy's
-  vocab-parallel entropy holds a copy, exp and product (12 B); 4 B less each for fp32 models.
+* Logits on the last stage, per token and vocabulary entry on this TP rank (``d`` B each, the
+  model dtype): the output layer's ``[s, b, V/tp]`` and megatron's contiguous ``[b, s, V/tp]`` copy
+  (2 d for a moment); the log-probabilities and the entropy are read ``train.logprob_chunk_tokens``
+  positions at a time with fp32 temporaries of one chunk (4 B per chunk entry for the
+  log-probabilities, 8 B with the entropy); the update keeps the logits for backward, which writes
+  their gradient (d) beside them with one chunk's fp32 temporaries (4 B, 8 B with an entropy bonus).
+  Forward only: ``max(2 d T, d T + 4 c)`` x V/tp; the update: ``max(d T + 8 c, 2 d T + 4 c)`` x V/tp
+  (``8 c`` with ``algo.entropy_coef > 0``), ``T`` the micro-batch's tokens, ``c`` the chunk
+  (:func:`~cooper_mcore.planner.sizes.logits_bytes`). Measured on CPU against the allocator's peak in
+  ``tests/unit/test_logits_memory.py``.
 * Sequences are counted at their maximum length ``prompt_tokens + rollout.max_new_tokens``
   (rounded up to 8, as the trainer pads); RM inputs at that length too, capped at the RM's
   ``max_position_embeddings``.
@@ -568,13 +571,15 @@ class _Planner:
             prefill = min(HF_ENGINE_BATCH, self.seqs) * self.opts.prompt_tokens
             rollout["activations"] = forward_activation_bytes(arch, prefill, b)
 
+        chunk = cfg.train.logprob_chunk_tokens
         logprobs = dict(resident, activations=fwd_layer, buffers=2 * self.seqs * self.seq * 4,
-                        logits=logits_bytes(arch, tokens, b, lay.tp, train=False) if last else 0)
+                        logits=logits_bytes(arch, tokens, b, lay.tp, False, chunk) if last else 0)
         micro = (-(-self.seqs // cfg.train.mini_batches * self.seq // tokens) if budget
                  else self.seqs // cfg.train.mini_batches // self.mbs)
         update = dict(resident, activations=training_activation_bytes(arch, lay, stage, tokens, max(micro, 1), b,
                                                                   self.opts.recompute),
-                      logits=logits_bytes(arch, tokens, b, lay.tp, train=True) if last else 0)
+                      logits=logits_bytes(arch, tokens, b, lay.tp, True, chunk, cfg.algo.entropy_coef > 0)
+                      if last else 0)
         rm_score, rm_update = dict(resident), dict(resident)
         if self.rm is not None:
             rm_seq = min(self.seq, self.rm.max_position_embeddings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from cooper_mcore.algo.vocab import DEFAULT_CHUNK_TOKENS
 from cooper_mcore.models.arch import ArchSpec
 
 __all__ = ["CUDA_CONTEXT_GIB", "DTYPE_BYTES", "GIB", "H100_80GB_GIB", "MOE_ROUTING_MARGIN", "active_numel",
@@ -239,10 +240,23 @@ def forward_activation_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: 
     return worst + dispatch_buffer_bytes(arch, tokens, dtype_bytes, tp, sequence_parallel)
 
 
-def logits_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int, train: bool) -> int:
-    """Peak bytes of the output logits and their loss/metric temporaries on the last stage."""
-    copy = 4 if dtype_bytes < 4 else 0  # .float() copies only half-precision logits
-    per = dtype_bytes + copy
-    if train:  # the entropy metric (no grad) while the micro-batch's activations are held
-        per += copy + (17 if tp == 1 else 8)
-    return tokens * arch.vocab_size // tp * per
+def logits_bytes(arch: ArchSpec, tokens: int, dtype_bytes: int, tp: int, train: bool,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy_grad: bool = False) -> int:
+    """Peak bytes of the output logits and their loss temporaries on the last stage (per token and
+    vocabulary entry on this TP rank, ``d`` the model dtype's bytes; ``c = min(chunk_tokens, tokens)``).
+
+    The output layer writes ``[s, b, V/tp]`` logits and megatron copies them into a contiguous
+    ``[b, s, V/tp]`` (both alive for a moment: ``2 d``). The log-probabilities (and the entropy) are read
+    ``c`` positions at a time (:func:`cooper_mcore.algo.chunked_logprobs_entropy`), with fp32
+    temporaries of ``c x V/tp``: one (``4 B``) for the log-probabilities alone, two with the entropy,
+    which the update computes on every micro-batch (its metric). Training keeps the logits for
+    backward, which writes their gradient (``d``) beside them a chunk at a time, with one fp32
+    temporary (two with a differentiable entropy, ``algo.entropy_coef > 0``).
+    """
+    vocab = arch.vocab_size // tp
+    chunk = min(chunk_tokens, tokens) * vocab
+    logits = tokens * vocab * dtype_bytes
+    if not train:
+        return max(2 * logits, logits + 4 * chunk)
+    backward = 2 * logits + (8 if entropy_grad else 4) * chunk
+    return max(logits + 8 * chunk, backward)

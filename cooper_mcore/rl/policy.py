@@ -1,5 +1,6 @@
-"""The GRPO update of the policy: the clipped surrogate, the KL to the frozen reference and the
-entropy bonus, as a token mean over the whole mini-batch.
+"""The GRPO update of the policy: the clipped surrogate (optionally weighted by truncated importance
+sampling against the rollout engine), the KL to the frozen reference and the entropy bonus, as a
+token mean over the whole mini-batch.
 
 The per-token terms are the pure functions of :mod:`cooper_mcore.algo` (``policy_loss``,
 ``kl_penalty``). The update uses megatron-core's per-token loss mode: each micro-batch returns
@@ -19,14 +20,15 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 
-from cooper_mcore.algo import kl_penalty, masked_sum, policy_loss
+from cooper_mcore.algo import kl_penalty, masked_sum, policy_loss, truncated_is_weights
+from cooper_mcore.algo.vocab import DEFAULT_CHUNK_TOKENS
 from cooper_mcore.collectives import broadcast_from_last_stage
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.forward import sequence_multiple
 from cooper_mcore.rl.results import GRPOUpdate
 from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import train_step
-from cooper_mcore.train.tokens import TokenBatch, token_logprobs, vocab_parallel_entropy
+from cooper_mcore.train.tokens import TokenBatch, token_logprobs_and_entropy
 
 #: the per-token terms summed over the micro-batches, as the fields of :class:`GRPOUpdate` (``loss``
 #: is also what :func:`~cooper_mcore.train.step.train_step` checks for finiteness)
@@ -46,6 +48,11 @@ class GRPOLoss:
         kl_coef: weight of the per-token KL to the reference (0: no KL term).
         kl_kind: KL estimator (:func:`cooper_mcore.algo.kl_penalty`).
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        tis_cap: truncated importance sampling: each token's policy loss (the clipped surrogate, not
+            the KL or entropy terms, as verl and slime) is weighted by
+            ``min(exp(old_logp - engine_logp), tis_cap)``; None: off.
+        chunk_tokens: positions per chunk when the log-probabilities and the entropy are read from
+            the logits (:func:`cooper_mcore.algo.chunked_logprobs_entropy`).
     """
 
     clip_low: float = 0.2
@@ -54,6 +61,8 @@ class GRPOLoss:
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
     entropy_coef: float = 0.0
+    tis_cap: Optional[float] = None
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
@@ -61,22 +70,26 @@ def grpo_token_loss(logits: torch.Tensor, mb: TokenBatch,
     """Per-token GRPO loss ``[b, s]`` of one micro-batch (0 outside the response) and the detached
     per-token :data:`TERMS` for the metrics.
 
-    ``ratio_mean`` and ``clip_frac`` are ``policy_loss``'s own per-token statistics
-    (:class:`~cooper_mcore.algo.PolicyLossStats`): its ratio, and its clipped tokens, which get no
-    policy gradient (the PPO clip or the dual clip).
+    The log-probabilities and the entropy come from one chunked pass over the logits (no fp32 copy
+    of the whole micro-batch's logits); the entropy is differentiable only with an entropy bonus,
+    otherwise a metric without autograd state. ``ratio_mean`` and ``clip_frac`` are
+    ``policy_loss``'s own per-token statistics (:class:`~cooper_mcore.algo.PolicyLossStats`): its
+    ratio, and its clipped tokens, which get no policy gradient (the PPO clip or the dual clip).
     """
-    logp = token_logprobs(logits, mb.labels)
+    logp, ent = token_logprobs_and_entropy(logits, mb.labels, "grad" if loss.entropy_coef else "metric",
+                                           loss.chunk_tokens)
     tok, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask,
                              clip_low=loss.clip_low, clip_high=loss.clip_high, clip_ratio_c=loss.clip_ratio_c)
+    if loss.tis_cap is not None:
+        assert mb.engine_logp is not None, "truncated importance sampling needs the engine's log-probabilities"
+        tok = tok * truncated_is_weights(mb.old_logp, mb.engine_logp, mb.loss_mask, loss.tis_cap)
     kl = kl_penalty(logp, mb.ref_logp, loss.kl_kind) if loss.kl_coef else torch.zeros_like(logp)
-    ent = vocab_parallel_entropy(logits) if loss.entropy_coef else None
     total = tok + loss.kl_coef * kl
-    if ent is not None:
+    if loss.entropy_coef:
         total = total - loss.entropy_coef * ent
     with torch.no_grad():
         terms = {"loss": total.detach(), "kl": kl.detach(), "ratio_mean": stats.ratio,
-                 "clip_frac": stats.clipped.float(),
-                 "entropy": (ent if ent is not None else vocab_parallel_entropy(logits)).detach()}
+                 "clip_frac": stats.clipped.float(), "entropy": ent.detach()}
     return total, terms
 
 
@@ -94,12 +107,15 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
         see :func:`~cooper_mcore.train.step.guarded_step`).
 
     Raises:
-        ValueError: ``kl_coef > 0`` without reference log-probabilities.
+        ValueError: ``kl_coef > 0`` without reference log-probabilities, or ``tis_cap`` without the
+            engine's.
     """
-    assert ddp.config.calculate_per_token_loss, "wrap the policy with per-token loss"
-    assert batch.advantages is not None and batch.old_logp is not None
     if loss.kl_coef and batch.ref_logp is None:
         raise ValueError("kl_coef > 0 needs reference log-probabilities")
+    if loss.tis_cap is not None and batch.engine_logp is None:
+        raise ValueError("algo.tis_cap needs the rollout engine's per-token log-probabilities")
+    assert ddp.config.calculate_per_token_loss, "wrap the policy with per-token loss"
+    assert batch.advantages is not None and batch.old_logp is not None
 
     def step(data_iterator, model):
         mb = next(data_iterator)

@@ -1,5 +1,6 @@
 """What a Cooper step returns: typed records of its rollouts, its policy update and its
-reward-model update, and the one mapping of them to the metric keys of
+reward-model update (and how far the rollout engine's log-probabilities were from the trainer's), and
+the one mapping of them to the metric keys of
 :mod:`cooper_mcore.metric_names` (:meth:`StepResult.to_metrics`).
 
 Control decisions read the fields (a skipped update does not step the schedule; the loop counts
@@ -18,6 +19,34 @@ from cooper_mcore.types import PreferencePair
 
 
 @dataclass(frozen=True)
+class EngineAgreement:
+    """How far the engine's per-token log-probabilities are from the trainer's, over the world's
+    response tokens of one step (the same on every rank).
+
+    Attributes:
+        diff_mean: mean ``|engine - trainer|`` (nats).
+        diff_max: largest ``|engine - trainer|``.
+        kl: k3 estimate of KL(engine || trainer) from the engine's samples.
+        tis_weight_mean: mean truncated importance-sampling weight (None without ``algo.tis_cap``).
+        tis_capped_frac: share of the tokens whose weight the cap truncated (None without it).
+    """
+
+    diff_mean: float
+    diff_max: float
+    kl: float
+    tis_weight_mean: Optional[float] = None
+    tis_capped_frac: Optional[float] = None
+
+    def to_metrics(self) -> dict[str, float]:
+        """The ``rollout/*`` keys of a metrics line (the TIS ones only with a cap)."""
+        m = {K.LOGPROB_DIFF_MEAN: self.diff_mean, K.LOGPROB_DIFF_MAX: self.diff_max, K.LOGPROB_KL: self.kl}
+        if self.tis_weight_mean is not None and self.tis_capped_frac is not None:
+            m[K.TIS_WEIGHT_MEAN] = self.tis_weight_mean
+            m[K.TIS_CAPPED_FRAC] = self.tis_capped_frac
+        return m
+
+
+@dataclass(frozen=True)
 class RolloutStats:
     """This rank's rollouts of one step.
 
@@ -29,6 +58,8 @@ class RolloutStats:
         rm_reward_correct: mean reward-model reward of the rule-correct rollouts (NaN without one);
             None when no reward model scored them (rule mode).
         rm_reward_wrong: the same for the rule-wrong rollouts.
+        engine: the engine's log-probabilities against the trainer's (over the world); None when
+            the engine gave none.
     """
 
     reward_mean: float
@@ -37,6 +68,7 @@ class RolloutStats:
     response_length: float
     rm_reward_correct: Optional[float] = None
     rm_reward_wrong: Optional[float] = None
+    engine: Optional[EngineAgreement] = None
 
     @property
     def reward_rule_gap(self) -> float:
@@ -44,12 +76,15 @@ class RolloutStats:
         return reward_rule_gap(self.reward_mean, self.rule_acc)
 
     def to_metrics(self) -> dict[str, float]:
-        """The rollout keys of a metrics line (the RM's rewards only when a reward model scored them)."""
+        """The rollout keys of a metrics line (the RM's rewards only when a reward model scored them, the
+        engine's agreement with the trainer only when it gave log-probabilities)."""
         m = {K.REWARD_MEAN: self.reward_mean, K.RULE_ACC: self.rule_acc, K.REWARD_RULE_GAP: self.reward_rule_gap,
              K.RESPONSE_LENGTH: self.response_length, K.RULE_UNVERIFIABLE: self.rule_unverifiable}
         if self.rm_reward_correct is not None and self.rm_reward_wrong is not None:
             m[K.RM_REWARD_CORRECT] = self.rm_reward_correct
             m[K.RM_REWARD_WRONG] = self.rm_reward_wrong
+        if self.engine is not None:
+            m.update(self.engine.to_metrics())
         return m
 
 

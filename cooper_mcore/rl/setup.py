@@ -74,6 +74,8 @@ class Run:
         step: steps finished.
         skipped_too_long: training prompts left out because a rollout from them would not fit the
             policy's context (:func:`drop_too_long`; the ``data/skipped_too_long`` metric).
+        engine_checked: whether this process has run a step, so the engine's first check against
+            the trainer (``algo.logprob_diff_guard``) is done.
     """
 
     cfg: CooperConfig
@@ -88,6 +90,7 @@ class Run:
     step: int = 0
     skipped_too_long: int = 0
     oracle: Optional[ArithmeticOracle] = None
+    engine_checked: bool = False
 
     def close(self) -> None:
         """Stop the verifier's workers and release the oracle (whatever this rank holds)."""
@@ -107,10 +110,12 @@ class Run:
         return MicroBatching(t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences)
 
     def sampling(self, seed: int) -> SamplingParams:
-        """Rollout sampling with ``seed``."""
+        """Rollout sampling with ``seed``, with each token's log-probability (the engine checked
+        against the trainer, truncated importance sampling)."""
         ro = self.cfg.rollout
         return SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-                              stop=list(ro.stop), seed=seed, routed_experts=self.cfg.model.moe_routing_replay)
+                              stop=list(ro.stop), seed=seed, logprobs=True,
+                              routed_experts=self.cfg.model.moe_routing_replay)
 
     def eval_sampling(self) -> SamplingParams:
         """Held-out sampling (temperature 0.7, top-p 0.95 by default, as the paper)."""

@@ -1,9 +1,10 @@
 """One Cooper step, top to bottom.
 
 rollouts (G per prompt, verified by the rule) -> rewards (the RM's, or the rule's) -> group
-advantages -> old and reference log-probabilities -> GRPO update of the policy -> the reward
-model's pairwise update on this step's pairs (cooper mode) -> a :class:`~cooper_mcore.rl.results.StepResult`
-(its :meth:`~cooper_mcore.rl.results.StepResult.to_metrics` is the step's metrics line).
+advantages -> old and reference log-probabilities (the engine's checked against the old ones:
+:mod:`cooper_mcore.rl.engine_check`) -> GRPO update of the policy -> the reward model's pairwise
+update on this step's pairs (cooper mode) -> a :class:`~cooper_mcore.rl.results.StepResult` (its
+:meth:`~cooper_mcore.rl.results.StepResult.to_metrics` is the step's metrics line).
 
 As in the reference implementation, the policy step of step t uses the RM before its step-t
 update. The new policy weights reach the engine at the start of the next generation
@@ -24,8 +25,9 @@ from cooper_mcore.data.tokenizer import pad_id_of
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.models.routing_replay import replaying, route_batch
+from cooper_mcore.rl.engine_check import check_engine, engine_agreement
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
-from cooper_mcore.rl.results import PolicyUpdate, RolloutStats, StepResult
+from cooper_mcore.rl.results import EngineAgreement, PolicyUpdate, RolloutStats, StepResult
 from cooper_mcore.rl.rm_update import make_pairs, update_reward_model
 from cooper_mcore.rl.rollouts import generate_groups
 from cooper_mcore.rl.scoring import rollout_logits, rule_verdicts
@@ -51,6 +53,9 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepR
     routes = rollout_routes(run, groups, batch)
     with timer.phase(Phase.LOGPROBS):
         fill_logprobs(run, batch, routes)
+        agreement = engine_agreement(batch, cfg.algo.tis_cap)
+    check_engine(agreement, cfg.algo, run.step + 1, first=not run.engine_checked)
+    run.engine_checked = True
     with timer.phase(Phase.POLICY_UPDATE):
         policy = update_policy(run, batch, routes)
     rm_step, pairs = None, []
@@ -59,7 +64,7 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepR
             with timer.phase(Phase.NEGATIVES):
                 pairs = make_pairs(groups, logits, cfg.rm, run.verifier, run.assistant, seed=cfg.train.seed + run.step)
             rm_step = update_reward_model(run.rm, pairs, cfg, run.batching)
-    return StepResult(rollout_stats(groups, rewards, run), policy, rm_step, pairs)
+    return StepResult(rollout_stats(groups, rewards, run, agreement), policy, rm_step, pairs)
 
 
 def record_rewards(groups: Sequence[RolloutGroup], rewards: torch.Tensor) -> None:
@@ -70,9 +75,13 @@ def record_rewards(groups: Sequence[RolloutGroup], rewards: torch.Tensor) -> Non
 
 
 def policy_batch(run: Run, groups: Sequence[RolloutGroup], advantages: torch.Tensor) -> TokenBatch:
-    """The step's ``prompt + response`` sequences with their advantages."""
-    batch = build_token_batch([g.prompt.token_ids for g in groups for _ in g.samples],
-                              [s.token_ids for g in groups for s in g.samples], pad_id_of(run.policy.tokenizer))
+    """The step's ``prompt + response`` sequences with their advantages, and the engine's
+    log-probabilities of the responses when it gave them for every rollout."""
+    samples = [s for g in groups for s in g.samples]
+    engine = [s.logprobs for s in samples]
+    batch = build_token_batch([g.prompt.token_ids for g in groups for _ in g.samples], [s.token_ids for s in samples],
+                              pad_id_of(run.policy.tokenizer),
+                              response_logprobs=engine if all(x is not None for x in engine) else None)
     batch.advantages = advantages.flatten()
     return batch
 
@@ -90,11 +99,12 @@ def rollout_routes(run: Run, groups: Sequence[RolloutGroup], batch: TokenBatch) 
 def fill_logprobs(run: Run, batch: TokenBatch, routes: Optional[torch.Tensor] = None) -> None:
     """The old policy's log-probabilities, and the reference's when the KL term is on (replaying
     ``routes``, the rollout's routing, when given)."""
+    chunk = run.cfg.train.logprob_chunk_tokens
     with replaying(run.policy.module, routes):
-        batch.old_logp = compute_logprobs(run.policy.module, batch, run.batching)
+        batch.old_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
         if run.reference is not None:
             with run.reference.swapped():
-                batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching)
+                batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
 
 
 def update_policy(run: Run, batch: TokenBatch, routes: Optional[torch.Tensor] = None) -> PolicyUpdate:
@@ -102,7 +112,8 @@ def update_policy(run: Run, batch: TokenBatch, routes: Optional[torch.Tensor] = 
     given); a skipped (non-finite) update does not advance the schedule, as in megatron."""
     cfg, policy = run.cfg, run.policy
     loss = GRPOLoss(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_ratio_c,
-                    kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef)
+                    kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef,
+                    tis_cap=cfg.algo.tis_cap, chunk_tokens=cfg.train.logprob_chunk_tokens)
     per_mini = len(batch) // cfg.train.mini_batches
     updates = []
     for i in range(cfg.train.mini_batches):
@@ -115,8 +126,10 @@ def update_policy(run: Run, batch: TokenBatch, routes: Optional[torch.Tensor] = 
     return PolicyUpdate.mean_of(updates, lr=float(policy.optimizer.param_groups[0]["lr"]))
 
 
-def rollout_stats(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Run) -> RolloutStats:
-    """Reward, rule accuracy, lengths and (RM modes) the reward of right and wrong rollouts."""
+def rollout_stats(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Run,
+                  engine: Optional[EngineAgreement] = None) -> RolloutStats:
+    """Reward, rule accuracy, lengths, (RM modes) the reward of right and wrong rollouts, and the
+    engine's agreement with the trainer."""
     samples = [s for g in groups for s in g.samples]
     flat = rewards.flatten().tolist()
     scored = run.rm is not None
@@ -125,7 +138,8 @@ def rollout_stats(groups: Sequence[RolloutGroup], rewards: torch.Tensor, run: Ru
         rule_unverifiable=sum(s.rule_correct is None for s in samples) / len(samples),
         response_length=sum(len(s.token_ids) for s in samples) / len(samples),
         rm_reward_correct=_mean([r for r, s in zip(flat, samples) if s.rule_correct]) if scored else None,
-        rm_reward_wrong=_mean([r for r, s in zip(flat, samples) if not s.rule_correct]) if scored else None)
+        rm_reward_wrong=_mean([r for r, s in zip(flat, samples) if not s.rule_correct]) if scored else None,
+        engine=engine)
 
 
 def _mean(xs: list[float]) -> float:

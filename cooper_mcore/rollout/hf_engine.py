@@ -186,8 +186,11 @@ class HFEngine:
                 generation_config=config, stopping_criteria=criteria,
             )
         new = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [b, t, vocab], raw
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, :logits.shape[1], None]).squeeze(-1)
+        # the sampled tokens' log-probabilities under the raw logits, one generated position at a
+        # time: no [batch, tokens, vocab] stack or fp32 log-softmax copy beside generate's own logits
+        steps = out.sequences[:, width:width + len(out.logits)]
+        logp = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, steps[:, i, None]).squeeze(-1)
+                            for i, step in enumerate(out.logits)], dim=1).cpu()
         results = []
         for r in range(len(ids)):
             toks = new[r].tolist()

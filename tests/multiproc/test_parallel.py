@@ -36,6 +36,20 @@ def test_logits_equal_transformers(tiny_models, tmp_path, nproc, tp, pp):
             assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), name
 
 
+def test_chunked_logprobs_are_exact_with_the_vocabulary_split_over_tp2():
+    """TP=2, each rank holding half of the vocabulary: the chunked log-probabilities and entropy (in
+    chunks of 4 positions and in one chunk) equal the whole vocabulary's in float64, and megatron's
+    vocab-parallel cross entropy and the previous full fp32 entropy; each rank's gradient is its
+    slice of the whole gradient. fp32 sums of 384 exponentials: 1e-5 on values of scale 6, 1e-6 of
+    the largest gradient entry (see tests/unit/test_vocab_logprobs.py)."""
+    out = last_json(torchrun("vocab_logprobs.py", 2, "--tp", "2"))
+    for chunk in (4, 1024):
+        for key in ("ref_logp", "ref_entropy", "prev_logp", "prev_entropy"):
+            assert out[f"chunk{chunk}/{key}"] < 1e-5, (chunk, key, out)
+        for key in ("ref_grad", "prev_grad"):
+            assert out[f"chunk{chunk}/{key}"] < 1e-6 * out["grad_scale"], (chunk, key, out)
+
+
 def test_compare_logits_tool_prints_last_line(tiny_models):
     hf_dir, ckpt = tiny_models[("qwen3", "causal_lm")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

@@ -56,13 +56,17 @@ def _sft(hf_dir, rows, steps):
     model.save_pretrained(hf_dir)
 
 
-def _train(assets, out, *overrides, nproc=1):
-    args = ["--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "--out", str(out),
+def _train_args(assets, out, *overrides):
+    return ["--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "--out", str(out),
             f"model.policy_ckpt={assets['policy_ckpt']}", f"model.policy_hf={assets['policy_hf']}",
             f"model.rm_ckpt={assets['rm_ckpt']}", f"data.train_path={assets['train']}",
             f"data.eval_path={assets['eval']}", "eval.every=0", "logging.wandb=false",
             "rollout.max_new_tokens=8", "rollout.group_size=4", "train.prompts_per_step=4",
             "train.micro_batch_size=4", *overrides]
+
+
+def _train(assets, out, *overrides, nproc=1):
+    args = _train_args(assets, out, *overrides)
     if nproc == 1:
         cmd = [sys.executable, "-m", "cooper_mcore", "train", *args]
     else:
@@ -117,13 +121,48 @@ def test_resume_is_bitwise_identical(assets, tmp_path):
 
 
 def test_first_step_invariants_and_run_files(assets, tmp_path):
-    m = _train(assets, tmp_path / "run", "train.steps=1", "reward.mode=static_rm")
+    """Step 1 from the policy's weights: ratio 1, no KL, no clip; the fp32 transformers engine agrees
+    with Megatron's log-probabilities to fp32 rounding (the weights were pushed), so the truncated
+    importance weights are 1 and none is capped."""
+    m = _train(assets, tmp_path / "run", "train.steps=1", "reward.mode=static_rm", "algo.tis_cap=2.0")
     first = m[0]
     assert first["ratio/mean"] == 1.0 and first["kl"] == 0.0 and first["clip_frac"] == 0.0
+    assert first["rollout/logprob_diff_mean"] < 1e-4 and first["rollout/logprob_diff_max"] < 1e-3
+    assert 0.0 <= first["rollout/logprob_kl"] < 1e-6
+    assert first["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4) and first["rollout/tis_capped_frac"] == 0.0
     for key in ("step", "reward/mean", "rule/acc", "time/rollout", "time/policy_update", "time/weight_sync"):
         assert key in first, key
     assert 0.0 < first["reward/mean"] < 1.0  # sigmoid of the RM
     assert (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_an_engine_without_the_policys_weights_stops_the_first_step(assets, tmp_path):
+    """The engine started from other weights (the policy's HF folder with its weights drawn again)
+    and the weight push left out: the first step stops with one line naming the likely cause (exit
+    code 2), before any update or metrics line."""
+    import shutil
+
+    import transformers
+
+    other = tmp_path / "other-hf"
+    shutil.copytree(assets["policy_hf"], other)
+    model = transformers.AutoModelForCausalLM.from_pretrained(other)
+    torch.manual_seed(3)
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.1)
+    model.save_pretrained(other)
+    skip_push = ("import sys; import cooper_mcore.rl.colocate as c; c.sync_weights = lambda *a, **k: None; "
+                 "from cooper_mcore.cli import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", skip_push, "train",
+                        *_train_args(assets, tmp_path / "run", "train.steps=2", f"model.policy_hf={other}")],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "step 1: the rollout engine's log-probabilities differ from the trainer's" in errors[0]
+    assert "the engine's weights are not the policy's" in errors[0] and "Traceback" not in r.stderr
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""
 
 
 def test_bad_config_fails_before_work(assets, tmp_path):
@@ -158,6 +197,8 @@ def test_tp_pp_runs_match_one_process(assets, tmp_path, layout):
         assert a[key] == pytest.approx(b[key], abs=1e-5), (layout, key)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), layout
     assert 0.0 <= b["eval/acc"] <= 1.0
+    # the engine (on the group leader) against the trainer at this layout: fp32 rounding apart
+    assert a["rollout/logprob_diff_mean"] < 1e-4 and b["rollout/logprob_diff_mean"] < 1e-4
 
 
 def test_packed_token_budget_matches_fixed_micro_batches_at_dp2(assets, tmp_path):

@@ -1,5 +1,6 @@
 """cooper_mcore.algo against numbers worked out by hand: GRPO advantages, the PPO clipped surrogate,
-KL estimators, masked aggregation, entropy, the reward-model losses and positive selection."""
+KL estimators, masked aggregation, entropy, the rollout engine against the trainer (mismatch sums,
+truncated importance-sampling weights), the reward-model losses and positive selection."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from cooper_mcore.algo import (
     gather_by_group,
     group_advantages,
     kl_penalty,
+    logprob_mismatch_sums,
     masked_mean,
     masked_sum,
     policy_loss,
     reward_from_logits,
     rm_bce_loss,
     rm_pairwise_loss,
+    truncated_is_weights,
 )
 
 NAN = float("nan")
@@ -321,6 +324,48 @@ def test_entropy_hand_values():
     close(bf, [math.log(4)] * 3)
     with pytest.raises(ValueError):
         entropy_from_logits(torch.zeros(3, 0))
+
+
+# --------------------------------------------------------------------------- engine vs trainer
+
+
+def test_truncated_is_weights_hand_values():
+    # old - engine = ln 3, ln 0.5, 0, ln 1.5 (masked out); cap 2: weights min(3, 2) = 2, 0.5, 1; 1 outside
+    old = torch.tensor([[math.log(3.0), math.log(0.5), 0.0, math.log(1.5)]])
+    engine = torch.zeros(1, 4)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    close(truncated_is_weights(old, engine, mask, cap=2.0), [[2.0, 0.5, 1.0, 1.0]])
+    # log-ratios beyond +-20 are clamped before exp; NaN outside the mask is ignored
+    w = truncated_is_weights(torch.tensor([[50.0, -50.0, NAN]]), torch.zeros(1, 3), torch.tensor([[1, 1, 0]]), 1e12)
+    torch.testing.assert_close(w.double(), torch.tensor([[math.exp(20.0), math.exp(-20.0), 1.0]], dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+    x = old.clone().requires_grad_()
+    assert not truncated_is_weights(x, engine, mask, 2.0).requires_grad  # a constant of the loss
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_is_weights(old, engine, mask, 0.0)
+    with pytest.raises(ValueError, match="shapes must match"):
+        truncated_is_weights(old, engine[:, :3], mask, 2.0)
+
+
+def test_logprob_mismatch_sums_hand_values():
+    # engine - trainer = 0.5, -1.0, 0.0 on the response (the 4th is padding, NaN there)
+    engine = torch.tensor([[-1.0, -3.0, -0.25, NAN]])
+    trainer = torch.tensor([[-1.5, -2.0, -0.25, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    sums, top = logprob_mismatch_sums(engine, trainer, mask, tis_cap=2.0)
+    close(sums["tokens"], 3.0)
+    close(sums["abs_diff_sum"], 1.5)
+    close(top, 1.0)
+    # k3 with r = exp(trainer - engine): r - 1 - ln r at ln r = -0.5, 1.0, 0
+    k3 = (math.exp(-0.5) + 0.5 - 1.0) + (math.exp(1.0) - 1.0 - 1.0) + 0.0
+    close(sums["kl_sum"], k3)
+    # TIS weights min(exp(trainer - engine), 2): e^-0.5, min(e, 2) = 2 (capped), 1
+    close(sums["tis_weight_sum"], math.exp(-0.5) + 2.0 + 1.0)
+    close(sums["tis_capped"], 1.0)
+    plain, _ = logprob_mismatch_sums(engine, trainer, mask)
+    assert float(plain["tis_weight_sum"]) == 0.0 and float(plain["tis_capped"]) == 0.0
+    empty, top = logprob_mismatch_sums(engine, trainer, torch.zeros(1, 4))
+    assert float(empty["tokens"]) == 0.0 and float(top) == 0.0
 
 
 # --------------------------------------------------------------------------- reward model

@@ -139,19 +139,44 @@ def test_activations_and_logits_by_hand():
     per_token_layer = 6 * 1536 + 5 * 1536 + 4 * 8960  # 52,736 elements, bf16
     layer = tokens * 2 * per_token_layer
     assert layer_activation_bytes(a, tokens, 2) == layer == 54_001_664
-    assert logits_bytes(a, tokens, 2, tp=1, train=True) == tokens * 151936 * 27
-    assert logits_bytes(a, tokens, 2, tp=1, train=False) == tokens * 151936 * 6
-    assert logits_bytes(a, tokens, 2, tp=2, train=True) == tokens * 75968 * 18
+    # 512 tokens <= the 1024-token chunk: one chunk of all of them. Train: the bf16 logits (2 B), the
+    # entropy metric's two fp32 temporaries (8 B) in forward; their gradient (2 B) and one fp32
+    # temporary (4 B) in backward: max(2 + 8, 2 + 2 + 4) = 10 B
+    assert logits_bytes(a, tokens, 2, tp=1, train=True) == tokens * 151936 * 10
+    assert logits_bytes(a, tokens, 2, tp=1, train=False) == tokens * 151936 * 6  # 2 + one fp32 temporary
+    assert logits_bytes(a, tokens, 2, tp=2, train=True) == tokens * 75968 * 10
+    # chunks of 128 of the 512 tokens: backward 2 + 2 B per token beside 4 B per chunk entry
+    assert logits_bytes(a, tokens, 2, tp=1, train=True, chunk_tokens=128) == (4 * tokens + 4 * 128) * 151936
+    assert logits_bytes(a, tokens, 2, tp=1, train=False, chunk_tokens=128) == 4 * tokens * 151936  # the transpose
+    assert logits_bytes(a, tokens, 2, tp=1, train=True, chunk_tokens=128, entropy_grad=True) == \
+        (4 * tokens + 8 * 128) * 151936
+    assert logits_bytes(a, tokens, 4, tp=1, train=True, chunk_tokens=128) == (8 * tokens + 4 * 128) * 151936
 
     cfg = config("train.micro_batch_size=2", "train.prompts_per_step=8", "rollout.group_size=4",
                  "rollout.max_new_tokens=156")
     opts = PlanOptions(gpus_per_node=1, gpu_memory_gib=80, prompt_tokens=100)
     update = {ph.phase: ph for ph in plan(cfg, a, None, opts).given.phases}["policy_update"].components
     assert update["activations"] == 29 * layer  # 28 layers + one layer of backward workspace
-    assert update["logits"] == tokens * 151936 * 27
+    assert update["logits"] == tokens * 151936 * 10
     rec = {ph.phase: ph for ph in plan(cfg, a, None, PlanOptions(gpus_per_node=1, gpu_memory_gib=80, prompt_tokens=100,
                                                                  recompute=True)).given.phases}["policy_update"]
     assert rec.components["activations"] == 28 * tokens * 1536 * 2 + 2 * layer
+
+
+def test_the_logits_of_the_step_benchmark_fit_a_quarter_of_the_full_vocabulary_copies():
+    """``benchmarks/cooper_step.py``'s GPU defaults (Qwen2.5-1.5B, bf16, 8 prompts x 16 rollouts of up
+    to 512 new tokens after 512-token prompts, micro-batch 8: 8192 tokens): the full-vocabulary fp32
+    loss needed 27 B per token and vocabulary entry (31.3 GiB); chunked, the logits term is the bf16
+    logits and their gradient (4 B) plus one 1024-token fp32 chunk (5.22 GiB), under a quarter."""
+    a = arch("qwen2.5-1.5b-instruct")
+    cfg = config("model.dtype=bfloat16", "train.prompts_per_step=8", "rollout.group_size=16",
+                 "rollout.max_new_tokens=512", "train.micro_batch_size=8")
+    phases = {ph.phase: ph for ph in plan(cfg, a, a, PlanOptions(gpus_per_node=1, gpu_memory_gib=80)).given.phases}
+    tokens = 8 * 1024
+    assert phases["policy_update"].components["logits"] == (4 * tokens + 4 * 1024) * 151936
+    assert phases["policy_update"].components["logits"] < 27 * tokens * 151936 / 4
+    assert round(phases["policy_update"].components["logits"] / GIB, 2) == 5.22
+    assert phases["logprobs"].components["logits"] == 4 * tokens * 151936  # 4.64 GiB
 
 
 def test_pipeline_stages_hold_their_in_flight_micro_batches():
@@ -442,6 +467,7 @@ def test_token_budget_sets_the_micro_batch_tokens():
 
     fixed = update_logits()
     seq = 512 + 512  # prompt_tokens + max_new_tokens
+    assert fixed == logits_bytes(shape, 4 * seq, 4, 1, train=True)  # float32, the default
     assert update_logits(f"train.max_tokens_per_micro_batch={4 * seq}") == fixed  # the same tokens
-    assert update_logits(f"train.max_tokens_per_micro_batch={2 * seq}") == fixed // 2
-    assert update_logits("train.max_tokens_per_micro_batch=100") == fixed // 4  # one sequence alone
+    assert update_logits(f"train.max_tokens_per_micro_batch={2 * seq}") == logits_bytes(shape, 2 * seq, 4, 1, True)
+    assert update_logits("train.max_tokens_per_micro_batch=100") == logits_bytes(shape, seq, 4, 1, True)  # one row

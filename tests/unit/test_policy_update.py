@@ -57,9 +57,11 @@ def _megatron_update(ckpt: str, batch: TokenBatch, mbs: int, loss: GRPOLoss, lr:
 def _reference_grads(hf_dir: str, batch: TokenBatch, loss: GRPOLoss) -> tuple[dict[str, torch.Tensor], float, float]:
     """The GRPO step written out in plain torch on transformers' model of the same weights:
     per-token PPO clip, verl's dual clip (a negative-advantage token's loss capped at
-    ``-A * clip_ratio_c``) when ``clip_ratio_c`` is set, k3 KL to the reference, entropy bonus, token
-    mean over the whole batch. Returns the gradients, the loss, and the fraction of response tokens
-    whose surrogate gives no gradient (what ``clip_frac`` counts)."""
+    ``-A * clip_ratio_c``) when ``clip_ratio_c`` is set, the surrogate weighted by
+    ``min(exp(old - engine), tis_cap)`` when ``tis_cap`` is set (truncated importance sampling), k3
+    KL to the reference, entropy bonus, token mean over the whole batch. Returns the gradients, the
+    loss, and the fraction of response tokens whose surrogate gives no gradient (what ``clip_frac``
+    counts)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                                               attn_implementation="eager")
     logits = model(batch.input_ids).logits.float()
@@ -71,6 +73,8 @@ def _reference_grads(hf_dir: str, batch: TokenBatch, loss: GRPOLoss) -> tuple[di
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - loss.clip_low, 1 + loss.clip_high))
     if loss.clip_ratio_c is not None:  # verl: where(A < 0, min(-A * c, clipped surrogate), clipped surrogate)
         surrogate = torch.where(adv < 0, torch.minimum(-adv * loss.clip_ratio_c, surrogate), surrogate)
+    if loss.tis_cap is not None:  # verl / slime: pg_loss * clamp(exp(old - rollout), max=C)
+        surrogate = surrogate * torch.exp(batch.old_logp - batch.engine_logp).clamp(max=loss.tis_cap)
     d = batch.ref_logp - logp
     k3 = torch.exp(d) - d - 1
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -94,10 +98,13 @@ def _with_logprobs(ckpt: str, batch: TokenBatch, noise: float) -> TokenBatch:
     return batch
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied"])
-def test_update_gradient_equals_a_plain_torch_grpo_step(tiny_models, family):
+@pytest.mark.parametrize("family,chunk", [("qwen2", 1024), ("qwen2_tied", 1024), ("qwen2", 5)])
+def test_update_gradient_equals_a_plain_torch_grpo_step(tiny_models, family, chunk):
+    """The update's gradient, with the log-probabilities and the entropy bonus read from the logits
+    in one chunk and in chunks of 5 positions (the micro-batches of 2 rows span chunk boundaries)."""
     hf_dir, ckpt = tiny_models[(family, "causal_lm")]
-    loss = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_kind="low_var_kl", entropy_coef=0.01)
+    loss = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_kind="low_var_kl", entropy_coef=0.01,
+                    chunk_tokens=chunk)
     with single_process_world():
         batch = _with_logprobs(ckpt, _batch(vocab=128), noise=0.3)
         _, metrics, ours = _megatron_update(ckpt, batch, mbs=2, loss=loss)
@@ -151,6 +158,32 @@ def test_update_gradient_applies_the_dual_clip(tiny_models):
         torch.testing.assert_close(ours[name], g, atol=1e-5 * scale, rtol=1e-4, msg=name)
     apart = max(float((ours[n] - g).abs().max()) for n, g in no_dual.items())
     assert apart > 0.1 * scale, apart
+
+
+def test_update_gradient_applies_truncated_importance_sampling(tiny_models):
+    """With ``tis_cap`` each token's surrogate is weighted by ``min(exp(old - engine), cap)``: the
+    trainer's gradient equals a plain-torch step with those weights (some tokens capped, some below
+    1) and is far from the unweighted one; the KL and entropy terms are not weighted."""
+    hf_dir, ckpt = tiny_models[("qwen2", "causal_lm")]
+    loss = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, chunk_tokens=7)
+    with single_process_world():
+        batch = _with_logprobs(ckpt, _batch(vocab=128), noise=0.3)
+        g = torch.Generator().manual_seed(7)
+        batch.engine_logp = batch.old_logp - 1.2 * torch.randn(batch.old_logp.shape, generator=g)
+        _, metrics, ours = _megatron_update(ckpt, batch, mbs=2, loss=loss)
+        with pytest.raises(ValueError, match="algo.tis_cap needs the rollout engine"):
+            policy_update(None, None, TokenBatch(batch.input_ids, batch.loss_mask, batch.advantages, batch.old_logp,
+                                                 batch.ref_logp), MicroBatching(2), loss)
+    weights = torch.exp(batch.old_logp - batch.engine_logp)[batch.loss_mask.bool()]
+    assert (weights > 2.0).sum() >= 5 and (weights < 0.5).sum() >= 5  # capped tokens and down-weighted ones
+    ref, ref_loss, ref_clip_frac = _reference_grads(hf_dir, batch, loss)
+    plain, _, _ = _reference_grads(hf_dir, batch, GRPOLoss(0.2, 0.28, kl_coef=0.1, entropy_coef=0.01))
+    assert metrics.loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert metrics.clip_frac == pytest.approx(ref_clip_frac, abs=1e-6)
+    scale = max(float(g.abs().max()) for g in ref.values())
+    for name, g in ref.items():
+        torch.testing.assert_close(ours[name], g, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    assert max(float((ours[n] - g).abs().max()) for n, g in plain.items()) > 0.1 * scale
 
 
 def test_update_policy_takes_the_dual_clip_from_the_config(monkeypatch):
@@ -219,16 +252,18 @@ def test_loss_is_token_mean_of_the_grpo_objective(tiny_models):
 
 
 def test_token_logprobs_leave_fp32_logits_intact():
-    """megatron's vocab-parallel cross entropy works in place: on fp32 logits (CPU runs) the entropy
-    computed after it would read shifted, exponentiated values; on bf16 (GPUs) ``.float()`` copies.
-    Both paths must leave the logits as they were."""
+    """The log-probabilities and the entropy are read from fp32 logits (CPU runs) without writing
+    them: what the loss reads after them is what the model returned."""
     from cooper_mcore.algo import entropy_from_logits
-    from cooper_mcore.train.tokens import token_logprobs, vocab_parallel_entropy
+    from cooper_mcore.train.tokens import token_logprobs, token_logprobs_and_entropy
 
     with single_process_world():
         logits = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
         before = logits.clone()
-        logp = token_logprobs(logits, torch.zeros(2, 5, dtype=torch.long))
+        labels = torch.zeros(2, 5, dtype=torch.long)
+        logp = token_logprobs(logits, labels)
         torch.testing.assert_close(logits, before, rtol=0, atol=0)
         torch.testing.assert_close(logp, torch.log_softmax(before, -1)[..., 0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(vocab_parallel_entropy(logits), entropy_from_logits(before), rtol=1e-5, atol=1e-5)
+        _, ent = token_logprobs_and_entropy(logits, labels, "metric", chunk_tokens=3)
+        torch.testing.assert_close(logits, before, rtol=0, atol=0)
+        torch.testing.assert_close(ent, entropy_from_logits(before), rtol=1e-5, atol=1e-5)

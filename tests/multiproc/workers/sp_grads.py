@@ -54,7 +54,10 @@ def main():
     batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
     noise = 0.1 * torch.randn(batch.input_ids.shape, generator=g)
     batch.old_logp = compute_logprobs(model, batch, MicroBatching(2)) + noise
-    m = policy_update(ddp, opt, batch, MicroBatching(2), GRPOLoss(clip_low=0.2, clip_high=0.2))
+    # an entropy bonus, and chunks of 5 positions that cut the 2-row micro-batches: the chunked
+    # log-probabilities and entropy over the vocabulary split at TP=2 give TP=1's gradient
+    m = policy_update(ddp, opt, batch, MicroBatching(2), GRPOLoss(clip_low=0.2, clip_high=0.2, entropy_coef=0.01,
+                                                                   chunk_tokens=5))
     result["policy"] = full_grads(model)
     result["policy_loss"] = m.loss
 
