@@ -88,7 +88,8 @@ ISA_TESTS := tests/unit/test_algo.py tests/unit/test_policy_update.py tests/unit
 	tests/unit/test_micro_batching_runner.py tests/unit/test_micro_batching_packing.py tests/unit/test_pairs.py \
 	tests/unit/test_nonfinite.py tests/multiproc/test_parallel.py tests/multiproc/test_trainer.py \
 	tests/multiproc/test_micro_batching_packing.py tests/multiproc/test_rm_dist.py \
-	tests/unit/test_moe_model.py tests/unit/test_moe_aux_loss.py tests/multiproc/test_moe_ep.py
+	tests/unit/test_moe_model.py tests/unit/test_moe_aux_loss.py tests/multiproc/test_moe_ep.py \
+	tests/unit/test_moe_grouped.py tests/unit/test_routing_replay.py tests/multiproc/test_moe_layouts.py
 ISA_LEVELS ?= default avx2 $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
 
 test-isa: $(STAMP)

@@ -2,7 +2,8 @@
 the step spent dispatching tokens to the experts.
 
 A Qwen3-MoE-like model built by :func:`cooper_mcore.models.builder.build_model` (megatron's router,
-alltoall token dispatcher, SequentialMLP experts, every layer sparse), wrapped for training as the
+alltoall token dispatcher, every layer sparse; the experts grouped (:class:`~cooper_mcore.models.experts.
+GroupedExperts`, grouped matrix multiplies) or megatron's ``SequentialMLP``, ``--experts``), wrapped for training as the
 trainer does (:func:`~cooper_mcore.train.step.wrap_for_training`: megatron DDP, distributed optimizer,
 per-token loss) and stepped with :func:`~cooper_mcore.train.step.train_step` on random tokens. Each
 (ranks, EP) setting runs in its own ``torchrun`` world (gloo on CPU, NCCL on GPUs); every rank is a
@@ -17,6 +18,7 @@ bound. Rank 0's figures are reported.
 
     python benchmarks/moe_step.py                 # CPU: hidden 256, 8 experts, top 2; 1 rank EP=1, 2 ranks EP=1, EP=2
     python benchmarks/moe_step.py --gpu           # GPUs: Qwen3-30B-A3B's layer shape, 4 layers, bf16
+    python benchmarks/moe_step.py --gpu --settings 1x1 --experts grouped,sequential   # both experts, one GPU
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ def instrument_dispatch() -> None:
 
 
 def make_step(shape: dict[str, Any], ep: int, batches: list[torch.Tensor],
-              dtype: torch.dtype) -> Callable[[], float]:
+              dtype: torch.dtype, grouped: bool = True) -> Callable[[], float]:
     """A training step of the MoE model on ``batches`` (one optimizer step); returns the mean loss."""
     arch = ArchSpec.from_hf_config(dict(shape))
-    step, _ = megatron_lm_step(build_model(arch, ParallelConfig(ep=ep), dtype=dtype), batches)
+    model = build_model(arch, ParallelConfig(ep=ep), dtype=dtype, grouped_experts=grouped)
+    step, _ = megatron_lm_step(model, batches)
     return step
 
 def worker(args: argparse.Namespace) -> None:
@@ -108,7 +111,8 @@ def worker(args: argparse.Namespace) -> None:
         batches = [torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq), generator=gen)
                    for _ in range(args.micro_batches)]
         instrument_dispatch()
-        step = make_step(shape, args.ep, batches, torch.bfloat16 if args.gpu else torch.float32)
+        step = make_step(shape, args.ep, batches, torch.bfloat16 if args.gpu else torch.float32,
+                         args.experts == "grouped")
         for _ in range(args.warmup):
             step()
         TIMES.clear()
@@ -121,7 +125,8 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         median = sorted(times)[len(times) // 2]
         if rank == 0:
-            row = {"ranks": world, "ep": args.ep, "experts_per_rank": shape["num_experts"] // args.ep,
+            row = {"ranks": world, "ep": args.ep, "experts": args.experts,
+                   "experts_per_rank": shape["num_experts"] // args.ep,
                    "tokens_per_step": world * args.micro_batch * args.seq * args.micro_batches,
                    "ms_per_step": median * 1e3, "loss": loss, "total_s": sum(times),
                    **{f"{k}_s": v for k, v in TIMES.items()}}
@@ -131,12 +136,13 @@ def worker(args: argparse.Namespace) -> None:
         destroy_distributed()
 
 
-def run_setting(ranks: int, ep: int, args: argparse.Namespace, passthrough: list[str]) -> dict[str, Any]:
-    """Run one (ranks, EP) setting in its own ``torchrun`` world and return rank 0's figures."""
+def run_setting(ranks: int, ep: int, experts: str, args: argparse.Namespace, passthrough: list[str]) -> dict[str, Any]:
+    """Run one (ranks, EP, experts) setting in its own ``torchrun`` world and return rank 0's figures."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               os.path.abspath(__file__), "--worker", "--ep", str(ep), "--out", out, *passthrough]
+               os.path.abspath(__file__), "--worker", "--ep", str(ep), "--out", out, "--experts", experts,
+               *passthrough]
         env = dict(os.environ)
         if not args.gpu:  # the cores are shared between the ranks
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
@@ -154,15 +160,17 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              f"(expert FFN {shape['moe_intermediate_size']}), vocab {shape['vocab_size']}; "
              f"{'bf16' if args.gpu else 'fp32'}; {args.micro_batches} micro-batches x {args.micro_batch} x "
              f"{args.seq} tokens per rank; {dev}; torch {torch.__version__}, megatron-core "
-             f"{megatron.core.__version__}; median of {args.steps} steps after {args.warmup}",
-             "| ranks | EP | experts/rank | tokens/step | ms/step | tokens/s | dispatcher fwd (ms/step) "
+             f"{megatron.core.__version__}; median of {args.steps} steps after {args.warmup}"
+             + (f", median run of {args.repeat}" if args.repeat > 1 else ""),
+             "| ranks | EP | experts | experts/rank | tokens/step | ms/step | tokens/s | dispatcher fwd (ms/step) "
              "| all-to-all fwd+bwd (ms/step) | dispatch share |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         dispatcher = r.get("dispatcher_s", 0.0) / args.steps
         a2a = (r.get("a2a_fwd_s", 0.0) + r.get("a2a_bwd_s", 0.0)) / args.steps
         share = (dispatcher + r.get("a2a_bwd_s", 0.0) / args.steps) / (r["total_s"] / args.steps)
-        lines.append(f"| {r['ranks']} | {r['ep']} | {r['experts_per_rank']} | {r['tokens_per_step']} | "
+        lines.append(f"| {r['ranks']} | {r['ep']} | {r['experts']} | {r['experts_per_rank']} | "
+                     f"{r['tokens_per_step']} | "
                      f"{r['ms_per_step']:.1f} | {r['tokens_per_step'] / r['ms_per_step'] * 1e3:,.0f} | "
                      f"{dispatcher * 1e3:.1f} | {a2a * 1e3:.1f} | {share:.1%} |")
     return "\n".join(lines)
@@ -178,6 +186,10 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (CPU 256, GPU 4096)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (CPU 2, GPU 1)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every setting this many times, alternating the expert modules; report the median run")
+    p.add_argument("--experts", default="grouped,sequential",
+                   help="comma-separated expert modules to time: grouped (grouped matmuls), sequential (SequentialMLP)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -224,10 +236,17 @@ def main() -> None:
         worker(args)
         return
     settings = parse_settings(args.settings) if args.settings else default_settings(args.gpu)
+    kinds = [k.strip() for k in args.experts.split(",")]
+    if not kinds or any(k not in ("grouped", "sequential") for k in kinds):
+        raise ValueError(f"--experts {args.experts!r}: a comma-separated list of grouped and sequential")
     rows = []
     for ranks, ep in settings:
-        logger.info("ranks=%d ep=%d ...", ranks, ep)
-        rows.append(run_setting(ranks, ep, args, passthrough))
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+        for _ in range(args.repeat):  # alternating, so that a busy spell of a shared machine hits both
+            for kind in kinds:
+                logger.info("ranks=%d ep=%d experts=%s ...", ranks, ep, kind)
+                runs[kind].append(run_setting(ranks, ep, kind, args, passthrough))
+        rows += [sorted(r, key=lambda x: x["ms_per_step"])[len(r) // 2] for r in runs.values()]
     print(table(rows, args))
 
 

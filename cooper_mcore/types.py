@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 
 @dataclass
 class Prompt:
@@ -48,6 +50,9 @@ class Sample:
         reward: the reward of the policy's update (the rule's 0/1, or the reward model's), set by
             the step (:func:`cooper_mcore.rl.step.record_rewards`); None before.
         weight_version: the policy weight version that generated it.
+        routed_experts: with rollout routing replay, the experts the engine routed each position of
+            ``prompt + completion`` (but the last token) to, int16 ``[positions, layers * top_k]``
+            (:attr:`cooper_mcore.rollout.base.GenerateOutput.routed_experts`).
     """
 
     prompt_id: str
@@ -59,6 +64,7 @@ class Sample:
     rule_answered: Optional[bool] = None
     reward: Optional[float] = None
     weight_version: int = 0
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -25,7 +25,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
-    p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size (mixture-of-experts models)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor-parallel size (mixture-of-experts models; default: tp)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)

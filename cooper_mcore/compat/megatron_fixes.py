@@ -6,11 +6,32 @@ Importing this module applies them, once:
   but defines it only when Transformer Engine imports, so every MoE router without TE (the
   torch-native spec, on a GPU or the CPU) raises ``NameError``. Without TE it is set to None, which
   takes megatron's own ``torch.mm`` branch (the router's logits in ``moe_router_dtype``).
+* With a padding mask, a router weighs its rank's part of the load-balancing loss by that rank's
+  real tokens under the per-token loss mode (``get_tokens_per_expert_and_token_count``'s
+  ``local_num_tokens``, ``router.py``). The loss is one sum over the sequence-parallel ranks'
+  parts, so parts weighted by different counts give another gradient than one process would (a
+  rank whose slice is mostly padding would hardly count). Each rank gets the mean count of its
+  reduce group instead: the weight megatron gives without padding, when the slices are even.
 """
 
 from __future__ import annotations
 
 import megatron.core.transformer.moe.moe_utils as _moe_utils
+import megatron.core.transformer.moe.router as _router
 
 if not _moe_utils.HAVE_TE and not hasattr(_moe_utils, "te_general_gemm"):
     _moe_utils.te_general_gemm = None
+
+_token_counts = _moe_utils.get_tokens_per_expert_and_token_count
+
+
+def _even_token_counts(routing_map, reduce_group, topk=None, with_padding_mask=False):
+    """megatron's counts, the local one the reduce group's mean when padding is masked."""
+    per_expert, local, total = _token_counts(routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask)
+    if with_padding_mask:
+        local = total / reduce_group.size()
+    return per_expert, local, total
+
+
+if getattr(_router.get_tokens_per_expert_and_token_count, "__name__", "") != _even_token_counts.__name__:
+    _router.get_tokens_per_expert_and_token_count = _even_token_counts

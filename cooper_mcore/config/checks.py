@@ -173,6 +173,11 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
     if cfg.model.moe_aux_loss_coef is not None and cfg.model.moe_aux_loss_coef < 0:
         out.append(f"model.moe_aux_loss_coef must be >= 0, got {cfg.model.moe_aux_loss_coef}")
     models, problems = _run_models(cfg)
+    policy = models[0] if models else None
+    if cfg.model.moe_routing_replay and policy is not None and policy.arch is not None \
+            and not isinstance(policy.arch.get("moe"), dict):
+        out.append(f"model.moe_routing_replay needs a mixture-of-experts policy; {policy.name} ({policy.path}) "
+                   "is dense")
     return out + problems + _model_layout_problems(par, models, world_size, {"model.policy_ckpt": cfg.model.dtype})
 
 
@@ -225,11 +230,16 @@ def _model_layout_problems(par: ParallelConfig, models: list[_Model], world_size
         if want is not None and dtype is not None and dtype != want:
             out.append(f"model.dtype={want} but {ckpt} holds {dtype} weights; convert the "
                        "checkpoint in the dtype you train in")
-        out += _expert_model_problems(name, ckpt, arch, par.ep, par.etp)
+        out += _expert_model_problems(name, ckpt, arch, par.ep, par.expert_tp)
         if isinstance(arch.get("moe"), dict) and par.tp > 1 and not par.sequence_parallel:
             out.append(f"{name} ({ckpt}) is a mixture-of-experts model: parallel.tp={par.tp} needs "
                        "parallel.sequence_parallel=true (megatron's MoE layer refuses to train without it)")
-    return out + _expert_layout_problems(par.ep, par.etp, par.pp, world_size)
+        drift = par.expert_drift_problem() if par.ep >= 1 and par.expert_tp >= 1 else None
+        if isinstance(arch.get("moe"), dict) and drift:
+            out.append(f"{name} ({ckpt}) is a mixture-of-experts model: {drift}")
+    if par.ep == 1 and par.etp is None:  # the expert layout is the dense one, tp*pp
+        return out
+    return out + _expert_layout_problems(par.ep, par.expert_tp, par.pp, world_size)
 
 
 def _expert_layout_problems(ep: int, etp: int, pp: int, world_size: int) -> list[str]:
@@ -262,14 +272,16 @@ def _expert_model_problems(name: str, ckpt: str, arch: dict[str, Any], ep: int, 
 
 
 def _dense_only_problems(par: ParallelConfig, models: list[_Model]) -> list[str]:
-    """parallel.ep/etp > 1 need a mixture-of-experts model among ``models`` (the other may be dense)."""
-    if par.ep == 1 and par.etp == 1:
+    """parallel.ep/etp > 1 (etp set, not following tp) need a mixture-of-experts model among ``models``
+    (the other may be dense)."""
+    if par.ep == 1 and (par.etp or 1) == 1:
         return []
     archs = [m.arch for m in models]
     if not archs or any(a is None for a in archs) or any(isinstance(a.get("moe"), dict) for a in archs):
         return []  # an unreadable checkpoint is reported by the path checks
     named = " and ".join(f"{m.name} ({m.path})" for m in models)
-    return [f"parallel.ep={par.ep} / etp={par.etp} need a mixture-of-experts model, but {named} "
+    settings = " / ".join(f"parallel.{k}={v}" for k, v in (("ep", par.ep), ("etp", par.etp or 1)) if v > 1)
+    return [f"{settings} need{'s' if ' / ' not in settings else ''} a mixture-of-experts model, but {named} "
             f"{'is' if len(models) == 1 else 'are'} dense"]
 
 

@@ -99,6 +99,8 @@ class ModelConfig:
     moe_aux_loss_coef: Optional[float] = None
     """Weight of the routers' load-balancing loss of mixture-of-experts models (policy and RM, >= 0);
     unset: each checkpoint's HF ``router_aux_loss_coef``."""
+    moe_routing_replay: bool = False
+    """Rollout routing replay: the MoE policy's trainer forwards reuse the experts the engine chose per token."""
     init: ModelInit = "checkpoint"
     """checkpoint: load model.policy_ckpt and model.rm_ckpt; random: build the policy, its reference and the RM
     with random weights directly on the device at the shapes of model.policy_config and model.rm_config, and fill

@@ -48,8 +48,8 @@ from cooper_mcore.models.hf_mapping import (
     _LOCAL_EXPERT_RE,
     _LOCAL_TO_TE,
     ParamMapping,
-    canonical_mcore_name,
     hf_shapes,
+    mapping_tensors,
     param_mappings,
     to_hf,
     to_mcore,
@@ -98,8 +98,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: i
     cfg = load_hf_config(hf_dir)
     reader = HFCheckpointReader(hf_dir)
     check_hf_shapes(reader, arch, hf_dir)
-    params = {canonical_mcore_name(k): v for k, v in model.state_dict().items()
-              if not k.endswith("_extra_state")}
+    params = mapped_state(model)
     mapped = set()
     with torch.no_grad():
         for m in param_mappings(arch):
@@ -114,6 +113,13 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, arch: ArchSpec, seed: i
             mapped.add(m.mcore)
     missing = set(params) - mapped
     assert not missing, f"model parameters without a mapping: {sorted(missing)}"
+
+
+def mapped_state(model: torch.nn.Module, layer_offset: int = 0) -> dict[str, torch.Tensor]:
+    """A TP=1 model's (or stage's) state by mapping name: one tensor per name, stacked expert weights
+    as one view per expert (writing into them fills the model)."""
+    return {name: t for k, v in model.state_dict().items() if not k.endswith("_extra_state")
+            for name, t in mapping_tensors(k, v, layer_offset)}
 
 
 def _read_mapped(reader: HFCheckpointReader, m: ParamMapping, dest: torch.Tensor, arch: ArchSpec) -> None:
@@ -214,8 +220,7 @@ def hf_tensors(model: torch.nn.Module, arch: ArchSpec, layer_offset: int = 0):
         arch: its architecture.
         layer_offset: global number of this stage's first layer.
     """
-    params = {canonical_mcore_name(k, layer_offset): v for k, v in model.state_dict().items()
-              if not k.endswith("_extra_state")}
+    params = mapped_state(model, layer_offset)
     for m in param_mappings(arch):
         if m.mcore not in params:
             continue  # another pipeline stage holds it

@@ -58,7 +58,6 @@ from cooper_mcore.data.tokenizer import check_vocab_fits, pad_id_of
 from cooper_mcore.job import JobRoom, job
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.micro_batching.runner import MicroBatching
-from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.parallel import launched_world_size
 from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import OptimConfig, build_scheduler, train_step, wrap_for_training
@@ -190,7 +189,7 @@ def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
 
     def step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb.input_ids, position_ids_for(mb.input_ids), None)
+        logits = mb.micro.forward(model)
 
         def loss_fn(output):
             nll = -token_logprobs(output, mb.labels) * mb.loss_mask
@@ -200,8 +199,7 @@ def _sft_step(ddp, optimizer, examples: Sequence[Example], pad_id: int,
         return logits, loss_fn
 
     mbs = batch.micro_batches(MicroBatching(micro_batch_size))
-    counts = AuxLossCounts.of_shapes(float(sum(mb.loss_mask.sum() for mb in mbs)),
-                                     [tuple(mb.input_ids.shape) for mb in mbs])
+    counts = AuxLossCounts(float(sum(mb.loss_mask.sum() for mb in mbs)), sum(mb.micro.num_tokens for mb in mbs))
     result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), batch.input_ids.shape[1], micro_batch_size,
                         aux_counts=counts)
     loss_sum = float(sum(r["loss"] for r in result.metrics))  # last pipeline stage only

@@ -36,7 +36,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from cooper_mcore.collectives import all_reduce
 from cooper_mcore.micro_batching.packing import PackedBatch, pack_rows, round_up
 from cooper_mcore.micro_batching.planning import plan_micro_batches
-from cooper_mcore.models.forward import position_ids_for
+from cooper_mcore.models.forward import moe_padding_kwargs, position_ids_for, valid_tokens
+from cooper_mcore.models.routing_replay import arm as arm_replay
 from cooper_mcore.parallel import device
 
 #: the token that fills a micro-batch's row past its sequences: a pack's last segment, or the columns
@@ -132,11 +133,26 @@ class MicroBatch:
         return self.pack.pack_per_sequence(values) if self.pack is not None else values[self.rows]
 
     def forward(self, model: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
-        """This rank's stage on the micro-batch (inside a megatron forward step)."""
+        """This rank's stage on the micro-batch (inside a megatron forward step); a mixture-of-experts
+        model's routers leave the padding out of their load balancing (:func:`moe_padding_kwargs`) and,
+        when the model is replaying the rollout's routing, take the micro-batch's routes
+        (:func:`cooper_mcore.models.routing_replay.arm`)."""
+        kwargs = {**moe_padding_kwargs(model, self.valid_tokens()), **kwargs}
+        arm_replay(model, self.layout)
         if self.pack is not None:
             return forward_packed(model, self.pack, **kwargs)
         ids = self.input_ids.to(device())
         return model(ids, position_ids_for(ids), None, **kwargs)
+
+    def valid_tokens(self) -> torch.Tensor:
+        """``[b, s]`` True on the real tokens (not the padding) of the micro-batch's token ids."""
+        lengths = torch.tensor([self.pack.num_tokens]) if self.pack is not None else self.lengths
+        return valid_tokens(self.shape, lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (padding excluded)."""
+        return int(self.lengths.sum())
 
     def score_kwargs(self) -> dict[str, torch.Tensor]:
         """A reward model's arguments to read each row's score at its last token."""

@@ -116,15 +116,15 @@ def moe_config(arch: ArchSpec, parallel: ParallelConfig) -> dict:
     """
     moe = arch.moe
     if moe is None:
-        if parallel.ep > 1 or parallel.etp > 1:
+        if parallel.ep > 1 or (parallel.etp or 1) > 1:
             raise ValueError(f"parallel.ep={parallel.ep} / etp={parallel.etp} need a mixture-of-experts model; "
                              f"this {arch.family} model is dense")
         return {}
     if moe.num_experts % parallel.ep:
         raise ValueError(f"num_experts={moe.num_experts} is not divisible by parallel.ep={parallel.ep}")
-    if moe.expert_ffn_hidden_size % parallel.etp:
+    if moe.expert_ffn_hidden_size % parallel.expert_tp:
         raise ValueError(f"moe_intermediate_size={moe.expert_ffn_hidden_size} is not divisible by "
-                         f"parallel.etp={parallel.etp}")
+                         f"parallel.etp={parallel.expert_tp}")
     pattern = [int(s) for s in arch.moe_layers()]
     return dict(
         num_moe_experts=moe.num_experts,
@@ -137,19 +137,20 @@ def moe_config(arch: ArchSpec, parallel: ParallelConfig) -> dict:
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=moe.router_aux_loss_coef,
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=False,  # megatron's legacy GroupedMLP; the experts module is the layer spec's
         expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
+        expert_tensor_parallel_size=parallel.expert_tp,
     )
 
 
 def block_spec(arch: ArchSpec, config: TransformerConfig, pp_rank: int,
-               use_te: Optional[bool]) -> ModuleSpec | TransformerBlockSubmodules:
+               use_te: Optional[bool], grouped_experts: bool = True) -> ModuleSpec | TransformerBlockSubmodules:
     """The decoder block of this pipeline stage: one layer spec, or a spec per layer where they differ.
 
     A dense model with Transformer Engine gets TE's layer spec (and TE's final norm); without TE
     the final norm is the layers' (``models.norms``); an MoE model gets each of its stage's layers'
-    spec, dense or sparse, in the order of ``ArchSpec.moe_layers``.
+    spec, dense or sparse, in the order of ``ArchSpec.moe_layers``, its experts grouped or sequential
+    (:func:`~cooper_mcore.models.spec.layer_spec`).
     """
     te = te_available() if use_te is None else use_te
     n = get_num_layers_to_build(config, pp_rank=pp_rank)
@@ -158,7 +159,7 @@ def block_spec(arch: ArchSpec, config: TransformerConfig, pp_rank: int,
         return spec if te else TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     sparse = arch.moe_layers()[offset:offset + n]
-    specs = [layer_spec(arch.qk_norm, use_te, arch.moe.num_experts if s else None) for s in sparse]
+    specs = [layer_spec(arch.qk_norm, use_te, arch.moe.num_experts if s else None, grouped_experts) for s in sparse]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LayerNormImpl if te else RMSNorm)
 
 
@@ -241,6 +242,7 @@ def build_model(
     post_process: Optional[bool] = None,
     use_te: Optional[bool] = None,
     recompute: bool = False,
+    grouped_experts: bool = True,
 ) -> GPTModel:
     """Build this rank's part of the policy (``causal_lm``) or reward model (``reward``).
 
@@ -254,6 +256,8 @@ def build_model(
             default: from the pipeline rank.
         use_te: force the Transformer Engine spec on/off; default: on when available.
         recompute: full activation recomputation.
+        grouped_experts: a mixture-of-experts model's experts in grouped matrix multiplies (False:
+            megatron's ``SequentialMLP``; the checkpoints are the same).
     """
     if arch.moe is None:  # the expert layout is the MoE model's; a dense model beside it (a Cooper RM) has no experts
         parallel = dataclasses.replace(parallel, ep=1, etp=1)
@@ -269,7 +273,7 @@ def build_model(
     cls = RewardGPTModel if arch.model_type == "reward" else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=block_spec(arch, config, pp_rank, use_te),
+        transformer_layer_spec=block_spec(arch, config, pp_rank, use_te, grouped_experts),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

@@ -35,6 +35,39 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def valid_tokens(shape: tuple[int, int], lengths: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` True on the real tokens of right-padded rows of ``lengths`` (one packed row: ``b = 1``
+    and one length, the pack's real tokens)."""
+    return torch.arange(shape[1]).unsqueeze(0) < lengths.reshape(-1, 1).cpu()
+
+
+def moe_padding_kwargs(model: torch.nn.Module, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's keyword that leaves padding out of a mixture-of-experts router's load balancing.
+
+    megatron's ``GPTModel.forward(padding_mask=)`` (True = padding) reaches each MoE layer's router,
+    which then counts only real tokens in the load-balancing loss's expert shares and mean
+    probabilities (``compute_routing_scores_for_aux_loss``) and weighs it by them; the padding is
+    still routed and computed. The first pipeline stage cuts the mask to this rank's sequence
+    slice under sequence parallelism; on later stages it is cut here, as their hidden states are.
+
+    Args:
+        model: this rank's stage (DDP-wrapped or not).
+        valid: ``[b, s]`` True on real tokens (:func:`valid_tokens`).
+
+    Returns:
+        ``{"padding_mask": ...}`` for a mixture-of-experts model, ``{}`` for a dense one.
+    """
+    inner = unwrap(model)
+    config = inner.config
+    if getattr(config, "num_moe_experts", None) is None:
+        return {}
+    mask = ~valid
+    if config.sequence_parallel and not inner.pre_process:
+        tp, rank = inner.pg_collection.tp.size(), inner.pg_collection.tp.rank()
+        mask = mask.chunk(tp, dim=1)[rank]
+    return {"padding_mask": mask.contiguous().to(next(inner.parameters()).device)}
+
+
 def sequence_multiple(model: torch.nn.Module) -> int:
     """What a row length must be a multiple of: the TP size with sequence parallelism, else 1."""
     config = unwrap(model).config

@@ -12,14 +12,17 @@ Layouts:
     * ``linear_qkv`` holds, for each query group g, its ``heads_per_group`` query heads, then
       its key head, then its value head: ``[g0: q.. k v | g1: q.. k v | ...]`` along dim 0.
     * ``linear_fc1`` is ``[gate; up]`` along dim 0.
-    * A sparse (mixture-of-experts) layer's MLP is megatron-core's ``MoELayer`` with the local
-      spec's ``SequentialMLP`` experts: the router ``mlp.router.weight`` is HF's
-      ``mlp.gate.weight`` ``[experts, hidden]``, and expert ``e`` is an MLP
-      ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2`` made of HF's per-expert
-      ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (the names of the safetensors files, which
-      transformers 5 fuses into ``gate_up_proj``/``down_proj`` in memory only), fc1 again
-      ``[gate; up]``. The names use global expert numbers; :func:`canonical_mcore_name` adds an
-      expert-parallel rank's offset to its local ones.
+    * A sparse (mixture-of-experts) layer's MLP is megatron-core's ``MoELayer``: the router
+      ``mlp.router.weight`` is HF's ``mlp.gate.weight`` ``[experts, hidden]``, and expert ``e`` is an
+      MLP named ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2`` (``SequentialMLP``'s names)
+      made of HF's per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (the names of the
+      safetensors files, which transformers 5 fuses into ``gate_up_proj``/``down_proj`` in memory
+      only), fc1 again ``[gate; up]``. The names use global expert numbers. A live model may hold
+      its experts as ``SequentialMLP`` (one module per expert), as stacked weights
+      ``mlp.experts.linear_fc1.weight`` ``[E_local, ...]`` (:class:`~cooper_mcore.models.experts.GroupedExperts`)
+      or as Transformer Engine's per-expert ``mlp.experts.linear_fc1.weight{e}`` (``TEGroupedMLP``):
+      :func:`mapping_tensors` names each expert's tensor in all three, adding an expert-parallel
+      rank's offset to its local expert numbers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ _TE_NAMES = {
 _LOCAL_TO_TE = {v: k for k, v in _TE_NAMES.items()}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+#: the other two expert layouts: stacked (no number) and Transformer Engine's per-expert ``weight{e}``
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d*)$")
 
 
 @dataclass(frozen=True)
@@ -173,27 +178,72 @@ def to_hf(m: ParamMapping, tensor: torch.Tensor, arch: ArchSpec) -> list[torch.T
 
 
 def is_expert_param(name: str) -> bool:
-    """Whether a live model's parameter is a ``SequentialMLP`` expert's weight (split over the
-    expert-parallel group, numbered locally)."""
-    match = _LAYER_RE.match(canonical_mcore_name(name))
-    return bool(match and _LOCAL_EXPERT_RE.match(match.group(2)))
+    """Whether a live model's parameter is an expert's weight (split over the expert-parallel group,
+    numbered locally): ``SequentialMLP``'s, stacked, or Transformer Engine's."""
+    match = _LAYER_RE.match(_strip_wrappers(name))
+    return bool(match and (_LOCAL_EXPERT_RE.match(match.group(2)) or _GROUPED_EXPERT_RE.match(match.group(2))))
+
+
+def is_stacked_expert_param(name: str) -> bool:
+    """Whether a live model's parameter holds all local experts' weights of one linear (``[E_local, ...]``)."""
+    match = _LAYER_RE.match(_strip_wrappers(name))
+    grouped = _GROUPED_EXPERT_RE.match(match.group(2)) if match else None
+    return bool(grouped and not grouped.group(2))
+
+
+def expert_linear(name: str) -> str:
+    """``"linear_fc1"`` or ``"linear_fc2"``: which linear of its expert a mapping or parameter name is
+    (fc1 is column-parallel over the expert tensor-parallel group, fc2 row-parallel).
+
+    Raises:
+        ValueError: not an expert weight.
+    """
+    leaf = _strip_wrappers(name).rsplit(".", 2)
+    if len(leaf) == 3 and leaf[1] in ("linear_fc1", "linear_fc2") and is_expert_param(name):
+        return leaf[1]
+    raise ValueError(f"{name!r} is not an expert weight")
+
+
+def mapping_tensors(name: str, tensor: torch.Tensor, layer_offset: int = 0,
+                    expert_offset: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """The mapping names and tensors one live parameter (or state-dict entry) holds.
+
+    Most hold one: ``(canonical_mcore_name(name, ...), tensor)``. A stacked expert weight ``[E_local, ...]``
+    holds one per local expert, ``tensor[e]`` (a view) named ``...local_experts.{e + expert_offset}...``.
+    """
+    if not is_stacked_expert_param(name):
+        return [(canonical_mcore_name(name, layer_offset, expert_offset), tensor)]
+    match = _LAYER_RE.match(_strip_wrappers(name))
+    layer, linear = int(match.group(1)) + layer_offset, _GROUPED_EXPERT_RE.match(match.group(2)).group(1)
+    return [(f"decoder.layers.{layer}.mlp.experts.local_experts.{e + expert_offset}.{linear}.weight", t)
+            for e, t in enumerate(tensor.unbind(0))]
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
 
 
 def canonical_mcore_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
     """Map a live model's parameter name to the mapping's name.
 
-    Strips DDP/float16 wrappers (``module.``), renames Transformer Engine's fused norm weights,
-    adds the pipeline stage's layer offset to the layer number and the expert-parallel rank's
-    expert offset (its first global expert) to a ``SequentialMLP`` expert's local number.
+    Strips DDP/float16 wrappers (``module.``), renames Transformer Engine's fused norm weights and
+    its per-expert ``mlp.experts.linear_fc1.weight{e}`` to ``SequentialMLP``'s names, adds the pipeline
+    stage's layer offset to the layer number and the expert-parallel rank's expert offset (its first
+    global expert) to an expert's local number. A stacked expert weight keeps its name (it is many
+    mappings: :func:`mapping_tensors`).
     """
-    while name.startswith("module."):
-        name = name[len("module."):]
+    name = _strip_wrappers(name)
     match = _LAYER_RE.match(name)
     if not match:
         return name
     idx, rest = int(match.group(1)), match.group(2)
     rest = _TE_NAMES.get(rest, rest)
     expert = _LOCAL_EXPERT_RE.match(rest)
+    te_expert = _GROUPED_EXPERT_RE.match(rest)
     if expert:
         rest = f"mlp.experts.local_experts.{int(expert.group(1)) + expert_offset}.{expert.group(2)}"
+    elif te_expert and te_expert.group(2):
+        rest = f"mlp.experts.local_experts.{int(te_expert.group(2)) + expert_offset}.{te_expert.group(1)}.weight"
     return f"decoder.layers.{idx + layer_offset}.{rest}"

@@ -32,6 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from cooper_mcore.models.experts import GroupedExperts
 from cooper_mcore.models.norms import RMSNorm
 
 try:  # torch >= 2.9: variable-length flash attention (CUDA only)
@@ -185,25 +186,30 @@ def _use_varlen(query: torch.Tensor, dropout: float) -> bool:
             and query.dtype in (torch.float16, torch.bfloat16))
 
 
-def layer_spec(qk_norm: bool, use_te: bool | None = None, num_experts: int | None = None) -> ModuleSpec:
+def layer_spec(qk_norm: bool, use_te: bool | None = None, num_experts: int | None = None,
+               grouped_experts: bool = True) -> ModuleSpec:
     """The decoder layer spec.
 
     Args:
         qk_norm: RMSNorm on queries and keys per head (Qwen3).
         use_te: force Transformer Engine on/off; default: on when available.
-        num_experts: routed experts of a mixture-of-experts layer (None: a dense MLP). The experts
-            are megatron's ``SequentialMLP`` (one linear pair per expert, the checkpoint names
-            ``models.hf_mapping`` knows) with and without Transformer Engine; grouped GEMM is not used.
+        num_experts: routed experts of a mixture-of-experts layer (None: a dense MLP).
+        grouped_experts: compute the experts with grouped matrix multiplies: megatron's ``TEGroupedMLP``
+            with Transformer Engine, :class:`~cooper_mcore.models.experts.GroupedExperts` without; False
+            gives megatron's ``SequentialMLP`` (one expert after another). All write the same checkpoint.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
         use_te = te_available()
+    grouped = num_experts is not None and grouped_experts
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=grouped,
                                                                  qk_layernorm=qk_norm)
     spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
                                           normalization="RMSNorm")
+    if grouped:
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     # norms in the model's dtype that support sequence parallelism (megatron's torch fallback
     # builds fp32 norms and refuses it); the checkpoint keys stay the same

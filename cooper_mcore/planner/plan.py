@@ -319,8 +319,8 @@ def layout_of(cfg: CooperConfig, world_size: int) -> Layout:
     """
     cfg.parallel.validate(world_size)
     par = cfg.parallel
-    return Layout(par.tp, par.pp, world_size // (par.tp * par.pp), par.sequence_parallel, par.ep, par.etp,
-                  world_size // (par.ep * par.etp * par.pp))
+    return Layout(par.tp, par.pp, world_size // (par.tp * par.pp), par.sequence_parallel, par.ep, par.expert_tp,
+                  world_size // (par.ep * par.expert_tp * par.pp))
 
 
 def sglang_workspace_bytes(tp: int, chunked_prefill: int = ASSISTANT_CHUNKED_PREFILL,

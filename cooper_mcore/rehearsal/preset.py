@@ -112,7 +112,7 @@ class RehearsalPlan:
 
     def layout(self) -> str:
         p = self.cfg.parallel
-        experts = f"ep={p.ep} etp={p.etp} " if p.ep > 1 or p.etp > 1 else ""
+        experts = f"ep={p.ep} etp={p.expert_tp} " if p.ep > 1 or (p.etp or 1) > 1 else ""
         return (f"tp={p.tp} pp={p.pp} dp={self.nproc // (p.tp * p.pp)} {experts}sequence_parallel="
                 f"{str(p.sequence_parallel).lower()} (world {self.nproc}), distributed optimizer")
 
@@ -156,9 +156,21 @@ def real_shape(policy: ArchSpec, rm: Optional[ArchSpec]) -> TinyShape:
               "head_dim": policy.head_dim, "tie_word_embeddings": policy.tie_word_embeddings,
               "intermediate_size": policy.ffn_hidden_size, "vocab_size": policy.vocab_size,
               "max_position_embeddings": policy.max_position_embeddings, "rms_norm_eps": policy.rms_norm_eps,
-              "rope_theta": policy.rope.theta}
+              "rope_theta": policy.rope.theta, **_moe_fields(policy, rm)}
     return TinyShape(family=policy.family, rm_family=(rm or policy).family, fields=fields,
                      hidden_size=policy.hidden_size, num_layers=policy.num_layers, real=True)
+
+
+def _moe_fields(policy: ArchSpec, rm: Optional[ArchSpec]) -> dict:
+    """The experts of the preset's mixture-of-experts model (the policy's, else the RM's) as HF config
+    fields (they shape only the qwen3_moe family's models: :data:`cooper_mcore.models.tiny.MOE_FIELDS`)."""
+    moe = next((a.moe for a in (policy, rm) if a is not None and a.moe is not None), None)
+    if moe is None:
+        return {}
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+            "moe_intermediate_size": moe.expert_ffn_hidden_size, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": moe.decoder_sparse_step, "mlp_only_layers": list(moe.mlp_only_layers),
+            "router_aux_loss_coef": moe.router_aux_loss_coef}
 
 
 def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, int]:
@@ -177,17 +189,22 @@ def _cap_layout(tp: int, pp: int, subs: list[Substitution]) -> tuple[int, int, i
 
 
 def _cap_experts(cfg: CooperConfig, world: int, subs: list[Substitution]) -> None:
-    """EP, then expert TP, halved until ``world`` processes hold them (world divisible by etp * ep * pp)."""
+    """EP, then expert TP, halved until ``world`` processes hold them (world divisible by etp * ep * pp); at
+    EP=1 the expert TP is the TP size, the one layout of EP=1 whose experts train correctly
+    (:meth:`~cooper_mcore.parallel.ParallelConfig.expert_drift_problem`)."""
     par = cfg.parallel
-    ep, etp = par.ep, par.etp
+    ep, etp = par.ep, par.expert_tp
     while world % (etp * ep * par.pp):
         if ep > 1:
             ep //= 2
         else:
             etp //= 2
+    if ep == 1 and par.ep > 1 and etp != par.tp:
+        etp = par.tp
     why = f"{world} processes hold the expert layout etp*ep*pp at most"
     change_setting(cfg, subs, "parallel.ep", ep, why)
-    change_setting(cfg, subs, "parallel.etp", etp, why)
+    if etp != par.expert_tp:
+        change_setting(cfg, subs, "parallel.etp", etp, why)
 
 
 def change_setting(cfg: CooperConfig, subs: list[Substitution], setting: str, value: Any, why: str) -> None:

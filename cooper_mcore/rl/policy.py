@@ -132,7 +132,7 @@ def policy_update(ddp: DistributedDataParallel, optimizer: MegatronOptimizer, ba
 
     mbs = batch.micro_batches(batching, sequence_multiple(ddp), parallel_state.get_data_parallel_group())
     shapes = [mb.micro.shape for mb in mbs]
-    counts = AuxLossCounts.of_shapes(float(sum(mb.loss_mask.sum() for mb in mbs)), shapes)
+    counts = AuxLossCounts(float(sum(mb.loss_mask.sum() for mb in mbs)), sum(mb.micro.num_tokens for mb in mbs))
     result = train_step(ddp, optimizer, step, iter(mbs), len(mbs), max(s for _, s in shapes),
                         max(b for b, _ in shapes), variable_shapes=len(set(shapes)) > 1, aux_counts=counts)
     values = torch.zeros(len(TERMS), dtype=torch.float64)

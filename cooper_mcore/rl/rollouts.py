@@ -44,9 +44,11 @@ def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVer
             samples = []
             for j in range(group_size):
                 o, v = outs[i * group_size + j], outcomes[i * group_size + j]
+                routes = None if o.routed_experts is None else o.routed_experts.to(torch.int16)
                 samples.append(Sample(prompt_id=p.id, token_ids=o.token_ids, text=o.text, logprobs=o.logprobs,
                                       finish_reason=o.finish_reason, rule_correct=v.correct,
-                                      rule_answered=getattr(v, "answered", None), weight_version=version))
+                                      rule_answered=getattr(v, "answered", None), weight_version=version,
+                                      routed_experts=routes))
             unreadable = any(getattr(v, "status", None) == GOLD_UNREADABLE
                              for v in outcomes[i * group_size:(i + 1) * group_size])
             groups.append(RolloutGroup(p, samples, gold_unreadable=unreadable))

@@ -37,6 +37,7 @@ from cooper_mcore.llm_client import OpenAIChatClient
 from cooper_mcore.micro_batching.runner import MicroBatching
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
+from cooper_mcore.models.routing_replay import enable_routing_replay
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
@@ -114,7 +115,8 @@ class Run:
         against the trainer, truncated importance sampling)."""
         ro = self.cfg.rollout
         return SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-                              stop=list(ro.stop), seed=seed, logprobs=True)
+                              stop=list(ro.stop), seed=seed, logprobs=True,
+                              routed_experts=self.cfg.model.moe_routing_replay)
 
     def eval_sampling(self) -> SamplingParams:
         """Held-out sampling (temperature 0.7, top-p 0.95 by default, as the paper)."""
@@ -188,11 +190,13 @@ def sglang_config(cfg: CooperConfig) -> SGLangConfig:
     if torch.cuda.is_available():
         return SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp, dtype=cfg.model.dtype,
                             mem_fraction_static=cfg.rollout.sglang_mem_fraction,
-                            base_gpu_id=torch.cuda.current_device(), trust_remote_code=cfg.model.trust_remote_code)
+                            base_gpu_id=torch.cuda.current_device(), trust_remote_code=cfg.model.trust_remote_code,
+                            enable_return_routed_experts=cfg.model.moe_routing_replay)
     per_rank = cfg.train.prompts_per_step // max(parallel_state.get_data_parallel_world_size(), 1)
     tokens = per_rank * cfg.rollout.group_size * (cfg.rollout.max_new_tokens + 256)
     return SGLangConfig.cpu(cfg.model.policy_hf, dtype=cfg.model.dtype, random_seed=cfg.train.seed,
-                            max_total_tokens=max(4096, tokens), trust_remote_code=cfg.model.trust_remote_code)
+                            max_total_tokens=max(4096, tokens), trust_remote_code=cfg.model.trust_remote_code,
+                            enable_return_routed_experts=cfg.model.moe_routing_replay)
 
 
 def build_engine(cfg: CooperConfig, policy: ModelState) -> RolloutEngine:
@@ -336,6 +340,8 @@ def build_run(cfg: CooperConfig) -> Run:
 
     tokenizer = load_tokenizer(cfg.model.policy_hf, trust_remote_code=cfg.model.trust_remote_code)
     policy, rm = build_models(cfg, tokenizer)
+    if cfg.model.moe_routing_replay:  # the policy's routers only, never the reward model's
+        enable_routing_replay(policy.module)
     reference = ReferenceSwap(policy.module) if cfg.algo.kl_coef else None
 
     assistant = connect_assistant(cfg)

@@ -13,6 +13,7 @@ update. The new policy weights reach the engine at the start of the next generat
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Optional
 
@@ -23,6 +24,7 @@ from cooper_mcore.algo import group_advantages, reward_from_logits
 from cooper_mcore.data.tokenizer import pad_id_of
 from cooper_mcore.metric_names import Phase
 from cooper_mcore.metrics import PhaseTimer
+from cooper_mcore.models.routing_replay import replaying, route_batch
 from cooper_mcore.rl.engine_check import check_engine, engine_agreement
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.rl.results import EngineAgreement, PolicyUpdate, RolloutStats, StepResult
@@ -49,13 +51,14 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepR
     record_rewards(groups, rewards)
     advantages = group_advantages(rewards, eps=cfg.algo.adv_eps, std_floor=cfg.algo.adv_std_floor)
     batch = policy_batch(run, groups, advantages)
+    routes = rollout_routes(run, groups, batch)
     with timer.phase(Phase.LOGPROBS):
-        fill_logprobs(run, batch)
+        fill_logprobs(run, batch, routes)
         agreement = engine_agreement(batch, cfg.algo.tis_cap)
     check_engine(agreement, cfg.algo, run.step + 1, first=not run.engine_checked)
     run.engine_checked = True
     with timer.phase(Phase.POLICY_UPDATE):
-        policy = update_policy(run, batch)
+        policy = update_policy(run, batch, routes)
     rm_step, pairs = None, []
     if cfg.reward.mode.trains_rm:
         with timer.phase(Phase.RM_UPDATE):
@@ -84,18 +87,30 @@ def policy_batch(run: Run, groups: Sequence[RolloutGroup], advantages: torch.Ten
     return batch
 
 
-def fill_logprobs(run: Run, batch: TokenBatch) -> None:
-    """The old policy's log-probabilities, and the reference's when the KL term is on."""
+def rollout_routes(run: Run, groups: Sequence[RolloutGroup], batch: TokenBatch) -> Optional[torch.Tensor]:
+    """With ``model.moe_routing_replay``, the engine's routed experts of the batch's rows
+    ``[N, S, layers, top_k]`` (:func:`~cooper_mcore.models.routing_replay.route_batch`); else None."""
+    if not run.cfg.model.moe_routing_replay:
+        return None
+    arch = run.policy.arch
+    return route_batch([s.routed_experts for g in groups for s in g.samples], batch.input_ids.shape[1],
+                       arch.num_layers, arch.moe.experts_per_token)
+
+
+def fill_logprobs(run: Run, batch: TokenBatch, routes: Optional[torch.Tensor] = None) -> None:
+    """The old policy's log-probabilities, and the reference's when the KL term is on (replaying
+    ``routes``, the rollout's routing, when given)."""
     chunk = run.cfg.train.logprob_chunk_tokens
-    batch.old_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
-    if run.reference is not None:
-        with run.reference.swapped():
-            batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
+    with replaying(run.policy.module, routes):
+        batch.old_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
+        if run.reference is not None:
+            with run.reference.swapped():
+                batch.ref_logp = compute_logprobs(run.policy.module, batch, run.batching, chunk)
 
 
-def update_policy(run: Run, batch: TokenBatch) -> PolicyUpdate:
-    """``train.mini_batches`` GRPO updates on consecutive slices of the batch; a skipped
-    (non-finite) update does not advance the schedule, as in megatron."""
+def update_policy(run: Run, batch: TokenBatch, routes: Optional[torch.Tensor] = None) -> PolicyUpdate:
+    """``train.mini_batches`` GRPO updates on consecutive slices of the batch (replaying ``routes`` when
+    given); a skipped (non-finite) update does not advance the schedule, as in megatron."""
     cfg, policy = run.cfg, run.policy
     loss = GRPOLoss(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_ratio_c,
                     kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef,
@@ -103,8 +118,9 @@ def update_policy(run: Run, batch: TokenBatch) -> PolicyUpdate:
     per_mini = len(batch) // cfg.train.mini_batches
     updates = []
     for i in range(cfg.train.mini_batches):
-        u = policy_update(policy.ddp, policy.optimizer, batch.slice(i * per_mini, (i + 1) * per_mini),
-                          run.batching, loss)
+        rows = slice(i * per_mini, (i + 1) * per_mini)
+        with contextlib.nullcontext() if routes is None else replaying(policy.module, routes[rows]):
+            u = policy_update(policy.ddp, policy.optimizer, batch.slice(rows.start, rows.stop), run.batching, loss)
         if not u.nonfinite:
             policy.scheduler.step(1)
         updates.append(u)

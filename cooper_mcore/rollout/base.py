@@ -25,6 +25,8 @@ class SamplingParams:
         stop: strings that end a completion (not included in the returned text).
         seed: per-request seed for reproducible sampling (engines that support it).
         logprobs: return per-token log-probabilities of the sampled tokens.
+        routed_experts: return the experts a mixture-of-experts model routed each position to
+            (:attr:`GenerateOutput.routed_experts`), for rollout routing replay.
     """
 
     max_new_tokens: int = 512
@@ -33,6 +35,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: Optional[int] = None
     logprobs: bool = True
+    routed_experts: bool = False
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -52,12 +55,18 @@ class GenerateOutput:
         text: decoded ``token_ids``.
         logprobs: log-probability of each generated token under the engine's weights.
         finish_reason: "stop" or "length".
+        routed_experts: with :attr:`SamplingParams.routed_experts`, int32 ``[P + n - 1, layers * top_k]``:
+            for each position the engine ran (the ``P`` prompt tokens and the ``n`` generated ones but
+            the last, which is never fed back) the experts it was routed to, layer-major (columns
+            ``l * top_k`` to ``(l + 1) * top_k - 1`` are layer ``l``'s), -1 in a dense layer; SGLang's
+            ``return_routed_experts`` layout.
     """
 
     token_ids: list[int]
     text: str
     logprobs: Optional[list[float]]
     finish_reason: str
+    routed_experts: Optional[torch.Tensor] = None
 
 
 Prompts = Union[Sequence[str], Sequence[Sequence[int]]]

@@ -180,10 +180,11 @@ class HFEngine:
             [_StopStrings(self.tokenizer, width, params.stop)] if params.stop else [])
         seed = int(torch.randint(0, 2**62, (1,), generator=gen))
         torch.manual_seed(seed)  # model.generate samples from the global generator
-        out = self.model.generate(
-            input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device),
-            generation_config=config, stopping_criteria=criteria,
-        )
+        with _RouterCapture(self.model, params.routed_experts, len(ids), width) as routes:
+            out = self.model.generate(
+                input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device),
+                generation_config=config, stopping_criteria=criteria,
+            )
         new = out.sequences[:, width:].cpu()
         # the sampled tokens' log-probabilities under the raw logits, one generated position at a
         # time: no [batch, tokens, vocab] stack or fp32 log-softmax copy beside generate's own logits
@@ -208,6 +209,7 @@ class HFEngine:
             results.append(GenerateOutput(
                 token_ids=toks, text=text,
                 logprobs=logp[r, :n].tolist() if params.logprobs else None, finish_reason=finish,
+                routed_experts=routes.of_row(r, len(ids[r]), n) if params.routed_experts else None,
             ))
         return results
 
@@ -338,6 +340,54 @@ class _StopStrings:
         done = [_first_stop(self.tokenizer.decode(row[self.width:], skip_special_tokens=True), self.stops)
                 is not None for row in input_ids.tolist()]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class _RouterCapture:
+    """The top-k experts of every router call during one ``model.generate`` (a context manager).
+
+    transformers' Qwen3-MoE router (``mlp.gate`` of a sparse layer) returns ``(logits, weights,
+    indices)``; a forward hook keeps the indices of each call: ``[rows * width, k]`` for the prefill
+    of the left-padded prompts ``[rows, width]``, then ``[rows, k]`` per generated token.
+    """
+
+    def __init__(self, model: torch.nn.Module, enabled: bool, rows: int, width: int) -> None:
+        self._layers = list(model.model.layers) if enabled else []
+        self._calls: list[list[torch.Tensor]] = [[] for _ in self._layers]
+        self._hooks: list = []
+        self._k = getattr(model.config, "num_experts_per_tok", 0)
+        self._rows, self._width = rows, width
+        if enabled and not any(self._gate(layer) is not None for layer in self._layers):
+            raise ValueError("routed_experts needs a mixture-of-experts model; this one has no routers")
+
+    @staticmethod
+    def _gate(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+        mlp = getattr(layer, "mlp", None)
+        return mlp.gate if hasattr(mlp, "experts") and isinstance(getattr(mlp, "gate", None), torch.nn.Module) else None
+
+    def __enter__(self) -> _RouterCapture:
+        for calls, layer in zip(self._calls, self._layers):
+            gate = self._gate(layer)
+            if gate is not None:
+                self._hooks.append(gate.register_forward_hook(
+                    lambda _m, _args, out, calls=calls: calls.append(out[2].detach().to("cpu", torch.int32))))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def of_row(self, row: int, prompt_len: int, n: int) -> torch.Tensor:
+        """Row ``row``'s experts ``[prompt_len + n - 1, layers * k]`` (its ``n`` kept generated tokens)."""
+        positions = prompt_len + n - 1
+        out = torch.full((positions, len(self._layers), self._k), -1, dtype=torch.int32)
+        for layer, calls in enumerate(self._calls):
+            if not calls:
+                continue  # a dense layer
+            prefill = calls[0].reshape(self._rows, self._width, -1)[row, self._width - prompt_len:]
+            steps = [c.reshape(self._rows, -1)[row:row + 1] for c in calls[1:n]]
+            out[:, layer] = torch.cat([prefill, *steps])
+        return out.reshape(positions, -1)
 
 
 def _first(*values):

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions on ForkingPickler)
 
@@ -42,6 +43,7 @@ SERVER_ARG_NAMES = frozenset({
     "enable_weights_cpu_backup", "random_seed", "skip_tokenizer_init", "trust_remote_code",
     "context_length", "max_running_requests", "max_total_tokens", "base_gpu_id", "enable_deterministic_inference",
     "host", "port", "nccl_port", "log_level", "device", "attention_backend", "disable_cuda_graph", "sleep_on_idle",
+    "enable_return_routed_experts",
 })
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # ServerArgs.dtype choices
 DEVICES = ("cuda", "cpu")
@@ -79,6 +81,8 @@ class SGLangConfig:
         enable_deterministic_inference: SGLang honours per-request seeds only in this mode.
         raw_logprobs: log-probabilities of the unscaled distribution (temperature 1, as the trainer
             computes them) via ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; else after temperature scaling.
+        enable_return_routed_experts: capture the experts each token is routed to, so that a request
+            can ask for them (``SamplingParams.routed_experts``; rollout routing replay).
         port: the server's HTTP port; SGLang derives further ports from it (``port + 233`` with
             DP attention, ``port + 10000`` for gRPC). None: ``base_port + local_rank * port_stride``,
             so that the engines of one node never share ports.
@@ -110,6 +114,7 @@ class SGLangConfig:
     base_gpu_id: int = 0
     enable_deterministic_inference: bool = False
     raw_logprobs: bool = True
+    enable_return_routed_experts: bool = False
     host: str = "127.0.0.1"
     port: Optional[int] = None
     nccl_port: Optional[int] = None
@@ -326,15 +331,18 @@ def to_sglang_sampling_params(params: SamplingParams, index: int = 0) -> dict[st
     return out
 
 
-def parse_generate_output(out: dict[str, Any], logprobs: bool) -> GenerateOutput:
+def parse_generate_output(out: dict[str, Any], logprobs: bool, prompt_len: Optional[int] = None) -> GenerateOutput:
     """One SGLang generate result (``{"text", "output_ids", "meta_info"}``) as a GenerateOutput.
 
     ``meta_info["output_token_logprobs"]`` holds one ``[logprob, token_id, text]`` per output token;
     ``meta_info["finish_reason"]`` is ``{"type": "stop" | "length" | "abort", ...}``. Token ids
     include a stop token and the tokens of a matched stop string (as sampled), the text does not.
+    With ``prompt_len`` (a request with ``return_routed_experts``) ``meta_info["routed_experts"]`` is
+    read (:func:`decode_routed_experts`).
 
     Raises:
-        RuntimeError: an aborted request, or logprobs that do not match the output tokens.
+        RuntimeError: an aborted request, logprobs that do not match the output tokens, or routed
+            experts missing or of the wrong size.
     """
     meta = out.get("meta_info") or {}
     rid = meta.get("id", "?")
@@ -354,7 +362,30 @@ def parse_generate_output(out: dict[str, Any], logprobs: bool) -> GenerateOutput
             raise RuntimeError(f"SGLang request {rid}: output_token_logprobs ({len(entries)} entries) do not "
                                f"match output_ids ({len(token_ids)} tokens)")
         lps = [float(e[0]) for e in entries]
-    return GenerateOutput(token_ids=token_ids, text=out.get("text") or "", logprobs=lps, finish_reason=kind)
+    routes = None if prompt_len is None else decode_routed_experts(meta.get("routed_experts"),
+                                                                   prompt_len + len(token_ids) - 1, rid)
+    return GenerateOutput(token_ids=token_ids, text=out.get("text") or "", logprobs=lps, finish_reason=kind,
+                          routed_experts=routes)
+
+
+def decode_routed_experts(encoded: Optional[str], positions: int, rid: Any = "?") -> torch.Tensor:
+    """SGLang's ``meta_info["routed_experts"]`` as int32 ``[positions, layers * top_k]``.
+
+    SGLang (``state_capturer/routed_experts.py``, the detokenizer's ``_b64_encode_per_request``) sends
+    the base64 of an int32 array ``[seqlen - 1, num_hidden_layers, top_k]``: one row per token it ran
+    (prompt, then every output token but the last), ``seqlen = prompt + output tokens``.
+
+    Raises:
+        RuntimeError: missing (a server without ``enable_return_routed_experts``) or not ``positions`` rows.
+    """
+    if not encoded:
+        raise RuntimeError(f"SGLang request {rid} returned no routed_experts: start SGLang with "
+                           "enable_return_routed_experts (--enable-return-routed-experts)")
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if positions < 1 or flat.size % positions:
+        raise RuntimeError(f"SGLang request {rid}: routed_experts holds {flat.size} ids, not a whole number per "
+                           f"each of its {positions} positions")
+    return torch.from_numpy(flat.copy()).reshape(positions, -1)
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -503,18 +534,22 @@ class SGLangEngine:
         if self._released:
             raise RuntimeError(f"SGLangEngine.generate called with memory released ({self._released}); "
                                "call resume_memory() first")
+        if params.routed_experts and key == "text":
+            raise ValueError("SGLangEngine.generate: routed_experts needs token-id prompts (their lengths)")
         sampling = [to_sglang_sampling_params(params, i) for i in range(len(value))]
+        request = {"return_routed_experts": True} if params.routed_experts else {}
         if self._engine is not None:
-            kwargs = {"prompt" if key == "text" else "input_ids": value}
+            kwargs = {"prompt" if key == "text" else "input_ids": value, **request}
             outs = self._engine.generate(sampling_params=sampling, return_logprob=params.logprobs, **kwargs)
         else:
             outs = self._client.request("POST", "/generate", "generate",  # seeded, stateless: safe to resend
-                                        {key: value, "sampling_params": sampling, "return_logprob": params.logprobs},
-                                        idempotent=True)
+                                        {key: value, "sampling_params": sampling, "return_logprob": params.logprobs,
+                                         **request}, idempotent=True)
         if not isinstance(outs, list) or len(outs) != len(value):
             raise RuntimeError(f"SGLang generate returned {type(outs).__name__} "
                                f"{len(outs) if isinstance(outs, list) else ''} for {len(value)} prompts")
-        return [parse_generate_output(o, params.logprobs) for o in outs]
+        return [parse_generate_output(o, params.logprobs, len(p) if params.routed_experts else None)
+                for o, p in zip(outs, value)]
 
     # -- weights -----------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:

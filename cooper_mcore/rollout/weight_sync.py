@@ -38,7 +38,14 @@ from megatron.core import parallel_state
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.forward import unwrap
-from cooper_mcore.models.hf_mapping import canonical_mcore_name, is_expert_param, param_mappings, to_hf
+from cooper_mcore.models.hf_mapping import (
+    canonical_mcore_name,
+    expert_linear,
+    is_expert_param,
+    mapping_tensors,
+    param_mappings,
+    to_hf,
+)
 from cooper_mcore.rollout.base import RolloutEngine, bucketize
 from cooper_mcore.rollout.sglang_payload import gather_rank_payloads, rank_payload
 
@@ -53,8 +60,7 @@ def layer_offset(model: torch.nn.Module) -> int:
 
 def _gather_tp(name: str, param: torch.Tensor, tp_group, everywhere: bool = False) -> Optional[torch.Tensor]:
     """The full tensor of a (possibly) tensor-parallel parameter, on TP rank 0 (None elsewhere), or
-    on every TP rank when ``everywhere``. ``tp_group`` is the group the parameter is split over (the
-    expert tensor-parallel group for experts)."""
+    on every TP rank when ``everywhere``. The split dimension is the parameter's ``partition_dim``."""
     tp = dist.get_world_size(tp_group)
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
@@ -67,20 +73,42 @@ def _gather_tp(name: str, param: torch.Tensor, tp_group, everywhere: bool = Fals
         dist.gather(param.detach().contiguous(), shards, dst=root, group=tp_group)
         if shards is None:
             return None
-    if name.endswith(".linear_fc1.weight"):  # each shard is [gate_r; up_r]
+    return _join_shards(shards, param.partition_dim, name.endswith(".linear_fc1.weight"))
+
+
+def _join_shards(shards: list[torch.Tensor], dim: int, gate_up: bool) -> torch.Tensor:
+    """Tensor-parallel shards joined along ``dim``; a gated fc1's shards are each ``[gate_r; up_r]``."""
+    if gate_up:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=param.partition_dim)
+    return torch.cat(shards, dim=dim)
 
 
-def _gather_experts(name: str, param: torch.Tensor, ep_group, etp_group) -> list[torch.Tensor]:
+def expert_split_dim(name: str) -> int:
+    """The dimension of one expert's 2-D weight that the expert tensor-parallel group splits: fc1 is
+    column-parallel (its rows, 0), fc2 row-parallel (its columns, 1).
+
+    Taken from what the layer is, not from the parameter's ``partition_dim``: megatron builds the
+    experts' Transformer Engine linears with ``parallel_mode=None`` under ETP, and TE then marks
+    ``partition_dim=0`` on fc2 too.
+    """
+    return 0 if expert_linear(name) == "linear_fc1" else 1
+
+
+def _gather_experts(name: str, weight: torch.Tensor, ep_group, etp_group) -> list[torch.Tensor]:
     """One local expert weight's full tensor from every EP rank, in EP-rank order, on every rank.
 
     Expert weights are split over the expert-parallel group (whole experts) and, within one expert,
-    over the expert tensor-parallel group, not the TP group. Every EP rank may be some data-parallel
-    replica's first rank (at TP=PP=1 each rank is a replica), so the experts are all-gathered.
+    over the expert tensor-parallel group (every expert weight, whatever its attributes say), not the
+    TP group. Every EP rank may be some data-parallel replica's first rank (at TP=PP=1 each rank is a
+    replica), so the experts are all-gathered.
     """
-    full = _gather_tp(name, param, etp_group, everywhere=True)
+    full = weight.detach()
+    etp = dist.get_world_size(etp_group)
+    if etp > 1:
+        shards = [torch.empty_like(full) for _ in range(etp)]
+        dist.all_gather(shards, full.contiguous(), group=etp_group)
+        full = _join_shards(shards, expert_split_dim(name), expert_linear(name) == "linear_fc1")
     ep = dist.get_world_size(ep_group)
     if ep == 1:
         return [full]
@@ -91,10 +119,10 @@ def _gather_experts(name: str, param: torch.Tensor, ep_group, etp_group) -> list
 
 @dataclass(frozen=True)
 class _Local:
-    """One parameter of this stage and the global names of the full tensors it gathers into.
+    """One tensor of this stage and the global names of the full tensors it gathers into.
 
     Attributes:
-        param: the local parameter (a shard).
+        param: the local tensor (a parameter's shard, or one expert's view of stacked expert weights).
         names: one mapping name, or for an expert weight one per EP rank (global expert numbers).
         shape: the full tensor's shape (each of ``names``).
         expert: whether it is an expert weight (gathered over EP/ETP, not TP).
@@ -107,16 +135,20 @@ class _Local:
 
 
 def _local_params(inner: torch.nn.Module, tp: int, ep: int, etp: int) -> list[_Local]:
-    """This stage's parameters with their global names and full shapes (no collectives)."""
+    """This stage's tensors with their global names and full shapes (no collectives); a stacked expert
+    weight is one entry per local expert."""
     offset = layer_offset(inner)
     local_experts = (inner.config.num_moe_experts or 0) // ep
     out = []
     for n, p in inner.named_parameters():
-        if is_expert_param(n):
-            names = tuple(canonical_mcore_name(n, offset, r * local_experts) for r in range(ep))
-            out.append(_Local(p, names, _full_shape(p, etp), True))
-        else:
+        if not is_expert_param(n):
             out.append(_Local(p, (canonical_mcore_name(n, offset),), _full_shape(p, tp), False))
+            continue
+        per_rank = [mapping_tensors(n, p, offset, r * local_experts) for r in range(ep)]
+        for i, (name, t) in enumerate(per_rank[0]):
+            shape = list(t.shape)
+            shape[expert_split_dim(name)] *= etp
+            out.append(_Local(t, tuple(pr[i][0] for pr in per_rank), tuple(shape), True))
     return out
 
 

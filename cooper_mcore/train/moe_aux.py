@@ -42,8 +42,10 @@ class AuxLossCounts:
     Attributes:
         loss_units: what the step's per-token loss counts on this rank, over its micro-batches
             (response tokens, valid pairs, labeled rows).
-        routed_tokens: the tokens of this rank's micro-batches, padding included (``sum b * s``):
-            what the routers see, before sequence parallelism splits them.
+        routed_tokens: the real tokens of this rank's micro-batches (padding excluded): what the
+            routers count in the load balancing (the forward passes give them the padding mask,
+            :func:`cooper_mcore.models.forward.moe_padding_kwargs`), before sequence parallelism
+            splits them.
     """
 
     loss_units: float
@@ -51,7 +53,7 @@ class AuxLossCounts:
 
     @classmethod
     def of_shapes(cls, loss_units: float, shapes: list[tuple[int, int]]) -> AuxLossCounts:
-        """The counts of micro-batches of token-id shapes ``(b, s)``."""
+        """The counts of micro-batches of token-id shapes ``(b, s)`` without padding."""
         return cls(float(loss_units), sum(b * s for b, s in shapes))
 
 
@@ -117,7 +119,9 @@ class AuxLossScope:
     def _scale(self, counts: AuxLossCounts) -> float:
         """:func:`aux_loss_coeff_scale` of the step's counts over the data-parallel ranks."""
         routed = counts.routed_tokens
-        if self._config.sequence_parallel:  # each TP rank's routers see its share of the sequence
+        if self._config.sequence_parallel:
+            # each TP rank's routers see their slice of the sequence; megatron weighs each rank's part
+            # of the loss by its own real tokens, which this mean matches where padding splits evenly
             routed /= self._config.tensor_model_parallel_size
         pgs = self._module.pg_collection
         total = all_reduce(torch.tensor([counts.loss_units, routed], dtype=torch.float64, device=device()),

@@ -50,7 +50,15 @@ from cooper_mcore.micro_batching.runner import (
     split_micro_batches,
 )
 from cooper_mcore.models.builder import RewardGPTModel
-from cooper_mcore.models.forward import forward_only, position_ids_for, run_schedule, sequence_multiple, unwrap
+from cooper_mcore.models.forward import (
+    forward_only,
+    moe_padding_kwargs,
+    position_ids_for,
+    run_schedule,
+    sequence_multiple,
+    unwrap,
+    valid_tokens,
+)
 from cooper_mcore.parallel import device
 from cooper_mcore.train.moe_aux import AuxLossCounts
 from cooper_mcore.train.step import OptimConfig, train_step, wrap_for_training
@@ -359,7 +367,8 @@ def bce_train_step(
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb["ids"], position_ids_for(mb["ids"]), None, sequence_lengths=mb["lens"])
+        out = model(mb["ids"], position_ids_for(mb["ids"]), None, sequence_lengths=mb["lens"],
+                    **moe_padding_kwargs(model, valid_tokens(tuple(mb["ids"].shape), mb["lens"])))
 
         def loss_fn(scores):
             scores = scores.float()
@@ -375,7 +384,7 @@ def bce_train_step(
 
         return out, loss_fn
 
-    counts = AuxLossCounts(float(keep.sum()), index.numel() * s)
+    counts = AuxLossCounts(float(keep.sum()), int(lens.sum()))
     result = train_step(ddp, optimizer, forward_step, iter(micro), len(micro), s, micro_batch_size, aux_counts=counts)
     sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "score"))
     n = sums["count"]
@@ -496,7 +505,7 @@ def pairwise_train_step(
     shapes = [mb["micro"].shape for mb in micro]
     result = train_step(ddp, optimizer, _pair_forward_step(anchor_weight), iter(micro), len(micro),
                         max(c for _, c in shapes), max(r for r, _ in shapes), variable_shapes=len(set(shapes)) > 1,
-                        aux_counts=AuxLossCounts.of_shapes(float(valid.sum()), shapes))
+                        aux_counts=AuxLossCounts(float(valid.sum()), sum(mb["micro"].num_tokens for mb in micro)))
     sums = _global_sums(ddp, result.metrics, ("loss", "correct", "count", "chosen", "rejected", "pairwise", "anchor",
                                               "threshold_correct"))
     n = sums["count"]

@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.router import Router
 
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.models.forward import variable_seq_lengths
+from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.train.moe_aux import AuxLossCounts, AuxLossScope, is_moe
 
 #: the process groups megatron's DDP and optimizer read from an explicit collection (dense and expert)
@@ -78,8 +79,17 @@ def wrap_for_training(
             before the DDP wrapper is built (it reads the flag to drop its own ``1/dp`` scaling).
             MoE routers keep a copy of the flag (it multiplies their aux loss by their token
             count); theirs is set too.
+
+    Raises:
+        ValueError: a mixture-of-experts model at a layout whose expert copies would drift apart
+            (:meth:`~cooper_mcore.parallel.ParallelConfig.expert_drift_problem`).
     """
     config = model.config
+    if is_moe(model):
+        drift = ParallelConfig(tp=config.tensor_model_parallel_size, ep=config.expert_model_parallel_size,
+                               etp=config.expert_tensor_parallel_size).expert_drift_problem()
+        if drift:
+            raise ValueError(drift)
     pgs = _training_groups(model)
     config.calculate_per_token_loss = per_token_loss
     for module in model.modules():  # megatron's MoE routers copy the flag when built, before this

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.multiproc
 # as no two router logits of a token lie within that of each other (a flip would differ by ~1e-1).
 TOL = 2e-5
 # (processes, tp, pp, ep, etp): every rank a replica's first rank (ep2); EP inside the TP group
-# (tp2-ep2); EP in every pipeline stage (pp2-ep2); each expert split over two ranks (tp2-ep2-etp2)
+# (tp2-ep2); EP in every pipeline stage (pp2-ep2); each expert split over two ranks (tp2-ep2-etp2),
+# pushed with the attributes Transformer Engine gives expert weights (fc2 marked split along dim 0)
 LAYOUTS = [(2, 1, 1, 2, 1), (4, 2, 1, 2, 1), (4, 1, 2, 2, 1), (4, 2, 1, 2, 2)]
 IDS = ["ep2", "tp2-ep2", "pp2-ep2", "tp2-ep2-etp2"]
 
@@ -42,7 +43,7 @@ def moe_models(tmp_path_factory) -> list[list[str]]:
 @pytest.mark.parametrize("nproc,tp,pp,ep,etp", LAYOUTS, ids=IDS)
 def test_moe_logits_and_weight_sync(moe_models, nproc, tp, pp, ep, etp):
     out = last_json(torchrun("moe.py", nproc, "--pairs", json.dumps(moe_models), "--tp", str(tp), "--pp", str(pp),
-                             "--ep", str(ep), "--etp", str(etp)))
+                             "--ep", str(ep), "--etp", str(etp), *(["--te-expert-attrs"] if etp > 1 else [])))
     assert sorted(out) == sorted(name for name, _, _ in moe_models)
     replicas = nproc // (tp * pp)  # each data-parallel replica's first rank pushes its own engine
     for name, res in out.items():

@@ -14,7 +14,8 @@ rehearsal, with the same variant (test_presets.py).
 The mixture-of-experts cases run the same rehearsal at EP=2 (2 gloo ranks, each with 4 of the 8
 experts) with a tiny Qwen3-MoE policy and a dense RM, and a dense policy with a Qwen3-MoE RM (the
 shapes' families from the shipped model configs): routing's all-to-all under DETAIL, the expert
-parameters' weight push into the transformers engine, their offload, checkpoints and the resume.
+parameters' weight push into the transformers engine, their offload, checkpoints and the resume; the
+MoE policy replays the engine's routing (``model.moe_routing_replay``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ VARIANT_CHECKS = {"stop signal", "resume", f"stop signal [{KEEP}]", f"resume [{K
 MODEL_CONFIGS = ROOT / "examples" / "model_configs"
 MOE, DENSE = str(MODEL_CONFIGS / "qwen3-30b-a3b.json"), str(MODEL_CONFIGS / "qwen2.5-1.5b-instruct.json")
 #: (policy config, RM config, overrides) of each mixture-of-experts case; the MoE model's params are offloaded
-MOE_CASES = {"ep2-moe-policy": (MOE, DENSE, ("offload.policy_params=true", "offload.policy_optimizer=true")),
+MOE_CASES = {"ep2-moe-policy": (MOE, DENSE, ("offload.policy_params=true", "offload.policy_optimizer=true",
+                                             "model.moe_routing_replay=true")),
              "ep2-moe-rm": (DENSE, MOE, ("offload.rm_params=true", "offload.rm_optimizer=true",
                                          "offload.release_engine=false"))}
 

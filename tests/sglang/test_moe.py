@@ -1,5 +1,7 @@
 """A tiny Qwen3-MoE on SGLang 0.5.23's CPU backend: generation log-probabilities equal transformers',
-and after a weight sync from a Megatron policy (EP=1) they equal that policy's.
+and after a weight sync from a Megatron policy (EP=1) they equal that policy's; the experts SGLang
+reports for each position (``return_routed_experts``) are transformers' routers' choices, and the
+policy replaying them computes SGLang's log-probabilities.
 
 Every layer is sparse here: SGLang 0.5.23's ``Qwen3MoeDecoderLayer.stage_facts`` declares every
 Qwen3-MoE layer sparse, ignoring ``mlp_only_layers`` and ``decoder_sparse_step``, so a model with
@@ -27,7 +29,8 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
 @pytest.fixture(scope="module")
 def moe(assets, megatron_world, tmp_path_factory):
-    """(engine serving one tiny Qwen3-MoE, its HF folder, a Megatron policy with other weights, its arch)."""
+    """(engine serving one tiny Qwen3-MoE, its HF folder, a Megatron policy with other weights, its arch,
+    the HF folder of those weights). The engine captures routed experts."""
     from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
@@ -41,8 +44,9 @@ def moe(assets, megatron_world, tmp_path_factory):
     hf_to_mcore(other, str(root / "other-mcore"))
     model, arch = load_checkpoint_model(str(root / "other-mcore"), ParallelConfig())
     engine = SGLangEngine.offline(SGLangConfig.cpu(served, tokenizer_path=assets.tokenizer, random_seed=0,
-                                                   port=free_port(), max_total_tokens=4096, max_running_requests=4))
-    yield engine, served, model, arch
+                                                   port=free_port(), max_total_tokens=4096, max_running_requests=4,
+                                                   enable_return_routed_experts=True))
+    yield engine, served, model, arch, other
     engine.shutdown()
 
 
@@ -65,7 +69,7 @@ def max_diff(outs, reference) -> float:
 
 
 def test_moe_served_then_synced_from_megatron(moe):
-    engine, served, model, arch = moe
+    engine, served, model, arch, _ = moe
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     outs = engine.generate(PROMPTS, params)
     assert max_diff(outs, lambda p, c: transformers_logprobs(served, p, c)) < TOL
@@ -74,3 +78,45 @@ def test_moe_served_then_synced_from_megatron(moe):
     assert stats["buckets"] > 2 and engine.weight_version == 4
     outs = engine.generate(PROMPTS, params)
     assert max_diff(outs, lambda p, c: megatron_logprobs(model, p, c)) < TOL
+
+
+def transformers_routes(hf_dir: str, tokens: list[int]) -> torch.Tensor:
+    """Each sparse layer's top-k experts ``[len(tokens), layers, k]`` in one transformers forward."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    seen = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(i, out[2]))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for h in hooks:
+        h.remove()
+    return torch.stack([seen[i] for i in range(len(model.model.layers))], dim=1)
+
+
+def test_moe_routed_experts_are_replayed_by_the_policy(moe):
+    """SGLang's routes cover the prompt and every output token but the last, one row of layers x top-k
+    per position, and are transformers' routers' top-k (fp32 on both sides: no near-tie flips in these
+    few tokens); the Megatron policy with the same weights, replaying them, gives SGLang's log-probs."""
+    from cooper_mcore.micro_batching.runner import MicroBatching
+    from cooper_mcore.models.routing_replay import enable_routing_replay, replaying, route_batch
+    from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
+
+    engine, _, model, arch, other = moe
+    sync_weights(model, arch, engine, version=5, bucket_bytes=16 * 1024)  # the policy's weights, whatever ran before
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0, routed_experts=True))
+    k = arch.moe.experts_per_token
+    for out, prompt in zip(outs, PROMPTS):
+        assert out.routed_experts.shape == (len(prompt) + len(out.token_ids) - 1, arch.num_layers * k)
+        want = transformers_routes(other, prompt + out.token_ids[:-1]).sort(-1).values
+        got = out.routed_experts.reshape(-1, arch.num_layers, k).sort(-1).values
+        assert torch.equal(got, want.to(got.dtype))
+    batch = build_token_batch(PROMPTS, [o.token_ids for o in outs], pad_id=0)
+    enable_routing_replay(model)
+    with replaying(model, route_batch([o.routed_experts for o in outs], batch.input_ids.shape[1], arch.num_layers,
+                                      k)):
+        logp = compute_logprobs(model, batch, MicroBatching(2))
+    for i, (out, prompt) in enumerate(zip(outs, PROMPTS)):
+        got = logp[i, len(prompt) - 1:len(prompt) - 1 + len(out.token_ids)]
+        assert float((got - torch.tensor(out.logprobs)).abs().max()) < TOL

@@ -231,7 +231,7 @@ def test_expert_parallel_layout(paths, tmp_path):
     dense_rm = {**moe, "model.rm_ckpt": paths["model.rm_ckpt"]}
     assert config_problems(_cfg(dense_rm, "parallel.ep=2"), 2) == []
     assert config_problems(_cfg(paths, "parallel.ep=2"), 2) == [
-        f"parallel.ep=2 / etp=1 need a mixture-of-experts model, but model.policy_ckpt ({paths['model.policy_ckpt']})"
+        f"parallel.ep=2 needs a mixture-of-experts model, but model.policy_ckpt ({paths['model.policy_ckpt']})"
         f" and model.rm_ckpt ({paths['model.rm_ckpt']}) are dense"]
     # rule mode does not read the RM; a dense policy is refused all the same
     assert config_problems(_cfg(dense_rm, "parallel.ep=2", "reward.mode=rule"), 2) == []
@@ -242,6 +242,32 @@ def test_expert_parallel_layout(paths, tmp_path):
         "parallel.sequence_parallel=true (megatron's MoE layer refuses to train without it)"]
     assert config_problems(_cfg(moe, "parallel.ep=0"), 2) == [
         "parallel.ep and parallel.etp must be >= 1, got ep=0 etp=1"]
+
+
+def test_routing_replay_needs_a_moe_policy(paths, tmp_path):
+    moe = {**paths, "model.policy_ckpt": _moe_ckpt(tmp_path / "moe_policy")}
+    assert config_problems(_cfg(moe, "model.moe_routing_replay=true", "reward.mode=rule"), 1) == []
+    assert config_problems(_cfg(paths, "model.moe_routing_replay=true", "reward.mode=rule"), 1) == [
+        f"model.moe_routing_replay needs a mixture-of-experts policy; model.policy_ckpt "
+        f"({paths['model.policy_ckpt']}) is dense"]
+
+
+def test_expert_layouts_that_would_drift_are_refused(paths, tmp_path):
+    """At ep=1 megatron reduces expert gradients over the data-parallel group only: with etp != tp the
+    experts' copies on a TP group's ranks would never be reduced. etp follows tp unless set."""
+    moe = {**paths, "model.policy_ckpt": _moe_ckpt(tmp_path / "moe_policy")}
+    sp = "parallel.sequence_parallel=true"
+    assert config_problems(_cfg(moe, "parallel.tp=2", sp, "reward.mode=rule"), 2) == []  # etp follows tp
+    assert config_problems(_cfg(moe, "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", sp, "reward.mode=rule",
+                                "train.prompts_per_step=2"), 4) == []
+    assert config_problems(_cfg(moe, "parallel.tp=2", "parallel.etp=1", sp, "reward.mode=rule"), 2) == [
+        f"model.policy_ckpt ({moe['model.policy_ckpt']}) is a mixture-of-experts model: parallel.etp=1 with "
+        "parallel.tp=2 at parallel.ep=1 would let the experts' copies on the TP ranks drift apart (megatron "
+        "reduces expert gradients over the data-parallel group only at ep=1): set parallel.etp=2 (or leave it "
+        "unset) or parallel.ep > 1"]
+    assert len(config_problems(_cfg(moe, "parallel.etp=2", "reward.mode=rule"), 2)) == 1  # etp > tp at ep=1
+    # a dense model ignores the expert layout
+    assert config_problems(_cfg(paths, "parallel.tp=2", "parallel.etp=1", "reward.mode=rule"), 2) == []
 
 
 def test_sglang_refuses_a_moe_policy_with_dense_layers(paths, tmp_path):

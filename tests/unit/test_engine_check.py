@@ -102,12 +102,12 @@ def _step_run(monkeypatch, engine_logprobs, overrides=()):
     trainer = [[-0.5, -1.0], [-0.1, -0.2, -0.3]]  # the engine's ENGINE, minus the shift below
     seen = {}
 
-    def fill_logprobs(run, batch):
+    def fill_logprobs(run, batch, routes=None):
         batch.old_logp = torch.zeros_like(batch.loss_mask)
         batch.old_logp[0, 2:4] = torch.tensor(trainer[0])
         batch.old_logp[1, 2:5] = torch.tensor(trainer[1])
 
-    def update_policy(run, batch):
+    def update_policy(run, batch, routes=None):
         seen["batch"] = batch
         return PolicyUpdate(loss=0.0, kl=0.0, ratio_mean=1.0, clip_frac=0.0, entropy=1.0, grad_norm=1.0, skipped=0,
                             lr=1e-6)

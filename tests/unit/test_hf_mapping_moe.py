@@ -16,8 +16,11 @@ from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.hf_mapping import (
     ParamMapping,
     canonical_mcore_name,
+    expert_linear,
     hf_shapes,
     is_expert_param,
+    is_stacked_expert_param,
+    mapping_tensors,
     moe_mappings,
     param_mappings,
     to_hf,
@@ -179,3 +182,38 @@ def test_dense_arch_has_no_moe_mappings():
     arch.moe = None
     with pytest.raises(ValueError, match="has no experts"):
         moe_mappings(arch, 0)
+
+
+def test_every_expert_layout_maps_to_sequential_names():
+    """SequentialMLP's modules, GroupedExperts' stacked weights and TEGroupedMLP's per-expert ``weight{e}``
+    name each expert's tensor the same way, with the expert-parallel rank's offset."""
+    stacked = torch.arange(3 * 4 * 2, dtype=torch.float32).reshape(3, 4, 2)
+    got = mapping_tensors("module.decoder.layers.1.mlp.experts.linear_fc1.weight", stacked, layer_offset=2,
+                          expert_offset=6)
+    assert [n for n, _ in got] == [f"decoder.layers.3.mlp.experts.local_experts.{e}.linear_fc1.weight"
+                                   for e in (6, 7, 8)]
+    assert all(t.data_ptr() == stacked[i].data_ptr() and torch.equal(t, stacked[i]) for i, (_, t) in enumerate(got))
+    te = "decoder.layers.0.mlp.experts.linear_fc2.weight5"
+    assert canonical_mcore_name(te, expert_offset=8) == \
+        "decoder.layers.0.mlp.experts.local_experts.13.linear_fc2.weight"
+    one = stacked[0]
+    [(name, t)] = mapping_tensors(te, one)
+    assert name == "decoder.layers.0.mlp.experts.local_experts.5.linear_fc2.weight" and t is one
+    for name in ("decoder.layers.0.mlp.experts.linear_fc1.weight", te,
+                 "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"):
+        assert is_expert_param(name), name
+    assert is_stacked_expert_param("decoder.layers.0.mlp.experts.linear_fc2.weight")
+    assert not is_stacked_expert_param(te) and not is_stacked_expert_param("decoder.layers.0.mlp.linear_fc1.weight")
+    assert not is_expert_param("decoder.layers.0.mlp.linear_fc1.weight")
+
+
+def test_expert_gather_axis_is_the_layers_not_the_attribute():
+    """fc1 (column-parallel) joins its ETP shards along rows, fc2 (row-parallel) along columns, whatever
+    ``partition_dim`` a parameter carries (Transformer Engine marks 0 on both under ETP)."""
+    from cooper_mcore.rollout.weight_sync import expert_split_dim
+
+    assert expert_linear("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight") == "linear_fc1"
+    assert expert_split_dim("decoder.layers.0.mlp.experts.linear_fc1.weight2") == 0
+    assert expert_split_dim("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight") == 1
+    with pytest.raises(ValueError, match="not an expert weight"):
+        expert_linear("decoder.layers.0.mlp.linear_fc2.weight")

@@ -159,3 +159,42 @@ def test_a_per_token_moe_step_without_counts_is_refused(moe_world):
     with pytest.raises(ValueError, match="aux_counts"):
         train_step(ddp, opt, lambda it, m: None, iter([ids]), 1, 8, 2)
     assert model.config.moe_aux_loss_coeff == COEF and not get_moe_layer_wise_logging_tracker()
+
+
+def _policy_aux(arch: ArchSpec, batching, monkeypatch=None) -> tuple[float, dict[str, torch.Tensor]]:
+    """One GRPO update (lr 0) of a fresh tiny MoE policy on fixed sequences in ``batching``'s micro-batches:
+    the reported aux loss and every router's gradient."""
+    from cooper_mcore.micro_batching.runner import MicroBatching  # noqa: F401  (the caller's batching)
+    from cooper_mcore.rl.policy import GRPOLoss, policy_update
+    from cooper_mcore.train.tokens import build_token_batch
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, arch.vocab_size, (n,), generator=g).tolist() for n in (3, 6, 4, 5)]
+    responses = [torch.randint(1, arch.vocab_size, (n,), generator=g).tolist() for n in (8, 2, 5, 6)]
+    batch = build_token_batch(prompts, responses, pad_id=0, pad_to_multiple=32)  # 11..4 tokens in 32 columns
+    batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    batch.old_logp = -torch.rand(batch.input_ids.shape, generator=g)
+    torch.manual_seed(0)
+    model = build_model(arch, ParallelConfig(), use_te=False)
+    ddp, opt = wrap_for_training(model, OptimConfig(lr=0.0, clip_grad=0.0), per_token_loss=True)
+    update = policy_update(ddp, opt, batch, batching, GRPOLoss())
+    grads = {n: m.weight.main_grad.clone() for n, m in model.named_modules() if isinstance(m, Router)}
+    return update.moe_aux_loss, grads
+
+
+def test_padding_is_left_out_of_the_load_balancing(moe_world, monkeypatch):
+    """The same four sequences packed into one row (no padding) and as right-padded rows of 32 columns
+    (61% padding): the same aux loss and router gradients. Counted, the padding tokens (all one token id,
+    routed alike) would skew the experts' shares f and mean probabilities P."""
+    from cooper_mcore.micro_batching import runner
+    from cooper_mcore.micro_batching.runner import MicroBatching
+
+    arch = moe_world
+    packed, packed_grads = _policy_aux(arch, MicroBatching(size=4, max_tokens=4096, pack=True))
+    padded, padded_grads = _policy_aux(arch, MicroBatching(size=4))
+    assert packed > 0 and padded == pytest.approx(packed, rel=1e-5)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()))
+    monkeypatch.setattr(runner, "moe_padding_kwargs", lambda model, valid: {})  # the padding counted
+    counted, _ = _policy_aux(arch, MicroBatching(size=4))
+    assert abs(counted - packed) > 1e-3 * packed

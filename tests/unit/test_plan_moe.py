@@ -183,7 +183,8 @@ def test_layout_checks_name_the_expert_setting():
 
 def _moe_config(*overrides: str):
     base = ["model.dtype=bfloat16", "reward.mode=rule", "rollout.engine=sglang", "rm.negatives=perturb",
-            "parallel.tp=4", "parallel.ep=8", "parallel.sequence_parallel=true", "train.prompts_per_step=8",
+            "parallel.tp=4", "parallel.ep=8", "parallel.etp=1", "parallel.sequence_parallel=true",
+            "train.prompts_per_step=8",
             "rollout.group_size=4", "train.micro_batch_size=1", "rollout.max_new_tokens=512"]
     return load_config(None, base + list(overrides))
 
@@ -206,7 +207,7 @@ def test_cli_reports_experts_and_active_parameters(capsys, tmp_path):
 
     args = ["plan", "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gib", "79.18", "--no-assistant",
             "--policy-config", str(CONFIGS / "qwen3-30b-a3b.json"), "model.dtype=bfloat16", "reward.mode=rule",
-            "rollout.engine=sglang", "rm.negatives=perturb", "parallel.tp=4", "parallel.ep=8",
+            "rollout.engine=sglang", "rm.negatives=perturb", "parallel.tp=4", "parallel.ep=8", "parallel.etp=1",
             "parallel.sequence_parallel=true", "train.prompts_per_step=8"]
     assert main(args) == 0
     text = capsys.readouterr().out

@@ -20,6 +20,7 @@ from cooper_mcore.rehearsal.preset import (
     STEPS,
     plan_rehearsal,
     preset_shapes,
+    real_shape,
     tiny_shape,
 )
 from cooper_mcore.rehearsal.run import _RANK_EXIT, _where
@@ -92,16 +93,32 @@ def test_a_layout_over_four_processes_is_capped_and_said():
 @pytest.mark.parametrize("overrides,ep,etp,changed", [
     ((), 4, 1, {"parallel.ep"}), (("parallel.etp=2",), 2, 2, {"parallel.ep"}),
     (("parallel.tp=1",), 2, 1, {"parallel.ep"}),
-    (("parallel.tp=1", "parallel.etp=4"), 1, 2, {"parallel.ep", "parallel.etp"})])
+    (("parallel.tp=1", "parallel.etp=4"), 1, 1, {"parallel.ep", "parallel.etp"})])
 def test_the_moe_preset_keeps_expert_parallelism_within_its_processes(overrides, ep, etp, changed):
-    """EP, then ETP, halved until the rehearsal's processes hold them (world divisible by etp * ep * pp)."""
+    """EP, then ETP, halved until the rehearsal's processes hold them (world divisible by etp * ep * pp);
+    at EP=1 the expert TP is the TP size (any other drifts)."""
     _, policy, plan = _plan(str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"), *overrides)
     p = plan.cfg.parallel
     assert policy.moe is not None and plan.shape.family == "qwen3_moe"  # model_configs/qwen3-30b-a3b.json
     assert plan.shape.fields["mlp_only_layers"] == []  # all sparse, as the real model (and SGLang serves)
     assert (p.ep, p.etp) == (ep, etp) and plan.nproc % (p.etp * p.ep * p.pp) == 0
-    assert f" ep={ep} etp={etp} " in plan.layout()
+    assert p.expert_drift_problem() is None
+    assert (f" ep={ep} etp={etp} " in plan.layout()) == (ep > 1 or etp > 1)
     assert {s.setting for s in plan.substitutions if s.setting.startswith("parallel.e")} == changed
+
+
+def test_real_shape_keeps_the_presets_experts():
+    """``cooper rehearse --real-shape`` on an MoE preset builds the preset's experts, not the tiny ones."""
+    cfg = load_config(str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"), [])
+    policy, rm, _ = preset_shapes(cfg, str(ROOT / "examples" / "qwen3-30b-a3b_8xh200_multinode.yaml"))
+    f = real_shape(policy, rm).fields
+    assert (f["num_experts"], f["num_experts_per_tok"], f["moe_intermediate_size"]) == (128, 8, 768)
+    assert (f["norm_topk_prob"], f["decoder_sparse_step"], f["mlp_only_layers"]) == (True, 1, [])
+    assert f["router_aux_loss_coef"] == policy.moe.router_aux_loss_coef
+    hf = tiny_hf_config("qwen3_moe", **f)
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == (128, 8, 768)
+    dense = ArchSpec.from_hf_config(tiny_hf_config("qwen2").to_dict())
+    assert "num_experts" not in real_shape(dense, None).fields
 
 
 def test_qwen3_traits_survive_the_shrink():

@@ -23,6 +23,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -286,6 +287,76 @@ def test_parse_errors():
         parse_generate_output({"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}}, True)
 
 
+ROUTE_LAYERS, ROUTE_TOPK = 3, 2
+
+
+def _routes(prompt_len: int, outputs: int, salt: int = 0) -> np.ndarray:
+    """An int32 ``[prompt + outputs - 1, layers, top_k]`` of distinct experts, as SGLang captures."""
+    rows = prompt_len + outputs - 1
+    return (np.arange(rows * ROUTE_LAYERS * ROUTE_TOPK, dtype=np.int32) * 7 + salt).reshape(
+        rows, ROUTE_LAYERS, ROUTE_TOPK) % 64
+
+
+def _with_routes(responses: list[dict], request: dict) -> list[dict]:
+    """SGLang 0.5.23's answer to ``return_routed_experts``: ``meta_info["routed_experts"]``, the base64
+    of the int32 ``[seqlen - 1, layers, top_k]`` bytes (detokenizer_manager._b64_encode_per_request)."""
+    if not request.get("return_routed_experts"):
+        return responses
+    for i, (out, ids) in enumerate(zip(responses, request["input_ids"])):
+        routes = _routes(len(ids), len(out["output_ids"]), salt=i)
+        out["meta_info"]["routed_experts"] = base64.b64encode(routes.tobytes()).decode("utf-8")
+    return responses
+
+
+def test_routed_experts_are_decoded_per_position():
+    out = _with_routes(json.loads(json.dumps(GENERATE_RESPONSE[:1])), {"return_routed_experts": True,
+                                                                       "input_ids": [[5, 6, 7, 8]]})[0]
+    got = parse_generate_output(out, logprobs=True, prompt_len=4)
+    assert got.routed_experts.dtype == torch.int32 and got.routed_experts.shape == (4 + 3 - 1, 6)
+    assert torch.equal(got.routed_experts, torch.from_numpy(_routes(4, 3)).reshape(6, 6))
+    assert parse_generate_output(out, logprobs=True).routed_experts is None  # not asked for
+    with pytest.raises(RuntimeError, match="whole number per each of its 7 positions"):
+        parse_generate_output(out, logprobs=True, prompt_len=5)
+    del out["meta_info"]["routed_experts"]
+    with pytest.raises(RuntimeError, match="no routed_experts: start SGLang with enable_return_routed_experts"):
+        parse_generate_output(out, logprobs=True, prompt_len=4)
+
+
+def test_both_backends_ask_for_routed_experts_with_token_prompts(fake):
+    params = SamplingParams(max_new_tokens=4, routed_experts=True)
+    fe = FakeOfflineEngine()
+    outs = SGLangEngine(engine=fe, tp_size=1).generate([[1, 2], [3, 4, 5]], params)
+    assert fe.calls[0][1]["return_routed_experts"] is True
+    assert [tuple(o.routed_experts.shape) for o in outs] == [(2 + 3 - 1, 6), (3 + 5 - 1, 6)]
+    outs = _http_engine(fake).generate([[1, 2], [3, 4, 5]], params)
+    assert fake.posts("/generate")[0]["return_routed_experts"] is True
+    assert torch.equal(outs[1].routed_experts, torch.from_numpy(_routes(3, 5, salt=1)).reshape(7, 6))
+    _http_engine(fake).generate([[1, 2]], SamplingParams())
+    assert "return_routed_experts" not in fake.posts("/generate")[1]
+    with pytest.raises(ValueError, match="routed_experts needs token-id prompts"):
+        _http_engine(fake).generate(["a"], params)
+    assert SGLangConfig(model_path="/m", enable_return_routed_experts=True).server_args()[
+        "enable_return_routed_experts"] is True
+
+
+@needs_src
+def test_src_routed_experts_contract():
+    """What the decoding relies on, in SGLang 0.5.23's source: the request flag (offline and HTTP), the
+    rows ``[start_len, seqlen - 1)`` per request, int32 bytes in base64 under ``meta_info``."""
+    engine = next(n for n in ast.walk(ast.parse(_src("sglang/srt/entrypoints/engine.py")))
+                  if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    generate = next(f for f in engine.body if isinstance(f, ast.FunctionDef) and f.name == "generate")
+    assert "return_routed_experts" in [a.arg for a in generate.args.args + generate.args.kwonlyargs]
+    assert "return_routed_experts: bool = False" in _src("sglang/srt/managers/io_struct.py")
+    assert "req_to_token[req_pool_idx][start_len : seqlen - 1]" in _src("sglang/srt/state_capturer/base.py")
+    assert "seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)" in _src(
+        "sglang/srt/managers/scheduler_components/batch_result_processor.py")
+    assert "pybase64.b64encode(item.numpy().tobytes())" in _src("sglang/srt/managers/detokenizer_manager.py")
+    assert 'meta_info["routed_experts"] = val' in _src("sglang/srt/managers/tokenizer_manager.py")
+    capturer = _src("sglang/srt/state_capturer/routed_experts.py")
+    assert "dtype=torch.int32" in _src("sglang/srt/state_capturer/base.py") and "num_hidden_layers" in capturer
+
+
 # -- a fake SGLang server ----------------------------------------------------------------------
 class FakeSGLang:
     """Records every request; answers like SGLang 0.5.23's http_server.py."""
@@ -333,7 +404,7 @@ class FakeSGLang:
                     return self._send(status, text)
                 if self.path == "/generate":
                     k = len(body.get("text") or body.get("input_ids"))
-                    return self._send(200, GENERATE_RESPONSE[:k])
+                    return self._send(200, _with_routes(GENERATE_RESPONSE[:k], body))
                 if self.path == "/flush_cache":
                     return self._send(200, "Cache flushed.\n", "text/plain")
                 if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
@@ -502,7 +573,7 @@ class FakeOfflineEngine:
     def generate(self, **kw):
         self.calls.append(("generate", kw))
         n = len(kw.get("prompt") or kw.get("input_ids"))
-        return json.loads(json.dumps(GENERATE_RESPONSE[:n]))
+        return _with_routes(json.loads(json.dumps(GENERATE_RESPONSE[:n])), kw)
 
     def begin_weight_update(self, selector="all"):
         self.calls.append(("begin_weight_update", {"selector": selector}))

@@ -1,6 +1,10 @@
 """Worker: load converted tiny Qwen3-MoE checkpoints at one TP/PP/EP/ETP layout; for each, the
 largest |logit| (RM: score) difference from transformers and, for causal LMs, what a weight sync
-pushes compared with the HF checkpoint's tensors. Prints one JSON line on rank 0."""
+pushes compared with the HF checkpoint's tensors. Prints one JSON line on rank 0.
+
+``--te-expert-attrs`` gives the expert weights, before the push, the attributes Transformer Engine
+gives megatron's expert linears under ETP (``parallel_mode=None``: ``tensor_model_parallel`` with
+``partition_dim=0``, on the row-parallel fc2 too), a CPU model of the TE spec's weights."""
 
 import argparse
 import json
@@ -11,6 +15,7 @@ from safetensors.torch import load_file
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.convert.compare import logits_diff
+from cooper_mcore.models.hf_mapping import is_expert_param, mapping_tensors
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rollout.weight_sync import sync_weights
 
@@ -49,6 +54,7 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--te-expert-attrs", action="store_true")
     args = p.parse_args()
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     init_distributed(parallel)
@@ -59,8 +65,12 @@ def main():
     for name, hf_dir, ckpt in json.loads(args.pairs):
         model, arch = load_checkpoint_model(ckpt, parallel)
         res = {"logits": logits_diff(model, arch, hf_dir, batch=3, seq=12),
-               "local_experts": {n: list(p.shape) for n, p in model.named_parameters()  # the split is real
-                                 if "local_experts" in n and n.endswith("linear_fc1.weight")}}
+               "local_experts": {name: list(t.shape) for n, p in model.named_parameters() if is_expert_param(n)
+                                 for name, t in mapping_tensors(n, p) if name.endswith("linear_fc1.weight")}}
+        if args.te_expert_attrs:
+            for n, p in model.named_parameters():
+                if is_expert_param(n):
+                    p.tensor_model_parallel, p.partition_dim = True, 0
         if arch.model_type == "causal_lm":
             engine = RecordingEngine() if first else None
             stats = sync_weights(model, arch, engine, version=3, bucket_bytes=64 * 1024)

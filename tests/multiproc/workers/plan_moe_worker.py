@@ -1,5 +1,5 @@
 """Worker: what megatron-core really builds and allocates for a tiny Qwen3-MoE, per rank, at several
-``tp x ep`` layouts (data parallelism is the rest of the world; sequence parallelism with TP > 1).
+``tp x ep`` layouts, ETP=1 (data parallelism is the rest of the world; sequence parallelism with TP > 1).
 
 For each layout, builds the model of ``--arch`` (an ``ArchSpec`` dict) in bf16, wraps it for training
 as the trainer does (DDP, distributed optimizer) and records on every rank: the parameter count, the
@@ -44,7 +44,7 @@ def main() -> None:
     records = []
     for layout in args.layouts.split(","):
         tp, ep = (int(x) for x in layout.split("x"))
-        parallel = ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1)
+        parallel = ParallelConfig(tp=tp, ep=ep, etp=1, sequence_parallel=tp > 1)  # experts whole on each rank
         init_distributed(parallel)
         records.append(measure(arch, parallel))
         ps.destroy_model_parallel()
