@@ -194,6 +194,11 @@ class SGLangConfig:
                              "enable_deterministic_inference needs an attention backend SGLang 0.5.23 makes "
                              "deterministic (fa3, fa4, flashinfer, triton, ...), not torch_native (the CPU "
                              "backend): per-request sampling seeds are not available on CPU"),
+                            (not (self.device == "cpu" and self.enable_return_routed_experts),
+                             "enable_return_routed_experts needs device='cuda': SGLang 0.5.23 allocates the "
+                             "routed-experts host buffer with cudaHostRegister whatever the device (no 'cpu' entry "
+                             "in ALLOC_MEMORY_FUNCS), so its CPU scheduler dies at start and takes this process "
+                             "tree with it; on CPU, replay the routing with rollout.engine=hf"),
                             (self.base_gpu_id >= 0, f"base_gpu_id must be >= 0, got {self.base_gpu_id}")):
             if not ok:
                 raise ValueError(f"SGLangConfig.{problem}")

@@ -1,7 +1,12 @@
 """A tiny Qwen3-MoE on SGLang 0.5.23's CPU backend: generation log-probabilities equal transformers',
-and after a weight sync from a Megatron policy (EP=1) they equal that policy's; the experts SGLang
-reports for each position (``return_routed_experts``) are transformers' routers' choices, and the
-policy replaying them computes SGLang's log-probabilities.
+and after a weight sync from a Megatron policy (EP=1) they equal that policy's.
+
+Routed-experts capture (``return_routed_experts``, for rollout routing replay) does not start on the
+CPU backend: SGLang 0.5.23's ``RoutedExpertsCapturer`` allocates its host buffer through
+``ALLOC_MEMORY_FUNCS[device]``, which has no ``"cpu"`` entry and falls back to ``cudaHostRegister``;
+the scheduler dies with "Found no NVIDIA driver" and SGLang SIGKILLs the whole process tree (this
+test session included). ``SGLangConfig.validate`` therefore refuses it on CPU, which the last test
+checks against the real server arguments; the replay test itself needs SGLang on CUDA.
 
 Every layer is sparse here: SGLang 0.5.23's ``Qwen3MoeDecoderLayer.stage_facts`` declares every
 Qwen3-MoE layer sparse, ignoring ``mlp_only_layers`` and ``decoder_sparse_step``, so a model with
@@ -18,19 +23,20 @@ import pytest
 import torch
 
 from cooper_mcore.rollout.base import SamplingParams
-from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
+from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine, _child_pids
 from cooper_mcore.rollout.weight_sync import sync_weights
 from tests.sglang.conftest import free_port, megatron_logprobs
 
 pytestmark = pytest.mark.sglang
 TOL = 5e-5
+ON_CUDA = torch.cuda.is_available()
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
 
 @pytest.fixture(scope="module")
 def moe(assets, megatron_world, tmp_path_factory):
     """(engine serving one tiny Qwen3-MoE, its HF folder, a Megatron policy with other weights, its arch,
-    the HF folder of those weights). The engine captures routed experts."""
+    the HF folder of those weights). On CUDA the engine captures routed experts."""
     from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
@@ -45,7 +51,7 @@ def moe(assets, megatron_world, tmp_path_factory):
     model, arch = load_checkpoint_model(str(root / "other-mcore"), ParallelConfig())
     engine = SGLangEngine.offline(SGLangConfig.cpu(served, tokenizer_path=assets.tokenizer, random_seed=0,
                                                    port=free_port(), max_total_tokens=4096, max_running_requests=4,
-                                                   enable_return_routed_experts=True))
+                                                   enable_return_routed_experts=ON_CUDA))
     yield engine, served, model, arch, other
     engine.shutdown()
 
@@ -95,6 +101,17 @@ def transformers_routes(hf_dir: str, tokens: list[int]) -> torch.Tensor:
     return torch.stack([seen[i] for i in range(len(model.model.layers))], dim=1)
 
 
+def test_moe_routed_experts_refused_on_cpu(tmp_path):
+    """The CPU engine with routed-experts capture is refused before SGLang starts (no child process),
+    naming the way out."""
+    before = _child_pids()
+    with pytest.raises(ValueError, match="enable_return_routed_experts needs device='cuda'"):
+        SGLangEngine.offline(SGLangConfig.cpu(str(tmp_path), port=free_port(), enable_return_routed_experts=True))
+    assert _child_pids() <= before
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="SGLang 0.5.23 cannot capture routed experts on its CPU backend "
+                                        "(cudaHostRegister of the capture buffer; see the module docstring)")
 def test_moe_routed_experts_are_replayed_by_the_policy(moe):
     """SGLang's routes cover the prompt and every output token but the last, one row of layers x top-k
     per position, and are transformers' routers' top-k (fp32 on both sides: no near-tie flips in these
