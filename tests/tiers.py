@@ -44,7 +44,8 @@ TIERS = {t.name: t for t in (
     Tier("rehearsal", ("tests/rehearsal",), ("-n", "2", "--dist", "load"),
          "cooper rehearse of every preset and the run matrix (two pytest workers)"),
     Tier("gpu", ("tests/gpu",), (), "CUDA only: skipped without a GPU"),
-    Tier("sglang", ("tests/sglang",), ("-m", "sglang"), "the real SGLang 0.5.23 on its CPU backend"),
+    Tier("sglang", ("tests/sglang",), ("-m", "sglang", "-n", "2", "--dist", "loadfile"),
+         "the real SGLang 0.5.23 on its CPU backend (two pytest workers: the rehearsal beside the rest)"),
 )}
 CORE = ("unit", "multiproc", "packaging", "rehearsal", "gpu")
 

@@ -293,6 +293,9 @@ def _engine_problems(cfg: CooperConfig) -> list[str]:
     if cfg.rollout.uses_sglang and cfg.model.random_init:
         return ["model.init=random needs rollout.engine=hf: SGLang starts from the weights in model.policy_hf, "
                 "the transformers engine is built empty and filled by the weight push"]
+    if cfg.rollout.uses_sglang and not 1024 <= cfg.rollout.sglang_base_port <= 60000:
+        return [f"rollout.sglang_base_port must be in 1024..60000 (each local rank takes 10 ports above it), "
+                f"got {cfg.rollout.sglang_base_port}"]
     if not cfg.rollout.uses_sglang or not cfg.model.policy_ckpt:
         return []
     arch, _ = checkpoint_arch_fields(cfg.model.policy_ckpt)

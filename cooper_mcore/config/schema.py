@@ -161,6 +161,8 @@ class RolloutConfig:
     """Size of the weight-sync buckets pushed into the engine, in MiB."""
     sglang_mem_fraction: float = 0.5
     """SGLang's mem_fraction_static: share of the GPU memory for its weights and KV cache."""
+    sglang_base_port: int = 30000
+    """First HTTP port of this node's SGLang engines (local rank r: +10r, NCCL port +1): differ per job on a node."""
 
     @property
     def uses_sglang(self) -> bool:

@@ -191,12 +191,14 @@ def sglang_config(cfg: CooperConfig) -> SGLangConfig:
         return SGLangConfig(model_path=cfg.model.policy_hf, tp_size=cfg.parallel.tp, dtype=cfg.model.dtype,
                             mem_fraction_static=cfg.rollout.sglang_mem_fraction,
                             base_gpu_id=torch.cuda.current_device(), trust_remote_code=cfg.model.trust_remote_code,
-                            enable_return_routed_experts=cfg.model.moe_routing_replay)
+                            enable_return_routed_experts=cfg.model.moe_routing_replay,
+                            base_port=cfg.rollout.sglang_base_port)
     per_rank = cfg.train.prompts_per_step // max(parallel_state.get_data_parallel_world_size(), 1)
     tokens = per_rank * cfg.rollout.group_size * (cfg.rollout.max_new_tokens + 256)
     return SGLangConfig.cpu(cfg.model.policy_hf, dtype=cfg.model.dtype, random_seed=cfg.train.seed,
                             max_total_tokens=max(4096, tokens), trust_remote_code=cfg.model.trust_remote_code,
-                            enable_return_routed_experts=cfg.model.moe_routing_replay)
+                            enable_return_routed_experts=cfg.model.moe_routing_replay,
+                            base_port=cfg.rollout.sglang_base_port)
 
 
 def build_engine(cfg: CooperConfig, policy: ModelState) -> RolloutEngine:

@@ -1,12 +1,14 @@
 """A tiny Qwen3-MoE on SGLang 0.5.23's CPU backend: generation log-probabilities equal transformers',
 and after a weight sync from a Megatron policy (EP=1) they equal that policy's.
 
-Routed-experts capture (``return_routed_experts``, for rollout routing replay) does not start on the
-CPU backend: SGLang 0.5.23's ``RoutedExpertsCapturer`` allocates its host buffer through
+Routed-experts capture (``return_routed_experts``, for rollout routing replay) does not start on
+SGLang's own CPU backend: SGLang 0.5.23's ``RoutedExpertsCapturer`` allocates its host buffer through
 ``ALLOC_MEMORY_FUNCS[device]``, which has no ``"cpu"`` entry and falls back to ``cudaHostRegister``;
-the scheduler dies with "Found no NVIDIA driver" and SGLang SIGKILLs the whole process tree (this
-test session included). ``SGLangConfig.validate`` therefore refuses it on CPU, which the last test
-checks against the real server arguments; the replay test itself needs SGLang on CUDA.
+the scheduler dies with "Found no NVIDIA driver" and SGLang SIGKILLs the whole process tree.
+``SGLangConfig.validate`` therefore refuses it on CPU (checked here). This tier's ``sgl_kernel``
+stand-in gives the capturer a plain host buffer instead of a pinned one (all it changes), and the
+``moe`` engine is started past the refusal, so the rest of SGLang's capture and our decoding and
+replay of it run for real.
 
 Every layer is sparse here: SGLang 0.5.23's ``Qwen3MoeDecoderLayer.stage_facts`` declares every
 Qwen3-MoE layer sparse, ignoring ``mlp_only_layers`` and ``decoder_sparse_step``, so a model with
@@ -29,14 +31,13 @@ from tests.sglang.conftest import free_port, megatron_logprobs
 
 pytestmark = pytest.mark.sglang
 TOL = 5e-5
-ON_CUDA = torch.cuda.is_available()
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
 
 @pytest.fixture(scope="module")
 def moe(assets, megatron_world, tmp_path_factory):
     """(engine serving one tiny Qwen3-MoE, its HF folder, a Megatron policy with other weights, its arch,
-    the HF folder of those weights). On CUDA the engine captures routed experts."""
+    the HF folder of those weights). The engine captures routed experts."""
     from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.convert.hf import hf_to_mcore
     from cooper_mcore.models.tiny import save_tiny_hf_model
@@ -49,9 +50,11 @@ def moe(assets, megatron_world, tmp_path_factory):
     other = save_tiny_hf_model(str(root / "other"), "qwen3_moe", seed=21, **kw)
     hf_to_mcore(other, str(root / "other-mcore"))
     model, arch = load_checkpoint_model(str(root / "other-mcore"), ParallelConfig())
-    engine = SGLangEngine.offline(SGLangConfig.cpu(served, tokenizer_path=assets.tokenizer, random_seed=0,
-                                                   port=free_port(), max_total_tokens=4096, max_running_requests=4,
-                                                   enable_return_routed_experts=ON_CUDA))
+    config = SGLangConfig.cpu(served, tokenizer_path=assets.tokenizer, random_seed=0, port=free_port(),
+                              max_total_tokens=4096, max_running_requests=4, enable_return_routed_experts=True)
+    with pytest.MonkeyPatch.context() as mp:  # past the CPU refusal: the stand-in provides the host buffer
+        mp.setattr(SGLangConfig, "validate", lambda self: None)
+        engine = SGLangEngine.offline(config)
     yield engine, served, model, arch, other
     engine.shutdown()
 
@@ -110,8 +113,6 @@ def test_moe_routed_experts_refused_on_cpu(tmp_path):
     assert _child_pids() <= before
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="SGLang 0.5.23 cannot capture routed experts on its CPU backend "
-                                        "(cudaHostRegister of the capture buffer; see the module docstring)")
 def test_moe_routed_experts_are_replayed_by_the_policy(moe):
     """SGLang's routes cover the prompt and every output token but the last, one row of layers x top-k
     per position, and are transformers' routers' top-k (fp32 on both sides: no near-tie flips in these

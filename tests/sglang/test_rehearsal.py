@@ -19,7 +19,8 @@ pytestmark = pytest.mark.sglang
 def test_rehearsal_keeps_the_sglang_engine(tmp_path):
     out = tmp_path / "tiny_sglang"
     r = subprocess.run([sys.executable, "-m", "cooper_mcore", "rehearse", "--config",
-                        str(ROOT / "examples" / "tiny_cpu.yaml"), "--out", str(out), "rollout.engine=sglang"],
+                        str(ROOT / "examples" / "tiny_cpu.yaml"), "--out", str(out), "rollout.engine=sglang",
+                        "rollout.sglang_base_port=31000"],  # beside test_train.py's engines at 30000
                        capture_output=True, text=True, timeout=1500, cwd=ROOT,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-3000:]

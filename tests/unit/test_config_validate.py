@@ -281,6 +281,13 @@ def test_sglang_refuses_a_moe_policy_with_dense_layers(paths, tmp_path):
         "which SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse"]
 
 
+def test_sglang_base_port_in_range(paths):
+    assert config_problems(_cfg(paths, "rollout.engine=sglang", "rollout.sglang_base_port=31000"), 1) == []
+    assert config_problems(_cfg(paths, "rollout.engine=hf", "rollout.sglang_base_port=80"), 1) == []
+    assert config_problems(_cfg(paths, "rollout.engine=sglang", "rollout.sglang_base_port=80"), 1) == [
+        "rollout.sglang_base_port must be in 1024..60000 (each local rank takes 10 ports above it), got 80"]
+
+
 # ----------------------------------------------------------------------------- the other jobs' configs
 
 

@@ -16,7 +16,9 @@ This module:
   at import time, no kernels) is the real module of the installed ``sglang-kernel`` wheel,
   loaded by its file path;
 * the ops a tiny Qwen2 calls on the CPU path, written here in plain torch from the semantics of
-  the Triton kernels they replace (:data:`IMPLEMENTED`).
+  the Triton kernels they replace (:data:`IMPLEMENTED`);
+* SGLang's routed-experts capture gets a plain host buffer where SGLang pins one with
+  ``cudaHostRegister`` (:data:`HOST_ALLOC_MODULE`), so the rest of its capture runs on CPU.
 
 It is put first on ``sys.path`` (and ``PYTHONPATH``) by ``tests/sglang/conftest.py`` only; the
 package itself never imports it.
@@ -24,6 +26,7 @@ package itself never imports it.
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.metadata
 import importlib.util
 import sys
@@ -150,4 +153,45 @@ def _populate() -> None:
         setattr(this, modname.rsplit(".", 1)[-1], mod)
 
 
+
+# -- SGLang's capture buffers on CPU -----------------------------------------------------------
+#: SGLang 0.5.23 allocates the host buffer of its state capturers (routed experts) with
+#: ``ALLOC_MEMORY_FUNCS[device]`` of this module; it has no ``"cpu"`` entry, and the default pins the
+#: buffer with ``cudaHostRegister``, which dies without a driver.
+HOST_ALLOC_MODULE = "sglang.srt.mem_cache.pool_host.common"
+
+
+def _alloc_unpinned(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool, allocator: object,
+                    registration_granularity_bytes: object = None) -> torch.Tensor:
+    """The buffer ``alloc_with_host_register`` allocates, without pinning it (CPU memory needs none)."""
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _host_buffers_on_cpu(module: types.ModuleType) -> None:
+    module.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_unpinned
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_host_buffers_on_cpu` on :data:`HOST_ALLOC_MODULE` right after SGLang imports it
+    (in every SGLang process: each imports this stand-in through ``PYTHONPATH``)."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+        if name != HOST_ALLOC_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            _host_buffers_on_cpu(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 _populate()
+if HOST_ALLOC_MODULE in sys.modules:
+    _host_buffers_on_cpu(sys.modules[HOST_ALLOC_MODULE])
+else:
+    sys.meta_path.insert(0, _PatchAfterImport())
