@@ -22,7 +22,7 @@ from cooper_mcore.micro_batching.runner import MicroBatching, forward_packed
 from cooper_mcore.models import spec
 from cooper_mcore.models.forward import forward_only, position_ids_for, shifted_labels
 from cooper_mcore.models.spec import SDPAttention
-from cooper_mcore.parallel import ParallelConfig, single_process_world
+from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.train.reward_model import rm_scores
 from cooper_mcore.train.tokens import TokenBatch, compute_logprobs, token_logprobs
 
@@ -170,12 +170,6 @@ LENGTHS = [9, 3, 16, 1, 12, 5]
 MICRO = [[2, 3, 0], [5, 1, 4]]  # two packs, rows out of order
 #: what the trainer's passes get for these lengths: packs by a 26-token budget
 PACKED = MicroBatching(3, max_tokens=26, pack=True)
-
-
-@pytest.fixture(scope="module")
-def world():
-    with single_process_world():
-        yield
 
 
 def _load(tiny_models, family, model_type="causal_lm"):

@@ -12,7 +12,7 @@ import torch
 
 from cooper_mcore.checkpoint.model import load_checkpoint_model
 from cooper_mcore.micro_batching.runner import MicroBatching, micro_batch_plan
-from cooper_mcore.parallel import ParallelConfig, single_process_world
+from cooper_mcore.parallel import ParallelConfig
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.train.reward_model import RMBatch, pairwise_train_step, rm_scores, wrap_reward_model
 from cooper_mcore.train.step import OptimConfig, wrap_for_training
@@ -35,12 +35,6 @@ def _ragged_batch(vocab: int = 128, n: int = 8):
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     scale = max(float(a.abs().max()), 1e-6)
     torch.testing.assert_close(b, a, atol=1e-5 * scale, rtol=1e-4, msg=what)
-
-
-@pytest.fixture(scope="module")
-def world():
-    with single_process_world():
-        yield
 
 
 def test_budget_plans_fill_micro_batches_and_keep_every_row():

@@ -26,14 +26,6 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def world():
-    from cooper_mcore.parallel import single_process_world
-
-    with single_process_world():
-        yield
-
-
 def load(ckpt: str):
     from cooper_mcore.checkpoint.model import load_checkpoint_model
     from cooper_mcore.parallel import ParallelConfig

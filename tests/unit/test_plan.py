@@ -302,14 +302,6 @@ def test_offload_defaults_are_the_config_defaults():
     assert OffloadConfig() == CooperConfig().offload  # the planner's "as configured" starts from these
 
 
-@pytest.fixture(scope="module")
-def world():
-    from cooper_mcore.parallel import single_process_world
-
-    with single_process_world():
-        yield
-
-
 @pytest.mark.parametrize("family, model_type", [("qwen2_tied", "causal_lm"), ("qwen3", "reward")])
 def test_counts_equal_the_built_megatron_model(world, family, model_type):
     """Independent reference: the model megatron-core builds, wrapped for training as the trainer does."""

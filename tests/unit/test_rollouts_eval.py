@@ -48,14 +48,6 @@ class FakeEngine:
 
 
 @pytest.fixture(scope="module")
-def world():
-    from cooper_mcore.parallel import single_process_world
-
-    with single_process_world():
-        yield
-
-
-@pytest.fixture(scope="module")
 def verifier():
     with RuleVerifier(timeout_s=10.0, num_workers=1) as v:
         yield v
