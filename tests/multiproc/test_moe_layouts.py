@@ -27,26 +27,14 @@ import json
 import pytest
 import torch
 
-from cooper_mcore.convert.hf import hf_to_mcore, stream_checkpoint_tensors
+from cooper_mcore.convert.hf import stream_checkpoint_tensors
 from cooper_mcore.models.arch import ArchSpec
-from cooper_mcore.models.tiny import save_tiny_hf_model
 from cooper_mcore.parallel import single_process_world
 from tests.conftest import torchrun
 
 pytestmark = pytest.mark.multiproc
 
 METRICS = ("policy_loss", "policy_grad_norm", "policy_aux", "rm_loss", "rm_grad_norm", "rm_aux")
-
-
-@pytest.fixture(scope="module")
-def moe_ckpts(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("moe")
-    out = []
-    for i, kind in enumerate(("causal_lm", "reward")):
-        hf = save_tiny_hf_model(str(root / f"{kind}-hf"), "qwen3_moe", kind, seed=10 + i, router_aux_loss_coef=0.01)
-        hf_to_mcore(hf, str(root / f"{kind}-mcore"))
-        out.append(str(root / f"{kind}-mcore"))
-    return out[0], out[1]
 
 
 def _run(ckpts: tuple[str, str], nproc: int, out, *layout: str) -> list[dict]:
