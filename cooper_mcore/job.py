@@ -220,8 +220,10 @@ def hold_run_folder(out: str, prepare: Callable[[], T] = _nothing, lock_file: st
         try:
             lock.acquire()
             outcome = [("ok", prepare())]
-        except Exception as e:
+        except BaseException as e:
             lock.release()
+            if not isinstance(e, Exception):  # Ctrl-C and the like: this process is going down
+                raise
             error, outcome = e, [("error", e)]
     try:
         dist.broadcast_object_list(outcome, src=0)

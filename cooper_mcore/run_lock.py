@@ -130,6 +130,7 @@ class RunLock:
         if self._real in RunLock._held_here:
             raise FolderInUse(f"{self.guards} is already used by this process (pid {os.getpid()}): one run at a time")
         os.makedirs(os.path.dirname(self._real), exist_ok=True)
+        self._stop = threading.Event()
         for _ in range(_ATTEMPTS):
             fd = os.open(self._real, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
@@ -227,7 +228,7 @@ class RunLock:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 os.utime(self._fd)  # type: ignore[arg-type]  # the descriptor: never a file that replaced it
-            except (OSError, TypeError):  # the folder gone, or released meanwhile: nothing to refresh
+            except OSError:  # the folder is gone: nothing to refresh
                 return
 
 
