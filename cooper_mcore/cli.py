@@ -231,6 +231,9 @@ def _add_trainer_commands(sub: Any) -> None:
                                                    "checkpoint folder; default: the preset's checkpoint.resume")
     tr.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a run, deleting its "
                                                              "metrics and checkpoints (checkpoint.overwrite=true)")
+    tr.add_argument("--allow-config-change", action="store_true",
+                    help="resume with settings that change what is trained, recorded as a new version of the run's "
+                         "config.yaml (checkpoint.allow_config_change=true)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule "
                                                  "(`cooper config` lists them)")
 

@@ -1,11 +1,19 @@
 """The skeleton every training job runs in (the Cooper loop, SFT, VerifyRM training).
 
 :func:`job` enters the job's distributed world (:func:`cooper_mcore.parallel.job_world`: what the
-caller has initialised is used, what is missing is set up and torn down on exit), opens the
-metrics log (:class:`~cooper_mcore.metrics.MetricsLogger`, rank 0 writes), the progress bar and the
-stop signal, and hands them over as one :class:`JobRoom`; the training-checkpoint room of the run
-folder (``<out>/checkpoints``: manifest, resume, pruning, :mod:`cooper_mcore.checkpoint.training`)
-is :attr:`JobRoom.ckpt_dir`, found by :func:`resume_path` and listed by :meth:`JobRoom.newest_checkpoint`.
+caller has initialised is used, what is missing is set up and torn down on exit), holds its run
+folder (:func:`hold_run_folder`), writes its config record (:mod:`cooper_mcore.config.versions`),
+then opens the metrics log (:class:`~cooper_mcore.metrics.MetricsLogger`, rank 0 writes), the
+progress bar and the stop signal (:func:`job_room`) and hands them over as one :class:`JobRoom`;
+the training-checkpoint room of the run folder (``<out>/checkpoints``: manifest, resume, pruning,
+:mod:`cooper_mcore.checkpoint.training`) is :attr:`JobRoom.ckpt_dir`, found by :func:`resume_path`
+and listed by :meth:`JobRoom.newest_checkpoint`. The Cooper loop, which clears, resumes and
+records its folder itself, takes the same steps one by one.
+
+A run folder belongs to one run: rank 0 takes the folder's lock (``<out>/run.lock``,
+:class:`cooper_mcore.run_lock.RunLock`) before anything is written there and keeps it until the
+job ends, and checks the folder holding it; the other ranks learn the outcome from it, so a
+refused job stops on every rank with the same one line (naming the run that holds the folder).
 
 Stop signals: SIGTERM (preemption), SIGUSR1 (a scheduler's early warning before its time limit)
 or a first Ctrl-C (SIGINT) is caught into a flag that the job checks at the end of each step
@@ -20,19 +28,22 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch.distributed as dist
 
 from cooper_mcore.checkpoint.training import complete_checkpoints, find_resume
 from cooper_mcore.collectives import any_rank
+from cooper_mcore.config.versions import RECORD_FILE, ConfigRecord, write_record
 from cooper_mcore.metrics import MetricsLogger, ProgressBar
 from cooper_mcore.parallel import ParallelConfig, job_world
+from cooper_mcore.run_lock import LOCK_FILE, RunLock
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXIT_NONFINITE = 3
 EXIT_CHECKPOINT_FAILED = 74  # sysexits' EX_IOERR: a checkpoint could not be written
@@ -179,12 +190,61 @@ class JobRoom:
         return TrainingStopped(f"{self.stop.describe()} after step {step}: {written}", EXIT_PREEMPTED, checkpoint)
 
 
+def _nothing() -> None:
+    return None
+
+
+@contextmanager
+def hold_run_folder(out: str, prepare: Callable[[], T] = _nothing, lock_file: str = "") -> Iterator[T]:
+    """Hold the run folder ``out`` for this job until the block ends (collective; the module doc).
+
+    Rank 0 takes the folder's lock and, holding it, runs ``prepare`` (the job's checks of the
+    folder, its clearing); every rank gets what ``prepare`` returned, or raises the error rank 0
+    met, so no rank waits for a refused one.
+
+    Args:
+        out: the job's output folder.
+        prepare: run on rank 0 with the lock held; its result must pickle (it is broadcast).
+        lock_file: the lock's file (default ``<out>/run.lock``; a job whose output must not exist
+            before it is complete locks a file beside it).
+
+    Raises:
+        cooper_mcore.run_lock.FolderInUse: another run holds the folder (one line naming it).
+        Exception: what ``prepare`` raised (on rank 0 with its traceback, elsewhere a copy).
+    """
+    lock = RunLock(lock_file or os.path.join(out, LOCK_FILE), guards=f"run folder {out!r}")
+    outcome: list[Any] = [None]
+    error: Optional[BaseException] = None
+    dist.barrier()  # every rank has made its own checks of the folder before rank 0 writes into it
+    if dist.get_rank() == 0:
+        try:
+            lock.acquire()
+            outcome = [("ok", prepare())]
+        except BaseException as e:
+            lock.release()
+            if not isinstance(e, Exception):  # Ctrl-C and the like: this process is going down
+                raise
+            error, outcome = e, [("error", e)]
+    try:
+        dist.broadcast_object_list(outcome, src=0)
+    except BaseException:
+        lock.release()
+        raise
+    kind, value = outcome[0]
+    if kind == "error":
+        raise error if error is not None else value
+    try:
+        yield value
+    finally:
+        lock.release()  # a no-op off rank 0
+
+
 @contextmanager
 def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None, seed: int = 1234,
-        start_step: int = 0, config: Optional[dict[str, Any]] = None, metrics_dir: Optional[str] = None,
-        write_metrics: bool = True, use_wandb: bool = False, wandb_project: str = "cooper_mcore",
-        run_name: Optional[str] = None) -> Iterator[JobRoom]:
-    """The world, metrics log, progress bar and stop signal of a training job (module doc).
+        config: Optional[dict[str, Any]] = None, metrics_dir: Optional[str] = None, write_metrics: bool = True,
+        use_wandb: bool = False, wandb_project: str = "cooper_mcore", run_name: Optional[str] = None,
+        check: Callable[[], object] = _nothing, lock_file: str = "") -> Iterator[JobRoom]:
+    """The world, run folder, metrics log, progress bar and stop signal of a training job (module doc).
 
     Args:
         out: the job's output folder (its checkpoint room is ``out/checkpoints``).
@@ -192,41 +252,61 @@ def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None
         parallel: the model-parallel layout of the world to set up where none is (None: the
             caller's world, which must be initialised).
         seed: megatron's RNG seed when the world is set up here.
-        start_step: steps already done (a resumed run).
-        config: the job's config, written beside the metrics (redacted) and sent to wandb.
+        config: the job's config: its record ``out/config.yaml`` (redacted; with ``write_metrics``)
+            and wandb's.
         metrics_dir: where ``metrics.jsonl`` goes (default ``out``).
-        write_metrics: False: no metrics file (the log is a no-op; a job whose output folder is
-            a model checkpoint written whole at the end).
+        write_metrics: False: no metrics file and no config record (the log is a no-op; a job
+            whose output folder is a model checkpoint written whole at the end).
         use_wandb / wandb_project / run_name: the wandb mirror of the metrics.
+        check: the job's check of its output folder, run on rank 0 holding the folder's lock
+            (:func:`hold_run_folder`; it raises to refuse).
+        lock_file: the folder lock's file (:func:`hold_run_folder`).
 
     Yields:
         The job's :class:`JobRoom`; on exit the stop handlers are restored, the bar and the log
-        closed and the world torn down where it was set up here.
+        closed, the folder released and the world torn down where it was set up here.
+
+    Raises:
+        cooper_mcore.run_lock.FolderInUse: another run holds the folder.
+        TrainingStopped: a second Ctrl-C in the body (``EXIT_INTERRUPTED``).
+    """
+    world = job_world(parallel, seed) if parallel is not None else _callers_world()
+    with world, hold_run_folder(out, check, lock_file):
+        if config is not None and write_metrics and dist.get_rank() == 0:
+            write_record(os.path.join(out, RECORD_FILE), ConfigRecord.start(config))
+        with job_room(out, total_steps, config=config, metrics_dir=metrics_dir, write_metrics=write_metrics,
+                      use_wandb=use_wandb, wandb_project=wandb_project, run_name=run_name) as room:
+            yield room
+
+
+@contextmanager
+def job_room(out: str, total_steps: int, *, start_step: int = 0, config: Optional[dict[str, Any]] = None,
+             metrics_dir: Optional[str] = None, write_metrics: bool = True, use_wandb: bool = False,
+             wandb_project: str = "cooper_mcore", run_name: Optional[str] = None) -> Iterator[JobRoom]:
+    """The metrics log, progress bar and stop signal of a job whose world and folder are held
+    (:func:`job`'s arguments; ``start_step``: steps already done, for a resumed run).
 
     Raises:
         TrainingStopped: a second Ctrl-C in the body (``EXIT_INTERRUPTED``).
     """
-    world = job_world(parallel, seed) if parallel is not None else _callers_world()
-    with world:
-        dist.barrier()  # every rank has checked its output folder before rank 0 writes into it
-        main = dist.get_rank() == 0
-        room = JobRoom(out, main, MetricsLogger(metrics_dir or out, run_name=run_name, config=config,
-                                                use_wandb=use_wandb and write_metrics, wandb_project=wandb_project,
-                                                is_main=main and write_metrics),
-                       ProgressBar(total_steps, start_step=start_step, enabled=main), StopSignal(), start_step)
-        try:
-            yield room
-        except KeyboardInterrupt:  # a second Ctrl-C (the first is a stop signal)
-            last = room.newest_checkpoint()
-            raise TrainingStopped(f"interrupted (Ctrl-C twice) with {room.step} steps done: stopped at once, the "
-                                  "steps since the newest complete checkpoint are lost; that checkpoint is "
-                                  f"{last or 'none (the run starts over)'}: "
-                                  "run the same command with --resume auto to continue from it",
-                                  EXIT_INTERRUPTED, last) from None
-        finally:
-            room.stop.restore()
-            room.progress.close()
-            room.metrics.close()
+    main = dist.get_rank() == 0
+    room = JobRoom(out, main, MetricsLogger(metrics_dir or out, run_name=run_name, config=config,
+                                            use_wandb=use_wandb and write_metrics, wandb_project=wandb_project,
+                                            is_main=main and write_metrics),
+                   ProgressBar(total_steps, start_step=start_step, enabled=main), StopSignal(), start_step)
+    try:
+        yield room
+    except KeyboardInterrupt:  # a second Ctrl-C (the first is a stop signal)
+        last = room.newest_checkpoint()
+        raise TrainingStopped(f"interrupted (Ctrl-C twice) with {room.step} steps done: stopped at once, the "
+                              "steps since the newest complete checkpoint are lost; that checkpoint is "
+                              f"{last or 'none (the run starts over)'}: "
+                              "run the same command with --resume auto to continue from it",
+                              EXIT_INTERRUPTED, last) from None
+    finally:
+        room.stop.restore()
+        room.progress.close()
+        room.metrics.close()
 
 
 @contextmanager

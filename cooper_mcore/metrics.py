@@ -55,7 +55,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "run_config.json"
 DEFAULT_PROGRESS_KEYS = (MetricKey.REWARD_MEAN, MetricKey.RULE_ACC, MetricKey.EVAL_ACC)
 
 
@@ -134,8 +133,9 @@ class MetricsLogger:
     Each line is ``{"step": N, <metric keys sorted>...}`` with float values, NaN/inf written
     as ``null``. Every line is flushed and fsync'd, so a killed run loses at most the line being
     written; a torn last line left by a crash is cut off when the file is reopened, so a resumed
-    run appends cleanly. The (redacted, see :func:`redact`) config goes to
-    ``<out_dir>/run_config.json`` and to the wandb run.
+    run appends cleanly. The (redacted, see :func:`redact`) config goes to the wandb run; the run
+    folder's record of it is ``config.yaml`` (:mod:`cooper_mcore.config.versions`). One writer per
+    file: the job's rank 0, which holds the run folder (:func:`cooper_mcore.job.hold_run_folder`).
 
     wandb runs in the mode :func:`resolve_wandb_mode` picks, with console capture off. A failure
     to start wandb, or to log to it, logs a warning and the run continues without wandb. On ranks
@@ -176,8 +176,6 @@ class MetricsLogger:
             return
         os.makedirs(out_dir, exist_ok=True)
         self._file = JsonlWriter(self.path)
-        if config is not None:
-            write_json_atomic(os.path.join(out_dir, CONFIG_FILE), self.config)
         if self.wandb_mode != "disabled":
             self._run = self._init_wandb(run_name, wandb_project, dict(wandb_init_kwargs or {}))
 

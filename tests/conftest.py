@@ -49,6 +49,19 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> str:
     return r.stdout
 
 
+_HOLD_LOCK = ("import sys, time\nfrom cooper_mcore.run_lock import RunLock\n"
+              "RunLock(sys.argv[1], 'x').acquire()\nprint('held', flush=True)\ntime.sleep(600)\n")
+
+
+def hold_lock(path: str) -> subprocess.Popen:
+    """Another process holding the run-folder lock file ``path`` (:mod:`cooper_mcore.run_lock`) until it is
+    killed (the caller kills it)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, path], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
 def last_json(stdout: str):
     """The last line of a worker's output that is a JSON document."""
     for line in reversed(stdout.strip().splitlines()):

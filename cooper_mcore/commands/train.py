@@ -20,6 +20,8 @@ def train(args: argparse.Namespace) -> None:
         cfg.checkpoint.resume = args.resume
     if args.overwrite:
         cfg.checkpoint.overwrite = True
+    if args.allow_config_change:
+        cfg.checkpoint.allow_config_change = True
     check_output_folder(cfg.out)
     train_run(cfg)
 

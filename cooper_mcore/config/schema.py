@@ -33,6 +33,7 @@ from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
 from cooper_mcore.algo.vocab import DEFAULT_CHUNK_TOKENS
 from cooper_mcore.config.presets import resolve_preset
+from cooper_mcore.config.versions import newest_config
 from cooper_mcore.negatives.assistant import AssistantPrompt
 from cooper_mcore.negatives.rewrites import RewriteForms
 from cooper_mcore.parallel import ParallelConfig
@@ -366,6 +367,9 @@ class CheckpointConfig:
     """none, auto (the newest checkpoint that verifies) or a checkpoint folder."""
     overwrite: bool = False
     """Start over in an out folder that holds a run, deleting its metrics and checkpoints (default: refuse)."""
+    allow_config_change: bool = False
+    """Resume with settings that change what is trained (reward, models, data, algorithm...), recorded as a new
+    version in config.yaml (default: refuse, listing them)."""
 
 
 @dataclass
@@ -627,7 +631,8 @@ def dotted(settings: Mapping[str, Any]) -> list[str]:
 
 def _read_preset(path: str) -> dict[str, Any]:
     """A YAML preset's top-level mapping of sections; ``path`` may name a shipped preset
-    (:func:`cooper_mcore.config.presets.resolve_preset`).
+    (:func:`cooper_mcore.config.presets.resolve_preset`) or a run folder's ``config.yaml`` (its newest
+    version, :func:`cooper_mcore.config.versions.newest_config`).
 
     Raises:
         FileNotFoundError / IsADirectoryError: no such file or shipped preset; a folder.
@@ -638,7 +643,7 @@ def _read_preset(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     try:
-        tree = OmegaConf.to_container(OmegaConf.load(path))
+        tree = newest_config(OmegaConf.to_container(OmegaConf.load(path)))
     except yaml.YAMLError as e:
         raise ValueError(f"preset {path}: {_yaml_problem(e, path)}") from None
     except UnicodeDecodeError as e:

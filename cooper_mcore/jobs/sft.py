@@ -14,7 +14,7 @@ checkpoint's tokenizer files in ``hf_extra/``), under a temporary name renamed w
 The job's settings are an :class:`~cooper_mcore.config.schema.SFTConfig` (``cooper sft --config PRESET``
 builds the examples from its ``data`` section); it runs in the job skeleton
 (:func:`cooper_mcore.job.job`: world, progress bar, stop signal; no metrics file, its output folder
-is the checkpoint).
+is the checkpoint, locked through ``<out>.lock`` beside it while the job runs).
 
 :func:`math_sft_examples` builds SFT pairs for :mod:`cooper_mcore.data.mathgen`: the prompt is
 the templated question tokenised as the trainer and ``cooper eval`` tokenise prompts, the
@@ -238,7 +238,9 @@ def sft(cfg: SFTConfig, examples: Sequence[Example]) -> dict[str, Any]:
     """
     t, o = cfg.train, cfg.optim
     arch, hf_config, dtype = check_sft(cfg, examples)
-    with job(cfg.out, t.steps, parallel=cfg.parallel, seed=t.seed, write_metrics=False) as room:
+    # the output is renamed into place when complete: the lock is a file beside it, the check made again holding it
+    with job(cfg.out, t.steps, parallel=cfg.parallel, seed=t.seed, write_metrics=False,
+             check=lambda: _check_out_free(cfg.out), lock_file=os.path.abspath(cfg.out) + ".lock") as room:
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         assert t.global_batch_size % (t.micro_batch_size * dp) == 0, "validate() checks the batch against dp"
         model, arch = load_checkpoint_model(cfg.ckpt, cfg.parallel)
@@ -268,8 +270,7 @@ def check_sft(cfg: SFTConfig, examples: Sequence[Example]) -> tuple[Any, dict[st
     bad = next((i for i, (p, r) in enumerate(examples) if not p or not r), None)
     if bad is not None:
         raise ValueError(f"sft: example {bad} has an empty prompt or response")
-    if os.path.exists(cfg.out):
-        raise FileExistsError(f"output {cfg.out!r} already exists; remove it or choose another path")
+    _check_out_free(cfg.out)
     arch, hf_config, dtype = read_meta(cfg.ckpt)
     if arch.model_type != "causal_lm":
         raise ValueError(f"sft needs a causal-LM checkpoint; {cfg.ckpt!r} is a {arch.model_type} model")
@@ -280,6 +281,12 @@ def check_sft(cfg: SFTConfig, examples: Sequence[Example]) -> tuple[Any, dict[st
         raise ValueError(f"sft: an example has {longest} tokens, more than the model's "
                          f"max_position_embeddings={arch.max_position_embeddings}")
     return arch, hf_config, dtype
+
+
+def _check_out_free(out: str) -> None:
+    """Raise FileExistsError when the output checkpoint ``out`` exists."""
+    if os.path.exists(out):
+        raise FileExistsError(f"output {out!r} already exists; remove it or choose another path")
 
 
 def _batches(examples: Sequence[Example], stream: Iterator[list[int]]) -> Iterator[list[Example]]:

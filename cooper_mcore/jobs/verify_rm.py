@@ -33,7 +33,7 @@ evaluation was best (:func:`gate_score`), not the last. The job
 (:class:`~cooper_mcore.config.schema.VerifyRMConfig`) runs in the job skeleton
 (:func:`cooper_mcore.job.job`); its ``out`` receives ``metrics.jsonl`` (one line per
 training step, the ``rm_train/*`` keys, and one per evaluation, the ``rm_eval/*`` keys, of
-:mod:`cooper_mcore.metric_names`), ``run_config.json``, model checkpoints
+:mod:`cooper_mcore.metric_names`), ``config.yaml`` (its settings), model checkpoints
 (``checkpoints/step_NNNNNN`` every ``train.save_every`` steps and ``final``; each written under a
 temporary name and renamed when complete, with the tokenizer in ``hf_extra/``) and
 ``summary.json``. Optimizer states are not saved: a checkpoint is a model, not a resumable run.
@@ -66,6 +66,7 @@ from cooper_mcore.job import JobRoom, job
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import write_json_atomic
 from cooper_mcore.parallel import ParallelConfig, job_world, launched_world_size
+from cooper_mcore.run_lock import LOCK_FILE
 from cooper_mcore.train.reward_model import (
     bce_train_step,
     pad_token_lists,
@@ -290,7 +291,8 @@ def train_rm(cfg: VerifyRMConfig) -> dict[str, Any]:
                                       skip_malformed=d.skip_malformed)
     evals = read_eval_examples(d.eval_path, d.eval_format, d.skip_malformed)[0] if d.eval_path else None
     steps_per_epoch = -(-len(train) // t.global_batch_size)
-    with job(cfg.out, t.epochs * steps_per_epoch, parallel=cfg.parallel, seed=t.seed, config=to_dict(cfg)) as room:
+    with job(cfg.out, t.epochs * steps_per_epoch, parallel=cfg.parallel, seed=t.seed, config=to_dict(cfg),
+             check=lambda: _check_out_empty(cfg.out)) as room:  # checked again holding the folder's lock
         run = _setup_rm_run(cfg, room, train, evals)
         logger.info("train-rm: %d rows (%d skipped), %d epochs x %d steps, global batch %d, dp %d",
                     len(train), skipped, t.epochs, steps_per_epoch, t.global_batch_size, run.dp)
@@ -370,8 +372,13 @@ def check_train_rm(cfg: VerifyRMConfig) -> None:
         FileExistsError: ``cfg.out`` exists and is not empty.
     """
     validate(cfg, launched_world_size())
-    if os.path.isdir(cfg.out) and os.listdir(cfg.out):
-        raise FileExistsError(f"out_dir {cfg.out!r} exists and is not empty")
+    _check_out_empty(cfg.out)
+
+
+def _check_out_empty(out: str) -> None:
+    """Raise FileExistsError when the folder ``out`` holds anything but a run's lock file."""
+    if os.path.isdir(out) and set(os.listdir(out)) - {LOCK_FILE}:
+        raise FileExistsError(f"out_dir {out!r} exists and is not empty")
 
 
 @dataclass

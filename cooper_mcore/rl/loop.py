@@ -18,10 +18,11 @@ step whose policy or RM update is skipped for a non-finite loss or gradient norm
 (``skipped/nonfinite``); after ``train.max_nonfinite_steps`` such steps in a row a checkpoint is
 written and :class:`TrainingStopped` is raised with ``EXIT_NONFINITE`` (3).
 
-A run folder (``out``) that already holds a run (a ``metrics.jsonl`` with lines, or anything in
-``checkpoints/``) is continued only with ``checkpoint.resume: auto`` (or a checkpoint of its own);
-otherwise the run is refused before any work (:func:`check_run_folder`), unless
-``checkpoint.overwrite: true``, which deletes that run's files first (:data:`RUN_FILES`).
+A run folder belongs to one run: rank 0 holds its lock for the whole run
+(:func:`cooper_mcore.job.hold_run_folder`), and a run starts or continues there only as
+:mod:`cooper_mcore.rl.run_folder` allows (a folder holding another run is refused unless resumed or
+overwritten; a resume whose settings change what is trained is refused unless allowed, and
+becomes a new version of the folder's ``config.yaml``).
 
 The world, metrics log, progress bar, stop signal and checkpoint room are the job skeleton's
 (:func:`cooper_mcore.job.job`), shared with SFT and VerifyRM training.
@@ -32,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
 from typing import Optional
 
 import numpy as np
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cooper_mcore.checkpoint.training import CheckpointWriteError, load_training_checkpoint, save_training_checkpoint
-from cooper_mcore.config.schema import CooperConfig, save_config, to_dict
+from cooper_mcore.config.schema import CooperConfig, to_dict
 from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.job import (
     CHECKPOINTS_DIR,
@@ -48,107 +48,43 @@ from cooper_mcore.job import (
     EXIT_NONFINITE,
     JobRoom,
     TrainingStopped,
-    job,
+    hold_run_folder,
+    job_room,
     resume_path,
 )
 from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
 from cooper_mcore.metric_names import MetricKey as K
-from cooper_mcore.metrics import CONFIG_FILE, METRICS_FILE, cuda_peak_memory, reduce_metrics
+from cooper_mcore.metrics import cuda_peak_memory, reduce_metrics
 from cooper_mcore.parallel import owned_world
 from cooper_mcore.rl.results import StepResult
-from cooper_mcore.rl.rollouts import EVAL_SAMPLES_DIR, eval_samples_path, evaluate
-from cooper_mcore.rl.setup import Run, build_run
+from cooper_mcore.rl.rollouts import eval_samples_path, evaluate
+from cooper_mcore.rl.run_folder import check_run_folder, open_run_folder, record_config
+from cooper_mcore.rl.setup import Run, assemble_run, start_world
 from cooper_mcore.rl.step import cooper_step
 from cooper_mcore.rollout.base import RolloutEngine
 from cooper_mcore.train.faults import FaultPhaseTimer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RUN_FILES", "check_run_folder", "clear_run_folder", "restore", "train"]
-
-#: what a run writes into its folder (deleted by ``checkpoint.overwrite``; nothing else is touched)
-RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "config.yaml", CONFIG_FILE, "wandb", EVAL_SAMPLES_DIR)
+__all__ = ["restore", "run_steps", "train"]
 
 
-def _run_history(out: str) -> list[str]:
-    """What in the run folder ``out`` shows that a run was there (empty: nothing to lose)."""
-    found = []
-    metrics = os.path.join(out, METRICS_FILE)
-    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
-        found.append(METRICS_FILE)
-    ckpts = os.path.join(out, CHECKPOINTS_DIR)
-    if os.path.isdir(ckpts) and os.listdir(ckpts):
-        found.append(f"{CHECKPOINTS_DIR}/")
-    return found
-
-
-def _inside(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return os.path.commonpath([path, folder]) == folder
-
-
-def check_run_folder(out: str, resume: str, overwrite: bool) -> bool:
-    """Refuse to start a run in a folder that holds another one (before any work; every rank
-    checks the same shared folder before the world is built, so none writes before all checked).
-
-    A run in ``out`` is continued by ``resume="auto"`` or by a checkpoint under
-    ``out/checkpoints``; ``resume="none"`` or another run's checkpoint would replace its
-    checkpoints and append a second history to its ``metrics.jsonl``.
-
-    Returns:
-        Whether the folder's previous run must be deleted first (``overwrite`` and there is one).
-
-    Raises:
-        FileExistsError: ``out`` holds a run that this one would not continue, and not ``overwrite``.
-        ValueError: ``overwrite`` with ``resume`` naming a checkpoint inside ``out`` (it would be deleted).
-    """
-    history = _run_history(out)
-    if not history:
-        return False
-    if overwrite:
-        if resume not in ("none", "auto") and _inside(resume, out):
-            raise ValueError(f"checkpoint.overwrite=true deletes the run in {out!r}, including the checkpoint "
-                             f"{resume!r} to resume from: resume from it without overwrite, or copy it elsewhere")
-        return True
-    if resume == "auto" or (resume != "none" and _inside(resume, os.path.join(out, CHECKPOINTS_DIR))):
-        return False
-    raise FileExistsError(f"run folder {out!r} already holds a run ({', '.join(history)}); checkpoint.resume="
-                          f"{resume} would replace its checkpoints and mix two histories in its metrics: use --resume "
-                          "auto to continue it, another --out, or --overwrite (checkpoint.overwrite=true) to start "
-                          "over (its metrics and checkpoints are deleted)")
-
-
-def clear_run_folder(out: str) -> None:
-    """Delete what a previous run wrote into ``out`` (:data:`RUN_FILES`; nothing else)."""
-    gone = []
-    for name in RUN_FILES:
-        path = os.path.join(out, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        elif os.path.lexists(path):
-            os.remove(path)
-        else:
-            continue
-        gone.append(name)
-    logger.warning("checkpoint.overwrite=true: deleted the previous run's %s in %s", ", ".join(gone), out)
-
-
-@owned_world()  # the world build_run makes is destroyed on exit: an in-process run leaves none behind
+@owned_world()  # the world start_world makes is destroyed on exit: an in-process run leaves none behind
 def train(cfg: CooperConfig) -> dict[str, float]:
     """Run (or resume) a Cooper training job; return the last step's metrics (see the module doc)."""
-    clear = check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.checkpoint.overwrite)
-    run = build_run(cfg)
-    if clear:
-        if dist.get_rank() == 0:
-            clear_run_folder(cfg.out)
-        dist.barrier()  # cleared before any rank reads or writes the folder
-    streak = restore(run, resume_path(os.path.join(cfg.out, CHECKPOINTS_DIR), cfg.checkpoint.resume))
-    if dist.get_rank() == 0:
-        save_config(cfg, os.path.join(cfg.out, "config.yaml"))
-    with job(cfg.out, cfg.train.steps, start_step=run.step, config=to_dict(cfg), use_wandb=cfg.logging.wandb,
-             wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name or None) as room:
+    check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.checkpoint.overwrite)  # every rank, before any work
+    start_world(cfg)
+    with hold_run_folder(cfg.out, lambda: open_run_folder(cfg)) as start:  # checked again, cleared, compared
+        checkpoint = resume_path(os.path.join(cfg.out, CHECKPOINTS_DIR), cfg.checkpoint.resume)
+        run = assemble_run(cfg)
         try:
-            return run_steps(run, room, streak)
+            streak = restore(run, checkpoint)
+            if dist.get_rank() == 0:
+                record_config(cfg, start, run.step)
+            with job_room(cfg.out, cfg.train.steps, start_step=run.step, config=to_dict(cfg),
+                          use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
+                          run_name=cfg.logging.run_name or None) as room:
+                return run_steps(run, room, streak)
         finally:
             run.close()
 

@@ -332,14 +332,23 @@ def build_models(cfg: CooperConfig, tokenizer) -> tuple[ModelState, Optional[Mod
     return policy, load_model("rm", m.rm_ckpt, cfg, rm_tokenizer, rm_optim, cfg.train.steps)
 
 
-def build_run(cfg: CooperConfig) -> Run:
-    """Initialise the distributed world and build the run (collective)."""
+def start_world(cfg: CooperConfig) -> None:
+    """Check the config, then initialise the distributed world (collective)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world)  # before anything is loaded or any process group is made
     init_distributed(cfg.parallel, seed=cfg.train.seed)
     if dist.get_world_size() != world:  # a launcher without WORLD_SIZE: check the real layout
         validate(cfg, dist.get_world_size())
 
+
+def build_run(cfg: CooperConfig) -> Run:
+    """Initialise the distributed world and build the run (collective)."""
+    start_world(cfg)
+    return assemble_run(cfg)
+
+
+def assemble_run(cfg: CooperConfig) -> Run:
+    """Build the run in the world :func:`start_world` made: models, engine, verifier, data (collective)."""
     tokenizer = load_tokenizer(cfg.model.policy_hf, trust_remote_code=cfg.model.trust_remote_code)
     policy, rm = build_models(cfg, tokenizer)
     if cfg.model.moe_routing_replay:  # the policy's routers only, never the reward model's

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from cooper_mcore.job import EXIT_PREEMPTED
+from cooper_mcore.run_lock import LOCK_FILE
 from cooper_mcore.train.faults import FAULT_ENV, format_fault
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class TrialResult:
     killed: bool = False  # the fault took effect (SIGKILL death; SIGTERM: exit 75; corrupt: detected)
     resumed: bool = False  # the restart with --resume auto exited 0
     resumed_from_step: Optional[int] = None  # None: no checkpoint yet, it started over
+    lock_left: bool = False  # the killed run left its lock file (its record), which the restart took over
     bitwise_equal: bool = False
     seconds: float = 0.0
     error: str = ""
@@ -350,6 +352,7 @@ def _run_trial(trial: Trial, assets: dict[str, str], out: str, reference: str, s
             res.killed = rc == -signal.SIGKILL
         if not res.killed:
             res.error = f"the faulty run ended with {rc}: {_tail(out + '.faulty.log')}"
+        res.lock_left = os.path.isfile(os.path.join(out, LOCK_FILE))
     log = out + ".resumed.log"
     rc = run_forked(_cli(args), log)
     text = open(log, errors="replace").read()
@@ -358,6 +361,7 @@ def _run_trial(trial: Trial, assets: dict[str, str], out: str, reference: str, s
         if not res.killed:
             res.error = "the damaged checkpoint was not reported"
     res.resumed = rc == 0
+    res.lock_left = res.lock_left and "taking over from a run that is gone" in text
     if not res.resumed:
         res.error += f" the resumed run failed ({rc}): {_tail(log)}"
     found = _RESUMED_RE.search(text)

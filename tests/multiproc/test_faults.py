@@ -1,6 +1,7 @@
-"""Faults on a tiny CPU Cooper run (tests.harness.fault_trials): SIGKILL at seeded moments,
-SIGTERM (checkpoint, exit 75) and a corrupt newest checkpoint (the previous one is used), each
-followed by ``--resume auto`` and compared bitwise with an uninterrupted run; non-finite losses
+"""Faults on a tiny CPU Cooper run (tests.harness.fault_trials): SIGKILL at seeded moments (the
+killed run's stale folder lock taken over by the restart), SIGTERM (checkpoint, exit 75) and a
+corrupt newest checkpoint (the previous one is used), each followed by ``--resume auto`` and
+compared bitwise with an uninterrupted run; non-finite losses
 (skipped updates, then a checkpoint and exit 3)."""
 
 import json
@@ -55,6 +56,8 @@ def test_sigkill_anywhere_then_resume_is_bitwise_identical(trials):
     assert any(p.startswith("ckpt_") for p in points)
     assert all(t["killed"] for t in kills), [t["error"] for t in kills]  # every run really died of SIGKILL
     assert all(t["resumed"] and t["bitwise_equal"] for t in kills), [t["error"] for t in kills]
+    # the killed run's folder lock stayed behind, and the restart took it over (the kernel had released it)
+    assert all(t["lock_left"] for t in kills), [t["trial"] for t in kills if not t["lock_left"]]
     assert s["policy_moved"] and s["rm_moved"]  # both models were trained, so equality means something
     assert any(t["resumed_from_step"] for t in kills)  # some restarts did load a checkpoint
 

@@ -10,23 +10,29 @@ subprocesses, each in its own session (a Ctrl-C goes to its process group only, 
   writer processes and leaves nothing running; ``--resume auto`` then continues;
 * prompts too long for the policy's context are skipped and counted (``data/skipped_too_long``);
 * a collective that one rank never joins ends at the timeout with one line naming the rank, the
-  call and the group.
+  call and the group;
+* a run folder belongs to one run: a second run on the same ``--out`` is refused with one line naming
+  the first (every rank of a torchrun job, none left waiting), whose metrics stay its own; a resume
+  that changes what is trained is refused naming the keys, and allowed as a new config version.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, _free_port, last_json
+from tests.conftest import ROOT, WORKERS, _free_port, hold_lock, last_json
 
 pytestmark = pytest.mark.multiproc
 ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
@@ -226,3 +232,83 @@ def test_a_collective_timeout_is_one_line_naming_rank_call_and_group(tmp_path):
                            "cooper_mcore/collectives.py"), line
     assert "(any_rank)" in line and "parallel.timeout_minutes" in line and "Timed out waiting 5000ms" in line
     assert "unexpected error" not in r.stderr
+
+
+# --------------------------------------------------------------------------- one run per folder
+
+
+def _wait_for_holder(lock, proc, timeout=300):
+    """Wait until ``proc`` has written itself into the lock file ``lock``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads(open(lock).read())["pid"] == proc.pid:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{lock} never named pid {proc.pid}:\n{open(proc.log_path).read()[-3000:]}")
+
+
+def _error_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_run_folder_belongs_to_one_run_and_a_resume_is_the_run_it_resumes(assets, tmp_path, caplog):
+    """Measured before the lock: two runs 2 s apart on one --out, the first ended with the second's rows in
+    its metrics (steps 1, 1, 2), the second died on the first's half-written checkpoint (exit 74); a resume
+    with reward.mode=rule continued silently and rewrote config.yaml as a rule run."""
+    from cooper_mcore.cli import main as cli_main
+    from cooper_mcore.config.versions import read_record
+
+    out = tmp_path / "run"
+    first = _start(assets, out, "train.steps=2", "checkpoint.every=1")
+    try:
+        _wait_for_holder(out / "run.lock", first)
+        with caplog.at_level(logging.ERROR):  # the same job again (as a requeue would: --resume auto), in-process
+            assert cli_main(_args(assets, out, "train.steps=2", "checkpoint.every=1", "checkpoint.resume=auto")) == 2
+        rc = first.wait(timeout=600)
+    finally:
+        _kill_group(first)
+    assert rc == 0, open(first.log_path).read()[-3000:]
+    (line,) = _error_lines(caplog)
+    assert line.startswith(f"run folder '{out}' is in use by another run: pid {first.pid} on host "
+                           f"{socket.gethostname()} since "), line
+    assert _steps(out) == [1, 2] and sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
+    record = (out / "config.yaml").read_text()
+
+    caplog.clear()
+    resume = ("train.steps=3", "checkpoint.every=1", "checkpoint.resume=auto", "reward.mode=rule")
+    assert cli_main(_args(assets, out, *resume)) == 2
+    (line,) = _error_lines(caplog)
+    assert 'differ in what it trains: reward.mode: "cooper" -> "rule". ' in line and "--allow-config-change" in line
+    assert _steps(out) == [1, 2] and (out / "config.yaml").read_text() == record  # nothing written
+
+    assert cli_main([*_args(assets, out, *resume), "--allow-config-change"]) == 0
+    assert _steps(out) == [1, 2, 3]
+    versions = read_record(str(out / "config.yaml")).versions
+    assert [(v.version, v.step, v.allowed) for v in versions] == [(1, 0, False), (2, 2, True)]
+    assert versions[1].changed == ['reward.mode: "cooper" -> "rule"', "train.steps: 2 -> 3"]
+    assert versions[0].config["reward"]["mode"] == "cooper" and versions[1].config["reward"]["mode"] == "rule"
+    assert not (out / "run.lock").exists()
+
+
+def test_every_rank_of_a_refused_torchrun_job_stops_with_the_holders_line(assets, tmp_path):
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    holder = hold_lock(str(out / "run.lock"))
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               "--log-dir", str(logs), "--redirects", "3", "-m", "cooper_mcore",
+               *_args(assets, out, "train.prompts_per_step=4")]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode != 0
+    ranks = sorted(glob.glob(str(logs / "**" / "stderr.log"), recursive=True))
+    assert len(ranks) == 2, r.stderr[-3000:]
+    for path in ranks:  # rank 0 met the lock; rank 1 learned it from rank 0 instead of waiting for it
+        text = open(path).read()
+        assert f"run folder '{out}' is in use by another run: pid {holder.pid} on host" in text, text[-3000:]
+        assert "Traceback" not in text and "timed out" not in text
+    assert os.listdir(out) == ["run.lock"]  # nothing written

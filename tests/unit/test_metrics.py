@@ -140,13 +140,11 @@ def test_non_main_rank_is_a_noop(tmp_path, no_wandb_creds, monkeypatch):
     assert not out.exists()
 
 
-def test_config_written_redacted(tmp_path):
-    with MetricsLogger(str(tmp_path), config={"openai_api_key": SECRET, "nested": {"token": SECRET}, "lr": 0.1},
-                       use_wandb=False):
-        pass
-    text = (tmp_path / "run_config.json").read_text()
-    assert SECRET not in text
-    assert json.loads(text) == {"openai_api_key": REDACTED, "nested": {"token": REDACTED}, "lr": 0.1}
+def test_config_kept_redacted_and_written_once(tmp_path):
+    config = {"openai_api_key": SECRET, "nested": {"token": SECRET}, "lr": 0.1}
+    with MetricsLogger(str(tmp_path), config=config, use_wandb=False) as log:
+        assert log.config == {"openai_api_key": REDACTED, "nested": {"token": REDACTED}, "lr": 0.1}  # wandb's
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]  # the run folder's record of it is config.yaml, the job's
 
 
 def test_read_metrics_tolerates_truncated_last_line_only(tmp_path):

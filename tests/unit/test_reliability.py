@@ -230,7 +230,7 @@ def _finished_run(out):
 
 
 def test_a_run_folder_with_a_run_is_continued_or_refused_never_mixed(tmp_path):
-    from cooper_mcore.rl.loop import check_run_folder, clear_run_folder
+    from cooper_mcore.rl.run_folder import check_run_folder, clear_run_folder
 
     out = tmp_path / "run"
     assert check_run_folder(str(out), "none", False) is False  # no folder yet

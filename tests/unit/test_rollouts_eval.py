@@ -130,7 +130,8 @@ class FakeRun:
 
 
 def test_run_evaluation_logs_the_rule_beside_the_oracle(world, verifier, tmp_path):
-    from cooper_mcore.rl.loop import RUN_FILES, run_evaluation
+    from cooper_mcore.rl.loop import run_evaluation
+    from cooper_mcore.rl.run_folder import RUN_FILES
 
     run = FakeRun(str(tmp_path), verifier, ArithmeticOracle(), "eval.verifier=arithmetic_oracle",
                   "eval.save_samples=true")

@@ -5,7 +5,7 @@
 * ``trust_remote_code`` is off unless asked: every transformers ``from_pretrained`` call passes
   it explicitly, the config default is False, and a tokenizer folder that ships Python code does
   not get it run.
-* API keys come from the environment and never reach the saved ``config.yaml``, ``run_config.json``,
+* API keys come from the environment and never reach the saved ``config.yaml`` (the run's record),
   ``metrics.jsonl``, the wandb offline files or the log output, even when one is pasted into a
   config setting by mistake.
 """
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from cooper_mcore.config.schema import load_config, save_config, to_dict
+from cooper_mcore.config.schema import load_config, to_dict
+from cooper_mcore.config.versions import ConfigRecord, write_record
 from cooper_mcore.redaction import SecretFilter, install_log_filter, looks_secret, scrub, secret_values
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,8 +156,8 @@ def _all_bytes(root: Path) -> bytes:
 
 
 def test_key_in_env_and_in_a_config_field_reaches_no_file_or_log(tmp_path, monkeypatch, caplog):
-    """The run's files: config.yaml (save_config), run_config.json + metrics.jsonl + wandb offline
-    files (MetricsLogger), and the log output; the key is in the environment and, by mistake, in
+    """The run's files: config.yaml (the run's config record), metrics.jsonl + wandb offline files
+    (MetricsLogger), and the log output; the key is in the environment and, by mistake, in
     ``rm.api_key_env`` and a URL."""
     import wandb
 
@@ -172,7 +173,7 @@ def test_key_in_env_and_in_a_config_field_reaches_no_file_or_log(tmp_path, monke
     cfg = load_config(None, [f"rm.api_key_env={SECRET}", f"rm.assistant_url=http://host:1/?api_key={SECRET}",
                              "logging.run_name=probe"])
     out = tmp_path / "run"
-    save_config(cfg, str(out / "config.yaml"))
+    write_record(str(out / "config.yaml"), ConfigRecord.start(to_dict(cfg)))
     saved = load_config(str(out / "config.yaml"))  # still a loadable config
     assert saved.rm.api_key_env == "***" and saved.rm.assistant_url == "http://host:1/?api_key=***"
     filt = install_log_filter([cfg.rm.api_key_env])
@@ -194,7 +195,7 @@ def test_key_in_env_and_in_a_config_field_reaches_no_file_or_log(tmp_path, monke
     while time.monotonic() < deadline and b"reward/mean" not in _all_bytes(runs[0]):
         time.sleep(0.05)
     files = {p.name for p in out.iterdir()}
-    assert {"config.yaml", "run_config.json", "metrics.jsonl", "wandb"} <= files
+    assert {"config.yaml", "metrics.jsonl", "wandb"} <= files
     assert b"reward/mean" in b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
     assert SECRET.encode() not in _all_bytes(out)
     assert "assistant at http://host:1/?api_key=*** failed" in caplog.text and SECRET not in caplog.text
