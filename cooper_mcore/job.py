@@ -34,6 +34,7 @@ from cooper_mcore.parallel import ParallelConfig, job_world
 
 logger = logging.getLogger(__name__)
 
+EXIT_NO_SIGNAL = 2  # the data gives the run nothing to learn from: the user's to fix (the CLI's user-error code)
 EXIT_NONFINITE = 3
 EXIT_CHECKPOINT_FAILED = 74  # sysexits' EX_IOERR: a checkpoint could not be written
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, run the same command again
