@@ -45,6 +45,7 @@ from cooper_mcore.run_lock import LOCK_FILE, RunLock
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+EXIT_NO_SIGNAL = 2  # the data gives the run nothing to learn from: the user's to fix (the CLI's user-error code)
 EXIT_NONFINITE = 3
 EXIT_CHECKPOINT_FAILED = 74  # sysexits' EX_IOERR: a checkpoint could not be written
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, run the same command again

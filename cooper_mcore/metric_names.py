@@ -87,11 +87,14 @@ class MetricKey:
                           "the policy's reward: the rule's 0/1 (rule) or the reward model's (static_rm, cooper)")
     RULE_ACC = _define("rule/acc", "rollouts", _EVERY, "share of the rollouts math-verify marks correct")
     RULE_UNVERIFIABLE = _define("rule/unverifiable", "rollouts", _EVERY,
-                                "share of the rollouts math-verify could not verify")
+                                "share of the rollouts math-verify could not verify; `train.max_steps_without_signal` "
+                                "steps in a row at 1 stop a rule or cooper run (exit code 2)")
     RULE_GOLD_UNREADABLE = _define("rule/gold_unreadable", "rollouts", _EVERY,
                                    "share of the step's prompts whose reference answer math-verify cannot read as a "
-                                   "value: their rollouts are unverifiable (no positive, no negative; rule reward "
-                                   "`reward.unverifiable_reward`)")
+                                   "value (counted when one of their rollouts is unverifiable for it): those rollouts "
+                                   "are unverifiable (no positive, no negative; rule reward "
+                                   "`reward.unverifiable_reward`); one math-verify matches with the reference as "
+                                   "written (the same string) is right")
     REWARD_RULE_GAP = _define("reward_rule_gap", "rollouts", _EVERY,
                               "`reward/mean - rule/acc` (`hacking_detector.reward_rule_gap`); it grows "
                               "when the policy hacks the reward model")

@@ -79,6 +79,12 @@ class RewardMode(str, Enum):
         """Whether the reward model is updated during the run."""
         return self is RewardMode.cooper
 
+    @property
+    def rule_trains(self) -> bool:
+        """Whether the rule verifier's verdicts train the run: the reward (rule) or the reward model's positives
+        (cooper); static_rm's frozen reward model needs none."""
+        return self is not RewardMode.static_rm
+
 
 @dataclass
 class ModelConfig:
@@ -326,6 +332,9 @@ class TrainConfig:
     """Stop (checkpoint, exit code 3) after this many steps in a row with a skipped non-finite update (0: never)."""
     max_steps_without_pairs: int = 5
     """Warn loudly when this many cooper steps in a row formed no valid RM pair (0: never)."""
+    max_steps_without_signal: int = 5
+    """Stop (checkpoint, exit code 2) after this many steps in a row without a rule verdict on any rollout, in the
+    modes the rule trains (rule: the reward; cooper: the RM's positives), e.g. unreadable references (0: never)."""
 
 
 @dataclass

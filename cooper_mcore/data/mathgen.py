@@ -36,6 +36,8 @@ STYLES = ("boxed", "gsm8k", "boxed_period")
 #: the final answers :func:`answer_value` reads: ``\\boxed{-31}`` and ``\\boxed{-31.}`` (the
 #: ``boxed_period`` style, a form math-verify does not read as a number)
 _FINAL_BOXED = re.compile(r"\\boxed\{(-?\d+)(\.?)\}")
+#: a reference the rule verifier cannot read (:func:`unreadable_reference`)
+_UNREADABLE_REFERENCE = re.compile(r"\\text\{(-?\d+)\.\}")
 
 
 @dataclass(frozen=True)
@@ -202,14 +204,22 @@ def answer_value(completion: str) -> Optional[int]:
     return int(found[-1][0]) if found else None
 
 
+def unreadable_reference(answer: int) -> str:
+    """A reference answer the rule verifier cannot read, ``\\text{-31.}``: math-verify reads it as a name
+    (``-31.``), not a number, and matches it only with the same text, which no completion of the task writes
+    (its answers are ``\\boxed{}``, never ``\\text{}``); a ``\\boxed{-31.}`` reference would be matched by
+    the same string, which the ``boxed_period`` style writes."""
+    return "\\text{" + str(answer) + ".}"
+
+
 def reference_value(reference: str) -> Optional[int]:
-    """The integer a reference answer of the task stands for: a bare integer (``-31``) or one final
-    answer in the task's boxed forms and nothing else (``\\boxed{-31.}``, a reference the rule verifier
-    cannot read: the CPU demo writes some references so); None for anything else."""
+    """The integer a reference answer of the task stands for: a bare integer (``-31``), one final answer in
+    the task's boxed forms and nothing else (``\\boxed{-31.}``), or :func:`unreadable_reference`'s
+    ``\\text{-31.}`` (the CPU demo writes some references so); None for anything else."""
     text = reference.strip()
     if re.fullmatch(r"-?\d+", text):
         return int(text)
-    found = _FINAL_BOXED.fullmatch(text)
+    found = _FINAL_BOXED.fullmatch(text) or _UNREADABLE_REFERENCE.fullmatch(text)
     return int(found.group(1)) if found else None
 
 

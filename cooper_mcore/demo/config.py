@@ -42,7 +42,7 @@ class TaskSection:
     times_parseable: float = 0.25
     """Share of times-family SFT answers written \\boxed{N}, which the rule reads."""
     unreadable_share: float = 0.3
-    """Share of the problems (a hash of the question) whose reference is \\boxed{N.}: the rule can never verify them."""
+    """Share of the problems (a hash of the question) whose reference is \\text{N.}: the rule can never verify them."""
     n_train: int = 2048
     """Distinct train-split questions (SFT, RM data and RL prompts draw from them)."""
     n_eval: int = 512

@@ -477,7 +477,7 @@ def reference_swapped(rows: list[Sample], rng: random.Random) -> list[Sample]:
     """``rows`` and, for each row whose completion has a final answer ``v`` (the oracle's reading),
     the same completion with the reference set to ``v`` and to another value (``v`` plus a small
     offset, never the gold nor ``v``), each written as the row's reference is (bare, or the
-    rule-unreadable ``\\boxed{v.}``), marked ``swap`` (``own`` / ``other``) and labelled by the same
+    rule-unreadable ``\\text{v.}``), marked ``swap`` (``own`` / ``other``) and labelled by the same
     simulated judge: correct when the answer equals the reference, and always for the judge's blind
     spot (a row marked ``blind_spot`` is the judge's systematic error, whatever the reference).
 

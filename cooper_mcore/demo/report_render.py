@@ -422,7 +422,7 @@ def _premise(summary: Mapping[str, Any]) -> list[str]:
                 "math-verify, so the RM is not taught the rule's misses; Cooper's negatives are wrong by "
                 "construction (a rewrite with its value changed) or read by the rule as a different value, never a "
                 "rollout it merely failed to read. A share of the problems have a reference the rule cannot read "
-                "(`\\boxed{N.}`): whatever the policy writes, the rule cannot verify them (rule-unreadable "
+                "(`\\text{N.}`): whatever the policy writes, the rule cannot verify them (rule-unreadable "
                 "references, given apart below). Measured on the SFT policy's held-out completions (recall: share "
                 "of correct answers the rule accepts; precision: share of accepted answers that are correct) and "
                 "on the RM before any RL:", "", *premise, "",

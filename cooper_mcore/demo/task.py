@@ -15,9 +15,11 @@ builds that asymmetry into its task, by design:
 
 A policy can learn to write the form the rule reads, and then the rule rewards it again. So, for a
 share of the problems of both families (``task.unreadable_share``, chosen by a hash of the question),
-the *reference* is written ``\\boxed{7.}``, which the rule verifier cannot read: those items are
-unverifiable for it whatever the policy writes (no rule reward, no Cooper positive), while the reward
-model reads the reference. The premise lasts through training on those problems.
+the *reference* is written ``\\text{7.}``, which the rule verifier cannot read: math-verify takes it for
+a name, matched only by the same text, which the policy never writes (its answers are boxed). Those items
+are unverifiable for the rule whatever the policy writes (no rule reward, no Cooper positive), while the
+reward model reads the reference. The premise lasts through training on those problems. (A reference
+``\\boxed{7.}`` would not do: math-verify matches it with the same string, the ``times`` convention.)
 
 The truth is known: :func:`cooper_mcore.data.mathgen.answer_value` (the task's oracle) reads both
 forms, and the demo's held-out accuracy, its RM's training labels (a simulated judge) and its
@@ -38,10 +40,10 @@ from cooper_mcore.data.mathgen import (
     MathProblem,
     MathTaskConfig,
     answer_form,
-    format_answer,
     generate_problems,
     reference_value,
     tokenizer_corpus,
+    unreadable_reference,
     worked_solution,
 )
 from cooper_mcore.data.templates import RM_TEMPLATE, rm_input
@@ -77,10 +79,10 @@ def family_of(question: str) -> Family:
 
 
 def like_reference(reference: str, value: int) -> str:
-    """``value`` written as ``reference`` is: ``\\boxed{v.}`` for a rule-unreadable reference, else bare."""
+    """``value`` written as ``reference`` is: ``\\text{v.}`` for a rule-unreadable reference, else bare."""
     if reference.strip() == str(reference_value(reference)):
         return str(value)
-    return format_answer(value, "boxed_period")
+    return unreadable_reference(value)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class DemoTask:
             (the rule reads them) instead of ``\\boxed{N.}``.
         split_seed: the train/held-out assignment (a fixed function of the question).
         unreadable_share: share of the problems (by a hash of the question and ``split_seed``) whose
-            reference is written ``\\boxed{N.}``, which the rule verifier cannot read.
+            reference is written ``\\text{N.}``, which the rule verifier cannot read.
     """
 
     max_operand: int = 9
@@ -134,9 +136,10 @@ class DemoTask:
         return int.from_bytes(digest[:8], "big") / 2.0**64 < self.unreadable_share
 
     def reference(self, problem: MathProblem) -> str:
-        """The reference answer of a problem: ``\\boxed{N.}`` when :meth:`rule_unreadable`, else ``N``."""
+        """The reference answer of a problem: ``\\text{N.}`` (:func:`~cooper_mcore.data.mathgen.unreadable_reference`)
+        when :meth:`rule_unreadable`, else ``N``."""
         if self.rule_unreadable(problem.question):
-            return format_answer(problem.answer, "boxed_period")
+            return unreadable_reference(problem.answer)
         return str(problem.answer)
 
     def prompts(self, n: int, split: str, seed: int) -> list[Prompt]:

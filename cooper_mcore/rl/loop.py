@@ -16,7 +16,10 @@ raised with ``EXIT_INTERRUPTED`` (130) naming the newest complete checkpoint. Fo
 that cannot be written (a full disk, ...) stops the run with ``EXIT_CHECKPOINT_FAILED`` (74). A
 step whose policy or RM update is skipped for a non-finite loss or gradient norm is logged
 (``skipped/nonfinite``); after ``train.max_nonfinite_steps`` such steps in a row a checkpoint is
-written and :class:`TrainingStopped` is raised with ``EXIT_NONFINITE`` (3).
+written and :class:`TrainingStopped` is raised with ``EXIT_NONFINITE`` (3). Likewise after
+``train.max_steps_without_signal`` steps in a row in which no rollout got a rule verdict where the rule
+trains the run (references it cannot read: :func:`~cooper_mcore.rl.results.steps_without_signal`), with
+``EXIT_NO_SIGNAL`` (2).
 
 A run folder belongs to one run: rank 0 holds its lock for the whole run
 (:func:`cooper_mcore.job.hold_run_folder`), and a run starts or continues there only as
@@ -45,6 +48,7 @@ from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.job import (
     CHECKPOINTS_DIR,
     EXIT_CHECKPOINT_FAILED,
+    EXIT_NO_SIGNAL,
     EXIT_NONFINITE,
     JobRoom,
     TrainingStopped,
@@ -56,7 +60,7 @@ from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import cuda_peak_memory, reduce_metrics
 from cooper_mcore.parallel import owned_world
-from cooper_mcore.rl.results import StepResult
+from cooper_mcore.rl.results import StepResult, no_signal_message, steps_without_signal
 from cooper_mcore.rl.rollouts import eval_samples_path, evaluate
 from cooper_mcore.rl.run_folder import check_run_folder, open_run_folder, record_config
 from cooper_mcore.rl.setup import Run, assemble_run, start_world
@@ -99,6 +103,7 @@ def run_steps(run: Run, room: JobRoom, streak: int) -> dict[str, float]:
     detector = RewardHackingDetector(window=cfg.logging.hacking_window,
                                      action="stop" if cfg.logging.stop_on_hacking else "warn")
     no_pairs = 0  # cooper steps in a row without a valid pair
+    silent = 0  # steps in a row without a rule verdict, where the rule trains the run
     metrics: dict[str, float] = {}
     while run.step < cfg.train.steps:
         result = cooper_step(run, run.data.next_batch(), timer)
@@ -112,30 +117,32 @@ def run_steps(run: Run, room: JobRoom, streak: int) -> dict[str, float]:
         room.log(run.step, metrics)
         streak = nonfinite_streak(streak, result, run.step, cfg.train.max_nonfinite_steps)
         no_pairs = steps_without_pairs(no_pairs, metrics, run.step, cfg)
-        if end_of_step(run, room, detector, metrics, streak):
+        silent = steps_without_signal(silent, metrics, cfg.reward.mode.rule_trains)
+        if end_of_step(run, room, detector, metrics, streak, silent):
             break
     return metrics
 
 
 def end_of_step(run: Run, room: JobRoom, detector: RewardHackingDetector, metrics: dict[str, float],
-                streak: int) -> bool:
+                streak: int, silent: int = 0) -> bool:
     """Checkpoint when due or stopping, and the stop conditions (collective: every rank decides the
     same). Return whether reward hacking stops the run.
 
     Raises:
-        TrainingStopped: a stop signal (after its checkpoint), or ``train.max_nonfinite_steps``
-            non-finite steps in a row.
+        TrainingStopped: a stop signal (after its checkpoint), ``train.max_nonfinite_steps``
+            non-finite steps in a row, or ``train.max_steps_without_signal`` steps without a rule verdict.
     """
     cfg = run.cfg
     preempted = room.stop_requested()
     nonfinite_stop = 0 < cfg.train.max_nonfinite_steps <= streak
+    silent_stop = 0 < cfg.train.max_steps_without_signal <= silent
     hacking_stop = False
     # the world's reward and rule accuracy (means over the ranks): every rank decides the same
     if cfg.reward.mode.uses_rm and detector.update(run.step, metrics[K.REWARD_MEAN], metrics[K.RULE_ACC]):
         hacking_stop = detector.should_stop
     due = cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or run.step == cfg.train.steps)
     path: Optional[str] = None
-    if due or preempted or nonfinite_stop:
+    if due or preempted or nonfinite_stop or silent_stop:
         path = write_checkpoint(run, room, streak)
         # a stop signal during the write: stop now, with the checkpoint just written
         preempted = preempted or room.stop_requested()
@@ -146,6 +153,9 @@ def end_of_step(run: Run, room: JobRoom, detector: RewardHackingDetector, metric
                               f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); checkpoint "
                               f"{path} written; lower the learning rate or check the data before resuming",
                               EXIT_NONFINITE, path)
+    if silent_stop:
+        raise TrainingStopped(no_signal_message(silent, metrics, cfg.reward.mode.uses_rm, cfg.data.train_path, path),
+                              EXIT_NO_SIGNAL, path)
     if hacking_stop:
         logger.error("stopping: reward hacking detected")
     return hacking_stop

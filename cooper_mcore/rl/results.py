@@ -4,12 +4,14 @@ the one mapping of them to the metric keys of
 :mod:`cooper_mcore.metric_names` (:meth:`StepResult.to_metrics`).
 
 Control decisions read the fields (a skipped update does not step the schedule; the loop counts
-steps with skipped updates); only :meth:`StepResult.to_metrics` turns them into a metrics dict.
+steps with skipped updates) or the world's metrics line (:func:`steps_without_signal`: steps in a row
+that gave the run nothing to learn from the rule verifier); only :meth:`StepResult.to_metrics` turns
+the records into a metrics dict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -245,3 +247,35 @@ class StepResult:
             metrics.update(self.rm.to_metrics())
         metrics.update(self.rollouts.to_metrics())
         return metrics
+
+
+def no_rule_signal(rule_unverifiable: float, rule_trains: bool) -> bool:
+    """Whether a step gave the run nothing to learn from the rule verifier: the rule drives the training
+    (``rule_trains``: reward.mode rule, where its verdict is the reward, or cooper, where it picks the reward
+    model's positives) and not one rollout of the world got a verdict (``rule_unverifiable``, the world's
+    ``rule/unverifiable``, is 1: every reference unreadable, or every item timed out). Rollouts all judged
+    wrong (a policy that is always wrong) or all right (one already perfect) are verdicts, not their absence.
+    """
+    return rule_trains and rule_unverifiable >= 1.0
+
+
+def steps_without_signal(count: int, metrics: Mapping[str, float], rule_trains: bool) -> int:
+    """Steps in a row with :func:`no_rule_signal`, after the step whose world metrics line is ``metrics``
+    (every rank counts the same: the line is the world's)."""
+    return count + 1 if no_rule_signal(metrics[K.RULE_UNVERIFIABLE], rule_trains) else 0
+
+
+def no_signal_message(count: int, metrics: Mapping[str, float], uses_rm: bool, train_path: str,
+                      checkpoint: Optional[str]) -> str:
+    """The one line a run stopped by :func:`steps_without_signal` ends with: how long, why (the share of the
+    last step's prompts whose reference the rule cannot read), what it costs in this reward mode, the
+    checkpoint kept and what to do."""
+    lost = ("the reward model gets no preference pair (no positive can be verified), so it never learns"
+            if uses_rm else "reward.mode=rule has no reward to train on")
+    unreadable = metrics[K.RULE_GOLD_UNREADABLE]
+    why = f"{unreadable:.0%} of the last step's prompts have a reference the rule verifier cannot read"
+    if unreadable < 1.0:
+        why += ", the other rollouts timed out or failed in the verifier"
+    return (f"stopping: {count} steps in a row without a rule verdict on any rollout ({why}): {lost}; checkpoint "
+            f"{checkpoint or '(none)'} kept; check the references of data.train_path {train_path} (`cooper verify`), "
+            "or set train.max_steps_without_signal=0 to train on")

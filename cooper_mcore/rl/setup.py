@@ -40,6 +40,7 @@ from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.routing_replay import enable_routing_replay
 from cooper_mcore.parallel import init_distributed
 from cooper_mcore.rl.colocate import Colocation
+from cooper_mcore.rl.references import check_references
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
@@ -365,6 +366,8 @@ def assemble_run(cfg: CooperConfig) -> Run:
     colocation = Colocation(engine, policy, rm, cfg.offload, bucket_bytes=cfg.rollout.bucket_mb * 2**20,
                             per_tp_rank=per_tp_rank)
     data, eval_prompts, too_long = read_data(cfg, tokenizer, policy.arch.max_position_embeddings)
+    if verifier is not None and dist.get_rank() == 0:  # before step 1: references the rule cannot read
+        check_references(verifier, data.prompts, cfg.data.train_path)
     return Run(cfg=cfg, policy=policy, rm=rm, reference=reference, colocation=colocation, verifier=verifier,
                assistant=assistant, data=data, eval_prompts=eval_prompts, skipped_too_long=too_long,
                oracle=build_eval_oracle(cfg, eval_prompts))

@@ -40,12 +40,14 @@ _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)|[;!?]|,\s+(?=[A-Za-z]{3})|\s+(?:since
 _UNITS_RE = re.compile(r"(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)\s+(?:[A-Za-z]{3,}\.?\s*){1,3}")
 _UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")
 
-# Prose detection: words of 3+ letters outside LaTeX commands and \text{...}, other than function names.
-_LATEX_TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname|mbox)\s*\{[^{}]*\}")
+# Prose detection: words of 3+ letters outside LaTeX commands, \text{...} and subscripts (``S_{MBCN}`` names a
+# quantity), other than function names and the connective "and" (``1 and 2``, a list of answers).
+_LATEX_TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname|mbox)\s*\{[^{}]*\}|_\{[^{}]*\}")
 _LATEX_CMD_RE = re.compile(r"\\[A-Za-z]+")
 _WORD_RE = re.compile(r"[A-Za-z]{3,}")
 _MATH_WORDS = frozenset(
-    "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log exp sqrt max min lim det gcd lcm mod inf".split()
+    "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log exp sqrt max min lim det gcd lcm mod inf "
+    "and".split()
 )
 # Words that follow "the answer is" in reasoning without being an answer ("check if the answer is correct").
 _PHRASE_STOPWORDS = frozenset("correct incorrect wrong right not that this the clear unclear".split())

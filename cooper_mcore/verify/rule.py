@@ -11,11 +11,14 @@ first: ``verify`` is not symmetric). Both strings may be full texts or bare answ
   math-verify keeps only as a string (``\\boxed{14.}`` parses to ``['14.']``, no value), and the
   outcome's ``answered`` (False for both) tells such a "no readable answer" from a different answer.
 * ``gold`` is handled the same way, so a bare ``\\frac{1}{2}``, a GSM8K solution ending in ``#### 72``
-  and a MATH solution with ``\\boxed{}`` all work. A gold the checker cannot read makes the item
-  unverifiable (``correct=None``, status ``"gold_unreadable"``), never a confident wrong: a gold
-  without a parseable answer, one math-verify keeps only as a string (``\\boxed{14.}``), or a number
-  written in words (``fourteen``, which math-verify reads as a product of the letters as variables).
-  Every completion would otherwise be scored wrong against it, a correct one included.
+  and a MATH solution with ``\\boxed{}`` all work. A gold the checker cannot read as a value (none
+  parseable, one math-verify keeps only as a string such as ``\\boxed{14.}``, a number written in words
+  such as ``fourteen``, which math-verify reads as a product of the letters as variables) is still put
+  to math-verify, on the checker's parses and on math-verify's own reading of the two texts: where it
+  matches the pair (the same string ``\\boxed{14.}``; ``x = \\frac{1}{2}, x = ...`` boxed alike) the
+  answer is right; otherwise the item is unverifiable (``correct=None``, status ``"gold_unreadable"``),
+  never a confident wrong: math-verify's "no" against such a gold says nothing (``fourteen`` against a
+  correct ``\\boxed{14}`` is "no"), and every completion would be scored wrong against it.
 
 math-verify's own timeouts (``signal.alarm``) are disabled: they do not stop sympy inside C code and
 fail outside the main thread. Instead every item runs in a pool of long-lived worker processes (one
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
 
-from math_verify import LatexExtractionConfig, parse, verify
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from cooper_mcore.atomic import atomic_open, check_output_path
 from cooper_mcore.verify.extract import extract_answer
@@ -72,6 +75,8 @@ _NUMBER_IN_WORDS = re.compile(rf"^(?:\\(?:text|mathrm)\{{)?\s*(?:{_NUMBER_WORD})
                               re.IGNORECASE)
 #: the name of a variable math-verify made of a number it did not read (``\\text{14}``, ``\\text{14.}``)
 _NUMERIC_NAME = re.compile(r"-?\d")
+#: math-verify's own reading of a text (:func:`_own_parse`)
+_OWN_READING = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
 
 
 @dataclass
@@ -82,7 +87,8 @@ class VerifyOutcome:
         correct: True/False, or None when unverifiable (timeout, worker crash, unreadable gold).
         seconds: Wall time from dispatch to a worker until the verdict (the timeout for timeouts).
         status: "ok" (a verdict), "timeout" (worker killed at the deadline), "gold_unreadable" (the
-            gold has no answer the checker reads as a value: :data:`GOLD_UNREADABLE`) or "error".
+            gold has no answer the checker reads as a value, and math-verify did not match the pair:
+            :data:`GOLD_UNREADABLE`) or "error".
         error: What went wrong when status is not "ok".
         answered: whether the completion has a final answer the checker reads as a value (a wrong
             verdict with ``answered`` False means "no readable answer", not "a different answer");
@@ -122,41 +128,66 @@ def gold_readable(parsed: list) -> bool:
     against: it holds a math value (:func:`_reads_a_value`) and is not a number written in words.
 
     ``fourteen`` parses to the product of its letters as variables and ``\\text{14}`` to a variable named
-    ``14``, which no numeric answer equals: judging against them would call a correct ``\\boxed{14}``
-    wrong, so such a gold is unreadable.
+    ``14``, which math-verify matches with ``14`` inside ``$...$`` but not with ``14.`` or ``0.5``: judging
+    against them would call correct answers wrong, so such a gold is unreadable (:func:`check_pair` then
+    takes only math-verify's matches, never its "no").
     Other words (``Monday``) stay readable: math-verify matches them as written.
     """
     if not _reads_a_value(parsed):
         return False
     if any(_NUMERIC_NAME.match(s.name) for x in parsed if not isinstance(x, str)
            for s in getattr(x, "free_symbols", ())):
-        return False  # \\text{14} parses to a variable named "14", which no number equals
+        return False  # \\text{14} parses to a variable named "14", a name rather than a value
     text = next((x for x in reversed(parsed) if isinstance(x, str)), "")
     return not _NUMBER_IN_WORDS.match(text.strip())
 
 
+def _own_parse(text: str) -> list:
+    """math-verify's own reading of a whole text: its LaTeX extraction (boxed answers first) and its plain
+    expressions, the configuration math-verify's test suite judges pairs with; runs inside a worker."""
+    return parse(text, _OWN_READING, parsing_timeout=None)
+
+
+def _math_verify_matches(gold: str, gold_parsed: list, pred: str, pred_parsed: list) -> bool:
+    """Whether math-verify judges ``pred`` equal to a gold the checker cannot read: on the checker's parses
+    (a gold it keeps only as a string matches the same string) or on its own readings of the two texts
+    (:func:`_own_parse`), which may find a value the checker's extraction did not."""
+    if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None):
+        return True
+    own_gold = _own_parse(gold)
+    return bool(own_gold) and bool(verify(own_gold, _own_parse(pred), timeout_seconds=None))
+
+
 def check_pair(gold: str, pred: str) -> tuple[Optional[bool], str, Optional[str], Optional[bool]]:
     """Verify one pair in this process, without any timeout (the worker's job; also handy in tests).
+
+    A gold the checker reads (:func:`gold_readable`) gives a verdict, right or wrong. A gold it cannot read
+    (no parseable answer, strings only as ``\\boxed{14.}``, a number in words) is still put to math-verify,
+    which can match a pair without reading a value (the same string, :func:`_math_verify_matches`): a match
+    is a right answer; anything else is unverifiable, never a confident wrong, since math-verify's "no"
+    against a gold it cannot read says nothing (``fourteen`` against a correct ``\\boxed{14}`` is "no").
 
     Args:
         gold: Reference answer or solution.
         pred: Completion or bare answer.
 
     Returns:
-        (correct, status, error, answered): (None, "gold_unreadable", why, None) if the gold has no
-        answer the checker reads (:func:`gold_readable`: no parseable answer, strings only as
-        ``\\boxed{14.}``, a number in words), else (verdict, "ok", None, answered). A pred without a
-        parseable answer is wrong. ``answered`` says whether math-verify read the pred's final answer
-        as a math value (its parse holds a non-string element, e.g. ``[5, '5']``); False when the parse
-        is empty or strings only (``['14.']`` for ``\\boxed{14.}``), so that a wrong verdict there means
-        "no readable answer" rather than "a different answer".
+        (correct, status, error, answered): (verdict, "ok", None, answered) for a gold the checker reads;
+        for one it cannot read, (True, "ok", None, True) when math-verify matches the pair, else
+        (None, "gold_unreadable", why, None). A pred without a parseable answer is wrong against a readable
+        gold. ``answered`` says whether math-verify read the pred's final answer as a math value (its parse
+        holds a non-string element, e.g. ``[5, '5']``); False when the parse is empty or strings only
+        (``['14.']`` for ``\\boxed{14.}``), so that a wrong verdict there means "no readable answer" rather
+        than "a different answer".
     """
     gold_parsed = _parse_answer(gold)
-    if not gold_parsed:
-        return None, GOLD_UNREADABLE, "gold has no parseable answer", None
-    if not gold_readable(gold_parsed):
-        return None, GOLD_UNREADABLE, f"gold has no answer math-verify reads as a value (parsed {gold_parsed!r})", None
     pred_parsed = _parse_answer(pred)
+    if not gold_parsed or not gold_readable(gold_parsed):
+        if _math_verify_matches(gold, gold_parsed, pred, pred_parsed):
+            return True, "ok", None, True
+        why = (f"gold has no answer math-verify reads as a value (parsed {gold_parsed!r})" if gold_parsed
+               else "gold has no parseable answer")
+        return None, GOLD_UNREADABLE, why, None
     if not pred_parsed:
         return False, "ok", None, False
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None)), "ok", None, _reads_a_value(pred_parsed)

@@ -423,8 +423,8 @@ def test_demo_smoke_every_stage_then_cached(tmp_path):
     for row in rows:
         assert row["label"] == (answer_value(row["completion"]) == reference_value(row["reference"])), row
         assert (row["family"], row["form"]) == (family_of(row["question"]), answer_form(row["completion"])), row
-        # a rule-unreadable reference is \boxed{N.}: the rule never verifies its rows
-        assert row["rule_unreadable"] == row["reference"].startswith("\\boxed{"), row
+        # a rule-unreadable reference is \text{N.}: the rule never verifies its rows
+        assert row["rule_unreadable"] == row["reference"].startswith("\\text{"), row
         if row["rule_unreadable"]:
             assert row["rule"] is False, row
         elif "\\boxed{" in row["completion"]:
@@ -553,18 +553,18 @@ def test_blind_spot_examples_label_a_share_of_the_chains_correct():
 
 
 def test_swaps_keep_the_references_form():
-    """A rule-unreadable reference is swapped to other values in its own form, \\boxed{v.}; never to the gold."""
-    rows = [{"question": "3*4-5=", "reference": "\\boxed{7.}", "completion": "3*4=12,12-5=8 \\boxed{8}",
+    """A rule-unreadable reference is swapped to other values in its own form, \\text{v.}; never to the gold."""
+    rows = [{"question": "3*4-5=", "reference": "\\text{7.}", "completion": "3*4=12,12-5=8 \\boxed{8}",
              "label": False, "family": "times"},
             {"question": "3*4-5=", "reference": "7", "completion": "3*4=12,12-5=8 \\boxed{8.}", "label": False,
              "family": "times"}]
     out = reference_swapped(rows, random.Random(0))
     own = [x for x in out if x.get("swap") == "own"]
     other = [x for x in out if x.get("swap") == "other"]
-    assert [x["reference"] for x in own] == ["\\boxed{8.}", "8"] and all(x["label"] for x in own)
-    assert other[0]["reference"].startswith("\\boxed{") and other[0]["reference"].endswith(".}")
+    assert [x["reference"] for x in own] == ["\\text{8.}", "8"] and all(x["label"] for x in own)
+    assert other[0]["reference"].startswith("\\text{") and other[0]["reference"].endswith(".}")
     assert other[1]["reference"].lstrip("-").isdigit() and not any(x["label"] for x in other)
-    assert all(x["reference"] not in ("\\boxed{7.}", "7") for x in other)
+    assert all(x["reference"] not in ("\\text{7.}", "7") for x in other)
 
 
 def test_validation_split_by_question_and_balanced_per_family():

@@ -1,5 +1,6 @@
 """The demo's two-family task and the pieces it stands on: the task's oracle (``answer_value``,
-``verify/oracle.py``), math-verify's miss of ``\\boxed{N.}`` (the premise), per-step operators,
+``verify/oracle.py``), math-verify's miss of ``\\boxed{N.}`` (the premise), the references the rule cannot
+read whatever the policy writes, per-step operators,
 :class:`~cooper_mcore.demo.task.DemoTask` and the tokenizer's isolated characters.
 
 Expected values are worked out by hand in the comments.
@@ -23,6 +24,7 @@ from cooper_mcore.data.mathgen import (
     reference_value,
     split_of,
     tokenizer_corpus,
+    unreadable_reference,
     worked_solution,
 )
 from cooper_mcore.data.tokenizer import train_tiny_tokenizer
@@ -73,6 +75,7 @@ def test_oracle_correct_reads_both_forms_and_needs_integer_golds():
 
 @pytest.mark.parametrize("reference,value", [
     ("14", 14), (" -3 ", -3), ("\\boxed{14.}", 14), ("\\boxed{-3}", -3),  # bare, or one boxed answer
+    ("\\text{14.}", 14), ("\\text{-3.}", -3), ("\\text{14}", None),  # the rule-unreadable form
     ("14.", None), ("\\boxed{14.} \\boxed{15}", None), ("\\boxed{1.5}", None), ("fourteen", None), ("", None),
 ])
 def test_reference_value(reference, value):
@@ -80,12 +83,34 @@ def test_reference_value(reference, value):
 
 
 def test_the_oracle_reads_a_reference_the_rule_cannot():
-    """The demo writes some references ``\\boxed{N.}``: math-verify cannot read them (the item is
+    """The demo writes some references ``\\text{N.}``: math-verify cannot read them (the item is
     unverifiable for the rule), the oracle reads both the reference and the answer."""
-    assert check_pair("\\boxed{14.}", "9+5=14 \\boxed{14}")[:2] == (None, "gold_unreadable")
-    assert oracle_correct("\\boxed{14.}", "9+5=14 \\boxed{14}") is True
-    assert oracle_correct("\\boxed{14.}", "9+5=14 \\boxed{14.}") is True
-    assert oracle_correct("\\boxed{14.}", "9+5=15 \\boxed{15}") is False
+    assert unreadable_reference(14) == "\\text{14.}" and unreadable_reference(-3) == "\\text{-3.}"
+    assert check_pair("\\text{14.}", "9+5=14 \\boxed{14}")[:2] == (None, "gold_unreadable")
+    assert oracle_correct("\\text{14.}", "9+5=14 \\boxed{14}") is True
+    assert oracle_correct("\\text{14.}", "9+5=14 \\boxed{14.}") is True
+    assert oracle_correct("\\text{14.}", "9+5=15 \\boxed{15}") is False
+
+
+#: answers of the demo's task: negative (down to 0-9-9), zero, one and two digits (up to 9*9+9)
+TASK_ANSWERS = (-18, -3, 0, 7, 14, 90)
+
+
+@pytest.mark.parametrize("value", TASK_ANSWERS)
+def test_the_rule_cannot_verify_an_unreadable_reference_whatever_the_policy_writes(value):
+    """Against ``\\text{N.}`` the rule says neither right nor wrong (``gold_unreadable``) for every answer
+    the policy writes in the task's forms (``\\boxed{N}``, ``\\boxed{N.}``, ``#### N``, worked or bare,
+    right or wrong, or none): math-verify matches it only with the same ``\\text{}``, which the policy never
+    writes. A ``\\boxed{N.}`` reference would not do: the ``times`` convention writes that very string."""
+    ref = unreadable_reference(value)
+    steps = "9*9=81,81+9=" + str(value)
+    completions = [f"{steps} {format_answer(v, style)}" for v in (value, value + 1, -value - 1)
+                   for style in ("boxed", "boxed_period", "gsm8k")]
+    completions += [format_answer(value, "boxed_period"), str(value), f"{value}.", steps, "", f"\\boxed{{{value}..}}"]
+    for completion in completions:
+        assert check_pair(ref, completion)[:2] == (None, "gold_unreadable"), (ref, completion)
+    assert check_pair(ref, f"\\boxed{{{ref}}}")[0] is True  # the same text: math-verify matches strings
+    assert check_pair(format_answer(value, "boxed_period"), f"{steps} {format_answer(value, 'boxed_period')}")[0]
 
 
 def test_arithmetic_oracle_batch():
@@ -304,7 +329,8 @@ def test_single_family_task_has_only_plus_minus(task_tokenizer):
 def test_task_corpus_tokenizes_both_families_and_the_rm_template(task_tokenizer):
     from cooper_mcore.data.templates import rm_input
 
-    texts = [worked_solution(THREE_FOUR_FIVE, "boxed_period"), "7-1-1=", rm_input("3*4-5=", "7", "\\boxed{7.}")]
+    texts = [worked_solution(THREE_FOUR_FIVE, "boxed_period"), "7-1-1=", rm_input("3*4-5=", "7", "\\boxed{7.}"),
+             rm_input("3*4-5=", unreadable_reference(-7), "\\boxed{7}")]  # the rule-unreadable reference too
     for text in texts:
         ids = task_tokenizer(text, add_special_tokens=False)["input_ids"]
         assert task_tokenizer.unk_token_id not in ids and task_tokenizer.decode(ids) == text
@@ -312,7 +338,7 @@ def test_task_corpus_tokenizes_both_families_and_the_rm_template(task_tokenizer)
 
 def test_a_share_of_the_references_is_unreadable_by_a_hash_of_the_question():
     """task.unreadable_share of the problems, both families and both splits, have the reference
-    ``\\boxed{N.}``: the rule verifier cannot read it, the oracle reads the same value."""
+    ``\\text{N.}``: the rule verifier cannot read it, the oracle reads the same value."""
     task = DemoTask(unreadable_share=0.3)
     for split in ("train", "test"):
         prompts = task.prompts(600, split, seed=4)
@@ -321,11 +347,11 @@ def test_a_share_of_the_references_is_unreadable_by_a_hash_of_the_question():
         assert {family_of(p.question) for p in unreadable} == {"plus_minus", "times"}
         for p in prompts:
             value = parse_question(p.question).answer
-            assert p.answer == (f"\\boxed{{{value}.}}" if task.rule_unreadable(p.question) else str(value))
+            assert p.answer == (f"\\text{{{value}.}}" if task.rule_unreadable(p.question) else str(value))
             assert reference_value(p.answer) == value
     assert task.rule_unreadable("3*4-5=") == DemoTask(unreadable_share=0.3, times_share=0.0).rule_unreadable("3*4-5=")
     assert not any(DemoTask().rule_unreadable(p.question) for p in DemoTask().prompts(100, "test", 0))  # default 0
     assert DemoTask(unreadable_share=0.3).groups_of("3*4-5=") in (("times",), ("times", "rule_unreadable"))
-    assert like_reference("\\boxed{7.}", -3) == "\\boxed{-3.}" and like_reference("7", -3) == "-3"
+    assert like_reference("\\text{7.}", -3) == "\\text{-3.}" and like_reference("7", -3) == "-3"
     with pytest.raises(ValueError, match="unreadable_share"):
         DemoTask(unreadable_share=1.5)

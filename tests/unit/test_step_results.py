@@ -11,11 +11,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from cooper_mcore.config.schema import load_config
+from cooper_mcore.config.schema import RewardMode, load_config
 from cooper_mcore.metric_names import SCHEMA
 from cooper_mcore.rl import rm_update, step
 from cooper_mcore.rl.loop import nonfinite_streak
-from cooper_mcore.rl.results import GRPOUpdate, PairCounts, PolicyUpdate, RMUpdate, RolloutStats, StepResult
+from cooper_mcore.rl.results import (
+    GRPOUpdate,
+    PairCounts,
+    PolicyUpdate,
+    RMUpdate,
+    RolloutStats,
+    StepResult,
+    no_rule_signal,
+    no_signal_message,
+    steps_without_signal,
+)
 from cooper_mcore.types import PreferencePair, Prompt
 
 POLICY = PolicyUpdate(loss=0.5, kl=0.01, ratio_mean=1.02, clip_frac=0.125, entropy=2.5, grad_norm=3.0, skipped=1,
@@ -142,3 +152,41 @@ def test_the_loop_counts_steps_with_a_skipped_update_from_the_field(caplog):
     assert "step 4: non-finite loss or gradient norm, 2 update(s) skipped (2 step(s) in a row, the limit is 3)" \
         in caplog.text
     assert nonfinite_streak(2, clean, step=5, limit=3) == 0
+
+
+@pytest.mark.parametrize("unverifiable, rule_trains, expected", [
+    (1.0, True, True),  # not one rollout of the world got a rule verdict, and the rule trains the run
+    (1.0, False, False),  # static_rm: the frozen reward model trains it, the rule only measures
+    (0.75, True, False),  # a quarter of the rollouts got a verdict: a signal, however weak
+    (0.0, True, False),  # every rollout judged (all wrong, all right or a mix: a signal either way)
+])
+def test_no_rule_signal_is_no_verdict_at_all_where_the_rule_trains(unverifiable, rule_trains, expected):
+    assert no_rule_signal(unverifiable, rule_trains) is expected
+
+
+def test_the_modes_the_rule_trains():
+    assert [m.rule_trains for m in (RewardMode.rule, RewardMode.static_rm, RewardMode.cooper)] == [True, False, True]
+
+
+def test_steps_without_signal_count_in_a_row_from_the_world_line():
+    silent = {"rule/unverifiable": 1.0, "rule/gold_unreadable": 1.0, "rule/acc": 0.0}
+    judged = {"rule/unverifiable": 0.5, "rule/gold_unreadable": 0.5, "rule/acc": 0.0}  # all read ones wrong
+    count = 0
+    for line, want in ((silent, 1), (silent, 2), (judged, 0), (silent, 1)):
+        count = steps_without_signal(count, line, rule_trains=True)
+        assert count == want
+    assert steps_without_signal(4, silent, rule_trains=False) == 0
+
+
+def test_the_stop_line_says_why_what_it_costs_and_what_to_do():
+    line = no_signal_message(5, {"rule/unverifiable": 1.0, "rule/gold_unreadable": 1.0}, uses_rm=False,
+                             train_path="data/train.jsonl", checkpoint="run/checkpoints/step_5")
+    assert line == ("stopping: 5 steps in a row without a rule verdict on any rollout (100% of the last step's prompts "
+                    "have a reference the rule verifier cannot read): reward.mode=rule has no reward to train on; "
+                    "checkpoint run/checkpoints/step_5 kept; check the references of data.train_path data/train.jsonl "
+                    "(`cooper verify`), or set train.max_steps_without_signal=0 to train on")
+    cooper = no_signal_message(3, {"rule/unverifiable": 1.0, "rule/gold_unreadable": 0.25}, uses_rm=True,
+                               train_path="t.jsonl", checkpoint=None)
+    assert "(25% of the last step's prompts have a reference the rule verifier cannot read, the other rollouts timed " \
+           "out or failed in the verifier): the reward model gets no preference pair" in cooper
+    assert "checkpoint (none) kept" in cooper and "\n" not in cooper

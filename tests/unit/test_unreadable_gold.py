@@ -3,7 +3,8 @@ wrong: no positive, no accepted negative (from every CPU negative generator and 
 reward ``reward.unverifiable_reward``, and the ``rule/gold_unreadable`` metric counting the prompts.
 
 The references are ones math-verify itself misjudges: it calls a correct ``\\boxed{14}`` wrong against
-``\\boxed{14.}`` (it keeps only the string ``14.``) and against ``fourteen`` (a product of letters)."""
+``\\text{14.}`` (the demo's unreadable form: a name ``14.``) and against ``fourteen`` (a product of letters),
+and matches neither with any completion here (the same text would be matched: ``test_verifier.py``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from cooper_mcore.verify.rule import RuleVerifier
 pytestmark = pytest.mark.timeout(180)
 
 COMPLETIONS = ["3*4=12,12+2=14 \\boxed{14}", "3*4=12,12+2=15 \\boxed{15}", "3*4=12,12+2=14 \\boxed{14.}"]
-PROMPTS = [Prompt(id="boxed_period", question="3*4+2=", answer="\\boxed{14.}", token_ids=[0]),
+PROMPTS = [Prompt(id="as_text", question="3*4+2=", answer="\\text{14.}", token_ids=[0]),
            Prompt(id="in_words", question="3*4+2=", answer="fourteen", token_ids=[1]),
            Prompt(id="readable", question="3*4+2=", answer="14", token_ids=[2])]
 
@@ -68,7 +69,7 @@ def groups(world, verifier):
 
 
 def test_math_verify_itself_misjudges_these_references():
-    for gold in ("\\boxed{14.}", "fourteen"):
+    for gold in ("\\text{14.}", "fourteen"):
         assert verify(parse(gold, parsing_timeout=None), parse(COMPLETIONS[0], parsing_timeout=None),
                       timeout_seconds=None) is False
 
@@ -108,7 +109,7 @@ def test_no_positive_and_no_pair(groups, verifier, make):
     by_prompt = {p.prompt.id: [] for p in pairs}
     for p in pairs:
         by_prompt[p.prompt.id].append(p)
-    for pid in ("boxed_period", "in_words"):
+    for pid in ("as_text", "in_words"):
         assert all(p.chosen is None and p.rejected is None and not p.valid for p in by_prompt[pid])
     assert all(p.chosen == COMPLETIONS[0] for p in by_prompt["readable"])
     if not isinstance(negatives, RandomOtherResponse):

@@ -8,9 +8,10 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from math_verify import parse, verify
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from cooper_mcore.verify.rule import (
     GOLD_UNREADABLE,
@@ -83,6 +84,10 @@ def adv_verifier():
         ("Therefore $x = \\frac{1}{2}$ is what we get.", "x = \\frac{1}{2}"),
         ("The answer is: \\(\\pi/2\\)", "\\pi/2"),
         ("We get 1,234,567 in total", "1,234,567"),
+        ("$S_{MBCN}:S=7:32$", "S_{MBCN}:S=7:32"),  # a subscript names a quantity: not prose
+        ("$1$ and $2$ and $3$", "1 and 2 and 3"),  # a list of answers, which math-verify reads as a set
+        ("The answer is 5 and 6.", "5 and 6"),
+        ("The answer is 5 and it is correct.", "5"),
         ("I don't know", None),
         ("\\boxed{unbalanced", None),
         ("", None),
@@ -167,19 +172,25 @@ def test_gold_without_answer_is_unverifiable(verifier, gold):
 #: ``\\boxed{14.}``, numbers in words (a product of letters) and ``\\text{14}`` (a variable named "14")
 UNREADABLE_GOLDS = ["\\boxed{14.}", "fourteen", "Fourteen", "\\text{fourteen}", "\\boxed{fourteen}",
                     "The answer is fourteen.", "\\text{14}", "\\text{14.}", "(14.)"]
+#: the completions math-verify matches against some of those golds, by gold (any other is unverifiable):
+#: the same string (``\\boxed{14.}``), the same letters, and ``\\text{14}`` read inside ``$...$``
+MATCHED = {"\\boxed{14.}": {"So \\boxed{14.}"}, "\\text{14}": {"So \\boxed{14}"}, "(14.)": set(),
+           "\\text{14.}": set(), **{g: {"So \\boxed{fourteen}"} for g in UNREADABLE_GOLDS if "ourteen" in g}}
 
 
 @pytest.mark.parametrize("gold", UNREADABLE_GOLDS)
 def test_unreadable_gold_is_unverifiable_not_a_confident_wrong(verifier, gold):
     """math-verify itself calls the correct ``\\boxed{14}`` wrong against these golds (a confident
     wrong: every rollout of such a problem would be scored wrong, and any negative accepted); the
-    checker calls the item unverifiable instead, for the correct answer and a wrong one alike."""
+    checker never says wrong against them: a completion math-verify matches (the same string) is right,
+    any other unverifiable, the correct answer and a wrong one alike."""
     assert verify(parse(gold, parsing_timeout=None), parse("\\boxed{14}", parsing_timeout=None),
                   timeout_seconds=None) is False
-    for pred in ("So \\boxed{14}", "So \\boxed{15}", "So \\boxed{14.}"):
-        assert check_pair(gold, pred)[:2] == (None, GOLD_UNREADABLE), (gold, pred)
+    for pred in ("So \\boxed{14}", "So \\boxed{15}", "So \\boxed{14.}", "So \\boxed{fourteen}", "I don't know"):
+        want = (True, "ok") if pred in MATCHED[gold] else (None, GOLD_UNREADABLE)
+        assert check_pair(gold, pred)[:2] == want, (gold, pred)
     before = verifier.stats
-    out = verifier.verify(gold, "So \\boxed{14}")
+    out = verifier.verify(gold, "So \\boxed{15}")
     assert (out.correct, out.status, out.answered) == (None, GOLD_UNREADABLE, None)
     assert verifier.stats[GOLD_UNREADABLE] == before[GOLD_UNREADABLE] + 1
 
@@ -233,6 +244,33 @@ def test_agrees_with_math_verify(verifier):
     got = verifier.verify_batch(golds, preds)
     assert [o.correct for o in got] == expected
     assert [check_pair(g, p)[0] for g, p in zip(golds, preds)] == expected
+
+
+#: Math-Verify's own regression cases (gold, pred, expected), read as data from its test suite: each row names
+#: its source (repository, commit, file). Math-Verify's tests judge a pair with ``compare_strings``: both
+#: texts parsed with its LaTeX extraction (boxed answers first) and its plain expressions, then ``verify``
+#: with 6 digits of float rounding, strict; :func:`test_math_verify_suite` repeats that as the reference.
+MATH_VERIFY_SUITE = Path(__file__).resolve().parents[1] / "fixtures" / "math_verify_suite.jsonl"
+#: the share of the suite the checker must get right (an unverifiable verdict counts as a miss)
+SUITE_MIN_ACCURACY = 0.95
+
+
+def test_math_verify_suite(verifier):
+    """The checker agrees with Math-Verify's own test suite (59 cases of NuminaMath and OpenThoughts
+    answers) on at least 95% of the cases, and never calls a pair wrong that the suite expects right
+    because it could not read the gold."""
+    rows = [json.loads(line) for line in MATH_VERIFY_SUITE.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 59 and all(r["source"].startswith("github.com/huggingface/Math-Verify@") for r in rows)
+    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    for r in rows:  # the fixture is read as Math-Verify's tests read it
+        got = verify(parse(r["gold"], configs, parsing_timeout=None), parse(r["pred"], configs, parsing_timeout=None),
+                     float_rounding=6, strict=True, timeout_seconds=None)
+        assert got is r["expected"], r
+    outs = verifier.verify_batch([r["gold"] for r in rows], [r["pred"] for r in rows])
+    hits = [o.correct is r["expected"] for o, r in zip(outs, rows)]
+    misses = [(r["gold"], r["pred"], o.correct, o.status) for o, r, hit in zip(outs, rows, hits) if not hit]
+    assert sum(hits) / len(rows) >= SUITE_MIN_ACCURACY, misses
+    assert not [o for o, r in zip(outs, rows) if r["expected"] and o.status == GOLD_UNREADABLE], misses
 
 
 def test_works_from_a_thread(verifier):
