@@ -13,7 +13,7 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper eval-rm --ckpt RM --data VB.jsonl
     cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
-    cooper config --show [--job train|sft|train-rm] [--config X] [key=value ...]
+    cooper config [--job train|sft|train-rm] [--config X] [KEY ...] [key=value ...]
     cooper demo [--full] [--out DIR] [--show] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
     cooper rehearse --config X [--out DIR] [key=value ...]
@@ -55,7 +55,7 @@ HANDLERS = {
     "verify": "cooper_mcore.commands.verify:verify",
     "annotate": "cooper_mcore.commands.verify:annotate",
     "train": "cooper_mcore.commands.train:train",
-    "config": "cooper_mcore.commands.train:config",
+    "config": "cooper_mcore.config.show:config",  # not under commands/, whose import loads megatron-core
     "eval": "cooper_mcore.commands.evaluate:evaluate",
     "sft": "cooper_mcore.commands.jobs:sft",
     "train-rm": "cooper_mcore.commands.jobs:train_rm",
@@ -234,13 +234,16 @@ def _add_trainer_commands(sub: Any) -> None:
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule "
                                                  "(`cooper config` lists them)")
 
-    co = sub.add_parser("config", help="list every setting of a job (`cooper train` by default) with its value and doc")
-    co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default)")
+    co = sub.add_parser("config", help="a job's settings (`cooper train`'s by default) with their values and docs: "
+                                       "all of them, or the keys named (cooper config algo.tis_cap rollout)")
+    co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default "
+                                                        "when no key is named)")
     co.add_argument("--job", choices=["train", "sft", "train-rm"], default="train",
                     help="whose settings: train (Cooper RL), sft or train-rm (VerifyRM)")
     co.add_argument("--config", default=None, help="YAML preset (a path or a shipped preset's name) whose values to "
                                                     "show (default: the defaults)")
-    co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01")
+    co.add_argument("overrides", nargs="*", help="keys to show (a setting or a section, e.g. algo.tis_cap) and dotted "
+                                                 "overrides (key=value, e.g. algo.kl_coef=0.01), in any order")
 
     ev = sub.add_parser("eval", help="held-out avg@k accuracy of a policy (HF folder or Megatron checkpoint)")
     ev.add_argument("--model", required=True,
