@@ -17,6 +17,7 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper demo [--full] [--out DIR] [--show] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
     cooper rehearse --config X [--out DIR] [key=value ...]
+    cooper plot RUN [--out F.png]
 
 Dotted ``key=value`` overrides may come before, between or after the options.
 
@@ -65,6 +66,7 @@ HANDLERS = {
     "demo": "cooper_mcore.commands.demo:demo",
     "plan": "cooper_mcore.commands.plan:plan",
     "rehearse": "cooper_mcore.commands.rehearse:rehearse",
+    "plot": "cooper_mcore.commands.plot:plot",
 }
 
 #: Errors that are the user's (or the machine's) to fix: one clear line, no traceback, exit code 2
@@ -359,7 +361,7 @@ def _add_job_commands(sub: Any) -> None:
 
 
 def _add_tool_commands(sub: Any) -> None:
-    """The subcommands ``tiny-assets``, ``demo``, ``plan`` and ``rehearse``."""
+    """The subcommands ``tiny-assets``, ``demo``, ``plan``, ``rehearse`` and ``plot``."""
     ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
     ta.add_argument("--out", default="runs/tiny_assets", help="output folder (existing pieces are reused)")
     ta.add_argument("--family", default="qwen2_tied", help="the policy's family (cooper_mcore/models/tiny.py "
@@ -416,6 +418,12 @@ def _add_tool_commands(sub: Any) -> None:
     rh.add_argument("--startup-timeout", type=positive_float, default=600.0,
                     help="seconds from launch to the first step")
     rh.add_argument("overrides", nargs="*", help="dotted overrides applied to the preset, e.g. parallel.tp=2")
+
+    pt = sub.add_parser("plot", help="draw a run's main curves (reward, accuracy, KL, RM accuracy, timing) from its "
+                                     "metrics.jsonl to a PNG")
+    pt.add_argument("run", help="the run folder (--out of cooper train), or its metrics.jsonl")
+    pt.add_argument("--out", default=None, help="the PNG to write (default: metrics.png in the run folder)")
+    pt.add_argument("--title", default=None, help="the figure's title (default: the run folder's name)")
 
 
 def _quiet_known_warnings() -> None:
