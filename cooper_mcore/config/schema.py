@@ -643,7 +643,11 @@ def _settings(cls: type, preset: Optional[str], overrides: Optional[list[str]],
             tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise ValueError(f"bad config (override {item!r}): {_library_problem(key, e)}") from None
-        items += [(f"override {item!r}", k, v) for k, v in _leaves(tree)]
+        leaves = _leaves(tree)
+        if key in setting_keys(cls) and any(k != key for k, _ in leaves):  # data.template={question}
+            raise ValueError(f"bad config (override {item!r}): the value of {key} reads as a YAML mapping; quote "
+                             f"it: {key}='{item.partition('=')[2]}'")
+        items += [(f"override {item!r}", k, v) for k, v in leaves]
     for source, key, _ in items:
         problem = key_problem(cls, key)
         if problem:

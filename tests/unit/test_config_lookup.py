@@ -78,6 +78,8 @@ def test_an_override_without_a_value_is_refused_not_read_as_null():
     ("algo=1", "algo is a section, not a setting: name one of its settings (algo.clip_low, algo.clip_high, "
                "algo.clip_ratio_c, ...)"),
     ("=1", "a setting without a name (key=value is expected)"),
+    ("data.template={question}", "the value of data.template reads as a YAML mapping; quote it: "
+                                 "data.template='{question}'"),
 ])
 def test_config_library_errors_are_one_line_naming_the_key(override, message, caplog):
     with caplog.at_level(logging.ERROR):
