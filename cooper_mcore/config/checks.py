@@ -212,8 +212,9 @@ def float_problem(name: str, value: Optional[float], allowed: Range) -> Optional
         high is not None and (value > high or (allowed.high_open and value == high)))
     if not inside:
         bound = allowed.describe()
-        what = bound if bound == "a finite number" else f"{bound} and finite" if not math.isfinite(value) else bound
-        return f"{name} must be {what}{allowed.note}, got {value}"
+        if not math.isfinite(value) and bound != "a finite number":
+            bound += " and finite"
+        return f"{name} must be {bound}{allowed.note}, got {value}"
     if allowed.dtype is None or value == 0:
         return None
     info = torch.finfo(getattr(torch, allowed.dtype))

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+from cooper_mcore import cli
 from cooper_mcore.cli import build_parser
 from cooper_mcore.cli import main as cli_main
 from cooper_mcore.commands import check_output_folder
@@ -183,6 +184,7 @@ def test_every_shipped_preset_passes_the_checks_away_from_its_machines():
     (["rehearse", "--config", "p", "--step-timeout", "0"], "--step-timeout", "a finite number > 0"),
 ])
 def test_command_line_numbers_are_refused_naming_the_flag(argv, flag, why, capsys):
+    assert cli.MAX_SEED == MAX_SEED  # cli.py imports no library module: its copy must agree
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
     assert info.value.code == 2
