@@ -571,8 +571,10 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
     the config; an unknown key or a value of the wrong type is an error at once.
 
     Raises:
-        ValueError: unknown key, wrong type, or an unreadable preset (naming it: a YAML error with
-            its line, an empty preset, a top level that is not a mapping of sections).
+        ValueError: one line naming the key and its source: an unknown key (with a did-you-mean), an
+            override without ``=``, a wrong type, a broken interpolation; or an unreadable preset
+            (naming it: a YAML error with its line, an empty preset, a top level that is not a
+            mapping of sections).
         FileNotFoundError / IsADirectoryError: the preset does not exist / is a folder.
     """
     return load_sections(cls, preset, overrides)
