@@ -7,7 +7,8 @@ trainer's handler (megatron-core, torch, transformers), which every ``cooper tra
 
     python benchmarks/cli_startup.py [--repeat 5]
 
-Prints a table and, as its last line, ``help_s=<float> train_help_s=<float> import_trainer_s=<float>``.
+Prints a table and, as its last line, ``help_s=<float> train_help_s=<float> config_key_s=<float>
+import_trainer_s=<float>`` (``config_key_s``: a settings lookup, which needs the config schema only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 CASES = {
     "help_s": [sys.executable, "-m", "cooper_mcore", "--help"],
     "train_help_s": [sys.executable, "-m", "cooper_mcore", "train", "--help"],
+    "config_key_s": [sys.executable, "-m", "cooper_mcore", "config", "algo.tis_cap"],
     "import_trainer_s": [sys.executable, "-c", "import cooper_mcore.commands.train"],
 }
 

@@ -13,10 +13,11 @@ Subcommands are thin: they parse arguments and call one library function.
     cooper eval-rm --ckpt RM --data VB.jsonl
     cooper annotate --in F.jsonl --out G.jsonl --judge-url URL --judge-model M
     cooper train --config examples/tiny_cpu.yaml [--out DIR] [--resume auto] [key=value ...]
-    cooper config --show [--job train|sft|train-rm] [--config X] [key=value ...]
+    cooper config [--job train|sft|train-rm] [--config X] [KEY ...] [key=value ...]
     cooper demo [--full] [--out DIR] [--show] [key=value ...]
     cooper plan --config X --gpus-per-node N --gpu-memory-gib M [--nodes K] [--json] [key=value ...]
     cooper rehearse --config X [--out DIR] [key=value ...]
+    cooper plot RUN [--out F.png]
 
 Dotted ``key=value`` overrides may come before, between or after the options.
 
@@ -34,6 +35,7 @@ import faulthandler
 import importlib
 import importlib.metadata
 import logging
+import math
 import os
 import signal
 import sys
@@ -55,7 +57,7 @@ HANDLERS = {
     "verify": "cooper_mcore.commands.verify:verify",
     "annotate": "cooper_mcore.commands.verify:annotate",
     "train": "cooper_mcore.commands.train:train",
-    "config": "cooper_mcore.commands.train:config",
+    "config": "cooper_mcore.config.show:config",  # not under commands/, whose import loads megatron-core
     "eval": "cooper_mcore.commands.evaluate:evaluate",
     "sft": "cooper_mcore.commands.jobs:sft",
     "train-rm": "cooper_mcore.commands.jobs:train_rm",
@@ -64,6 +66,7 @@ HANDLERS = {
     "demo": "cooper_mcore.commands.demo:demo",
     "plan": "cooper_mcore.commands.plan:plan",
     "rehearse": "cooper_mcore.commands.rehearse:rehearse",
+    "plot": "cooper_mcore.commands.plot:plot",
 }
 
 #: Errors that are the user's (or the machine's) to fix: one clear line, no traceback, exit code 2
@@ -145,6 +148,48 @@ def handler(command: str) -> Callable[[argparse.Namespace], Optional[int]]:
     return getattr(importlib.import_module(module), name)
 
 
+def _float_type(low: Optional[float] = None, high: Optional[float] = None, low_open: bool = False,
+                high_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` reading a finite float within the bounds (``low_open``: ``> low``); its
+    error (NaN, an infinity or an overflow such as ``1e400``, out of range) names the value, and
+    argparse names the flag: ``argument --gpu-memory-gib: must be a finite number > 0, got 'nan'``."""
+    bounds = " ".join(filter(None, (f"{'>' if low_open else '>='} {low:g}" if low is not None else "",
+                                    "and" if low is not None and high is not None else "",
+                                    f"{'<' if high_open else '<='} {high:g}" if high is not None else "")))
+
+    def read(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) \
+                or (high is not None and (value > high or (high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"must be a finite number{' ' + bounds if bounds else ''}, got {text!r}")
+        return value
+
+    return read
+
+
+#: argparse types of the commands' float flags (:func:`_float_type`)
+non_negative_float = _float_type(0)
+positive_float = _float_type(0, low_open=True)
+probability_float = _float_type(0, 1, low_open=True, high_open=True)
+top_p_float = _float_type(0, 1, low_open=True)
+#: the largest seed a flag takes: every random generator takes it (as the config checks' MAX_SEED)
+MAX_SEED = 2**31 - 1
+
+
+def seed_int(text: str) -> int:
+    """An argparse ``type`` reading a seed: an integer in ``0..MAX_SEED``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_SEED}, got {text!r}")
+    return value
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's help followed by its default, unless the default means "not given"."""
 
@@ -201,20 +246,20 @@ def _add_model_commands(sub: Any) -> None:
     h2m.add_argument("--out", required=True, help="output checkpoint folder (must not exist)")
     h2m.add_argument("--model-type", choices=["causal_lm", "reward"], default=None,
                      help="default: from the config's architecture")
-    h2m.add_argument("--head-std", type=float, default=None,
+    h2m.add_argument("--head-std", type=non_negative_float, default=None,
                      help="std of a new reward head (reward from a causal LM); default the config's "
                           "initializer_range; 0: a zero head")
     m2h = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors folder")
     m2h.add_argument("--ckpt", required=True, help="checkpoint folder written by hf-to-mcore/training "
                                                    "(<run>/checkpoints/step_N/policy or .../rm)")
     m2h.add_argument("--out", required=True, help="output HF folder (must not exist)")
-    m2h.add_argument("--max-shard-gib", type=float, default=5.0, help="safetensors shard size in GiB")
+    m2h.add_argument("--max-shard-gib", type=positive_float, default=5.0, help="safetensors shard size in GiB")
 
     ver = sub.add_parser("verify", help="check predictions against gold answers with math-verify")
     ver.add_argument("--in", dest="inp", required=True, help="JSONL with 'gold' and 'pred' on each line")
     ver.add_argument("--out", required=True, help="JSONL: each input line plus 'correct' (true/false/null) "
                      "and 'seconds'")
-    ver.add_argument("--timeout", type=float, default=5.0, help="hard per-item timeout (s)")
+    ver.add_argument("--timeout", type=positive_float, default=5.0, help="hard per-item timeout (s)")
     ver.add_argument("--workers", type=int, default=2, help="verifier processes")
     ver.add_argument("--gold-key", default="gold", help="field of each line holding the gold answer")
     ver.add_argument("--pred-key", default="pred", help="field of each line holding the prediction")
@@ -237,26 +282,29 @@ def _add_trainer_commands(sub: Any) -> None:
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01 reward.mode=rule "
                                                  "(`cooper config` lists them)")
 
-    co = sub.add_parser("config", help="list every setting of a job (`cooper train` by default) with its value and doc")
-    co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default)")
+    co = sub.add_parser("config", help="a job's settings (`cooper train`'s by default) with their values and docs: "
+                                       "all of them, or the keys named (cooper config algo.tis_cap rollout)")
+    co.add_argument("--show", action="store_true", help="print every key=value with its one-line doc (the default "
+                                                        "when no key is named)")
     co.add_argument("--job", choices=["train", "sft", "train-rm"], default="train",
                     help="whose settings: train (Cooper RL), sft or train-rm (VerifyRM)")
     co.add_argument("--config", default=None, help="YAML preset (a path or a shipped preset's name) whose values to "
                                                     "show (default: the defaults)")
-    co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01")
+    co.add_argument("overrides", nargs="*", help="keys to show (a setting or a section, e.g. algo.tis_cap) and dotted "
+                                                 "overrides (key=value, e.g. algo.kl_coef=0.01), in any order")
 
     ev = sub.add_parser("eval", help="held-out avg@k accuracy of a policy (HF folder or Megatron checkpoint)")
     ev.add_argument("--model", required=True,
                     help="HF folder, converted checkpoint, or <run>/checkpoints/step_N/policy")
     ev.add_argument("--data", required=True, help="JSONL/Parquet with question and answer")
     ev.add_argument("--k", type=int, default=8, help="samples per prompt")
-    ev.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    ev.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
+    ev.add_argument("--temperature", type=non_negative_float, default=0.7, help="sampling temperature")
+    ev.add_argument("--top-p", type=top_p_float, default=0.95, help="nucleus sampling threshold")
     ev.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per sample at most")
     ev.add_argument("--template", default="{question}", help="prompt template ({question} is replaced)")
     ev.add_argument("--chat-template", action="store_true", help="use the tokenizer's chat template")
     ev.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all)")
-    ev.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ev.add_argument("--seed", type=seed_int, default=0, help="sampling seed")
 
 
 def _add_job_commands(sub: Any) -> None:
@@ -291,7 +339,8 @@ def _add_job_commands(sub: Any) -> None:
     erm.add_argument("--format", default="auto", choices=["auto", "labeled", "verifybench"],
                      help="the data's format (auto: from its fields)")
     erm.add_argument("--micro-batch-size", type=int, default=8, help="rows per forward micro-batch")
-    erm.add_argument("--threshold", type=float, default=0.5, help="probability above which a row counts as correct")
+    erm.add_argument("--threshold", type=probability_float, default=0.5,
+                     help="probability above which a row counts as correct")
     erm.add_argument("--predictions", default=None, help="write per-item scores here")
     erm.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     erm.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -304,17 +353,18 @@ def _add_job_commands(sub: Any) -> None:
     an.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
     an.add_argument("--judgements", default=None, help="also write every raw judgement here")
     an.add_argument("--judge-retries", type=int, default=3, help="retries per judge request (exponential backoff)")
-    an.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judge request attempt")
+    an.add_argument("--judge-timeout", type=positive_float, default=60.0, help="seconds per judge request attempt")
     an.add_argument("--on-judge-failure", choices=["mask", "stop"], default="mask",
                     help="a judge request that fails after its retries: drop that row and count it (mask), "
                          "or stop with an error naming the endpoint (stop)")
-    an.add_argument("--verifier-timeout", type=float, default=5.0, help="hard per-item timeout of math-verify (s)")
+    an.add_argument("--verifier-timeout", type=positive_float, default=5.0,
+                    help="hard per-item timeout of math-verify (s)")
     an.add_argument("--workers", type=int, default=2, help="verifier processes")
     an.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows instead of failing")
 
 
 def _add_tool_commands(sub: Any) -> None:
-    """The subcommands ``tiny-assets``, ``demo``, ``plan`` and ``rehearse``."""
+    """The subcommands ``tiny-assets``, ``demo``, ``plan``, ``rehearse`` and ``plot``."""
     ta = sub.add_parser("tiny-assets", help="write tiny CPU assets (prompts, tokenizer, tiny policy and RM)")
     ta.add_argument("--out", default="runs/tiny_assets", help="output folder (existing pieces are reused)")
     ta.add_argument("--family", default="qwen2_tied", help="the policy's family (cooper_mcore/models/tiny.py "
@@ -331,19 +381,19 @@ def _add_tool_commands(sub: Any) -> None:
     pl = sub.add_parser("plan", help="predict per-GPU memory per phase and the offload settings a run needs")
     pl.add_argument("--config", default=None, help="YAML preset: a path or a shipped preset's name (examples/*.yaml)")
     pl.add_argument("--gpus-per-node", type=int, required=True, help="GPUs on each node")
-    pl.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, e.g. 80")
+    pl.add_argument("--gpu-memory-gib", type=positive_float, required=True, help="memory of one GPU, e.g. 80")
     pl.add_argument("--nodes", type=int, default=1, help="nodes of the run")
     pl.add_argument("--policy-config", default=None, help="the policy's HF config.json (default: model.policy_hf)")
     pl.add_argument("--rm-config", default=None, help="the reward model's HF config.json (default: model.rm_ckpt)")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="the longest prompt in tokens")
-    pl.add_argument("--overhead-gib", type=float, default=2.0,
+    pl.add_argument("--overhead-gib", type=non_negative_float, default=2.0,
                     help="per-GPU allowance for NCCL buffers, CUDA graphs and fragmentation (CUDA contexts are "
                          "counted separately, per process)")
     pl.add_argument("--no-assistant", action="store_true", help="count no colocated assistant server")
     pl.add_argument("--assistant-config", default=None,
                     help="the colocated assistant's HF config.json (default: the policy's shape)")
     pl.add_argument("--assistant-tp", type=int, default=None, help="GPUs per assistant replica (default: parallel.tp)")
-    pl.add_argument("--assistant-mem-fraction", type=float, default=None,
+    pl.add_argument("--assistant-mem-fraction", type=probability_float, default=None,
                     help="the assistant's --mem-fraction-static (default: derived from its size, as the launcher)")
     pl.add_argument("--recompute", action="store_true", help="plan with full activation recomputation")
     pl.add_argument("--json", action="store_true", help="print JSON (top-level boolean 'fits')")
@@ -366,10 +416,17 @@ def _add_tool_commands(sub: Any) -> None:
                          "interrupted and resumed runs are made again with them and must equal the reference bit for "
                          "bit; repeat for several variants")
     # the defaults of cooper_mcore.rehearsal.run.Limits, written out so that --help needs no import (tested equal)
-    rh.add_argument("--step-timeout", type=float, default=180.0,
+    rh.add_argument("--step-timeout", type=positive_float, default=180.0,
                     help="seconds one step may take before the run counts as hung")
-    rh.add_argument("--startup-timeout", type=float, default=600.0, help="seconds from launch to the first step")
+    rh.add_argument("--startup-timeout", type=positive_float, default=600.0,
+                    help="seconds from launch to the first step")
     rh.add_argument("overrides", nargs="*", help="dotted overrides applied to the preset, e.g. parallel.tp=2")
+
+    pt = sub.add_parser("plot", help="draw a run's main curves (reward, accuracy, KL, RM accuracy, timing) from its "
+                                     "metrics.jsonl to a PNG")
+    pt.add_argument("run", help="the run folder (--out of cooper train), or its metrics.jsonl")
+    pt.add_argument("--out", default=None, help="the PNG to write (default: metrics.png in the run folder)")
+    pt.add_argument("--title", default=None, help="the figure's title (default: the run folder's name)")
 
 
 def _quiet_known_warnings() -> None:

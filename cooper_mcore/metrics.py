@@ -137,7 +137,8 @@ class MetricsLogger:
     folder's record of it is ``config.yaml`` (:mod:`cooper_mcore.config.versions`). One writer per
     file: the job's rank 0, which holds the run folder (:func:`cooper_mcore.job.hold_run_folder`).
 
-    wandb runs in the mode :func:`resolve_wandb_mode` picks, with console capture off. A failure
+    wandb runs in the mode :func:`resolve_wandb_mode` picks, with console capture off; offline (no
+    credentials) its own console output is silenced and one log line says where the run is. A failure
     to start wandb, or to log to it, logs a warning and the run continues without wandb. On ranks
     with ``is_main=False`` every method is a no-op and nothing is created.
 
@@ -183,8 +184,11 @@ class MetricsLogger:
         try:
             import wandb
 
+            # offline (no credentials): wandb's own ~30 lines of banner and summary are silenced, one line below
+            offline = self.wandb_mode == "offline"
             kwargs: dict[str, Any] = {"project": project, "name": run_name, "config": self.config,
-                                      "mode": self.wandb_mode, "settings": wandb.Settings(console="off")}
+                                      "mode": self.wandb_mode,
+                                      "settings": wandb.Settings(console="off", silent=offline)}
             if not os.environ.get("WANDB_DIR"):
                 kwargs["dir"] = self.out_dir
             kwargs.update(extra)
@@ -193,7 +197,11 @@ class MetricsLogger:
             logger.warning("wandb init failed (%s: %s); continuing without wandb, metrics still go to %s",
                            type(e).__name__, e, self.path)
             return None
-        logger.info("wandb run %s (mode %s)", getattr(run, "name", None), self.wandb_mode)
+        if offline:
+            folder = os.path.dirname(getattr(run, "dir", "") or "") or "wandb/"  # run.dir: the run folder's files/
+            logger.info("wandb offline: the run is in %s (`wandb sync %s` uploads it)", folder, folder)
+        else:
+            logger.info("wandb run %s (mode %s)", getattr(run, "name", None), self.wandb_mode)
         return run
 
     @property

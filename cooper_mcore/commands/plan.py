@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from cooper_mcore.config.checks import Elsewhere, validate
 from cooper_mcore.config.schema import load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.planner.plan import AssistantSpec, PlanOptions
@@ -16,6 +17,8 @@ from cooper_mcore.planner.report import format_plan, load_shapes, plan_to_dict
 def plan(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     policy, rm, notes = load_shapes(cfg, args.policy_config, args.rm_config)
+    # the checks `cooper train` runs, with these shapes: a run the trainer refuses does not fit
+    validate(cfg, args.gpus_per_node * args.nodes, Elsewhere(policy, rm))
     assistant: AssistantSpec | str = "none" if args.no_assistant else "auto"
     if not args.no_assistant and (args.assistant_config or args.assistant_tp or args.assistant_mem_fraction):
         path = args.assistant_config

@@ -1,12 +1,12 @@
-"""``cooper train`` (the Cooper trainer) and ``cooper config`` (a job's settings: ``--job train``, ``sft`` or
-``train-rm``)."""
+"""``cooper train``: the Cooper trainer (``cooper config``, which lists its settings, is
+:mod:`cooper_mcore.config.show`)."""
 
 from __future__ import annotations
 
 import argparse
 
 from cooper_mcore.commands import check_output_folder
-from cooper_mcore.config.schema import JOB_CONFIGS, format_settings, load_config
+from cooper_mcore.config.schema import load_config
 from cooper_mcore.redaction import install_log_filter
 from cooper_mcore.rl.loop import train as train_run
 
@@ -25,7 +25,3 @@ def train(args: argparse.Namespace) -> None:
     check_output_folder(cfg.out)
     train_run(cfg)
 
-
-def config(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config, args.overrides, cls=JOB_CONFIGS[getattr(args, "job", "train")])
-    print(format_settings(cfg), flush=True)  # the listing

@@ -10,6 +10,8 @@ path the run reads exists and its JSON metadata parses. The config's types are i
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import typing
 from collections.abc import Callable
@@ -17,12 +19,18 @@ from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Any, Literal, NamedTuple, Optional
 
+import torch
+
 from cooper_mcore.checkpoint.model import META_FILE, checkpoint_arch_fields, is_model_checkpoint
 from cooper_mcore.config.model_shapes import random_init_shapes
-from cooper_mcore.config.schema import CooperConfig, RewardMode, SFTConfig, VerifyRMConfig
+from cooper_mcore.config.schema import CooperConfig, OptimSection, RewardMode, SFTConfig, VerifyRMConfig
 from cooper_mcore.files import read_json_object
-from cooper_mcore.parallel import ParallelConfig
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.parallel_layout import ParallelConfig
 
+#: how to install the SGLang engine (``rollout.engine=sglang``): the version the project is tested with,
+#: which the ``gpu`` extra pins too (docs/sglang.md)
+SGLANG_INSTALL = "pip install 'sglang==0.5.23' (also in cooper_mcore's gpu extra)"
 #: fields the policy checkpoint's ``cooper_model.json`` "arch" and ``model.policy_hf``'s
 #: ``config.json`` must agree on: (arch field, config.json key)
 _SAME_MODEL_FIELDS = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
@@ -30,7 +38,8 @@ _SAME_MODEL_FIELDS = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size
                       ("num_query_groups", "num_key_value_heads"), ("ffn_hidden_size", "intermediate_size"))
 
 
-def validate(cfg: CooperConfig | SFTConfig | VerifyRMConfig, world_size: int) -> None:
+def validate(cfg: CooperConfig | SFTConfig | VerifyRMConfig, world_size: Optional[int],
+             elsewhere: Optional[Elsewhere] = None) -> None:
     """One clear error for an impossible run of any job (``cooper train``, ``sft``, ``train-rm``),
     before any work starts.
 
@@ -47,14 +56,27 @@ def validate(cfg: CooperConfig | SFTConfig | VerifyRMConfig, world_size: int) ->
     against the world size, the batch sizes and their checkpoint's shape, the paths they read
     (:func:`sft_problems`, :func:`verify_rm_problems`).
 
+    Numbers are checked as the run uses them: floats in the dtype of the tensors they meet
+    (:func:`float_problem`), integers within 64 bits, seeds within what every generator takes.
+    ``cooper plan`` and ``cooper rehearse`` run the same checks of a Cooper run away from its
+    machines (``elsewhere``): with the models' shapes they found, without looking for its files or
+    its rollout engine's package.
+
     Args:
         cfg: the job's config.
-        world_size: the number of processes (``WORLD_SIZE``).
+        world_size: the number of processes (``WORLD_SIZE``); None (``elsewhere`` only): the layout
+            is not checked against a world.
+        elsewhere: see :class:`Elsewhere` (a Cooper run only).
 
     Raises:
         ValueError: listing every problem found, one per line.
     """
-    problems = JOB_PROBLEMS[type(cfg)](cfg, world_size)
+    if elsewhere is not None:
+        assert isinstance(cfg, CooperConfig), "only a Cooper run is checked away from its machines"
+        problems = config_problems(cfg, world_size, elsewhere)
+    else:
+        assert world_size is not None, "a run checked where it runs has a world size"
+        problems = JOB_PROBLEMS[type(cfg)](cfg, world_size)
     if problems:
         hint = ""
         if any("does not exist" in p and "tiny_assets" in p for p in problems):
@@ -67,8 +89,17 @@ def validate(cfg: CooperConfig | SFTConfig | VerifyRMConfig, world_size: int) ->
                          + "\n".join(f"  - {p}" for p in problems) + hint)
 
 
-def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
-    """Every problem :func:`validate` reports, in a fixed order (empty when the config is fine)."""
+def config_problems(cfg: CooperConfig, world_size: Optional[int], elsewhere: Optional[Elsewhere] = None) -> list[str]:
+    """Every problem :func:`validate` reports, in a fixed order (empty when the config is fine).
+
+    Args:
+        cfg: the run's config.
+        world_size: the number of processes; None: the layout is not checked against a world (a
+            preset rehearsed at another size).
+        elsewhere: the run checked away from the machines it will run on (``cooper plan``,
+            ``cooper rehearse``): the models' shapes are given, the files it reads and the rollout
+            engine's package are not looked for. None: checked where it runs (``cooper train``).
+    """
     out: list[str] = []
     t, ro, r = cfg.train, cfg.rollout, cfg.reward
     out += choice_problems(cfg)
@@ -87,26 +118,145 @@ def config_problems(cfg: CooperConfig, world_size: int) -> list[str]:
               ("eval.k", cfg.eval.k, 1), ("checkpoint.every", cfg.checkpoint.every, 0),
               ("checkpoint.keep", cfg.checkpoint.keep, 1)]
     out += [f"{name} must be >= {low}, got {value}" for name, value, low in ranges if value < low]
-    positive = [("reward.verifier_timeout_s", r.verifier_timeout_s),
-                ("rm.assistant_timeout_s", cfg.rm.assistant_timeout_s)]
-    out += [f"{name} must be > 0, got {value}" for name, value in positive if not value > 0]
-    non_negative = [("algo.clip_low", cfg.algo.clip_low), ("algo.clip_high", cfg.algo.clip_high),
-                    ("algo.kl_coef", cfg.algo.kl_coef), ("optim.lr", cfg.optim.lr), ("rm.optim.lr", cfg.rm.optim.lr),
-                    ("rollout.temperature", ro.temperature)]
-    out += [f"{name} must be >= 0, got {value}" for name, value in non_negative if not value >= 0]
-    if cfg.algo.clip_ratio_c is not None and not cfg.algo.clip_ratio_c > 1:
-        out.append(f"algo.clip_ratio_c must be > 1 (or null: no dual clip), got {cfg.algo.clip_ratio_c}")
-    out += [f"algo.{name} must be > 0 (or null: off), got {value}" for name, value in
-            (("tis_cap", cfg.algo.tis_cap), ("logprob_diff_guard", cfg.algo.logprob_diff_guard))
-            if value is not None and not value > 0]
-    out += [f"{name} must be in (0, 1], got {value}" for name, value in
-            (("rollout.top_p", ro.top_p), ("eval.top_p", cfg.eval.top_p)) if not 0 < value <= 1]
+    out += int_problems(cfg) + seed_problems([("train.seed", t.seed)])
+    out += float_problems(_run_floats(cfg))
     if "{question}" not in cfg.data.template:
         out.append(f"data.template {cfg.data.template!r} has no {{question}} placeholder")
-    out += _layout_problems(cfg, world_size)
-    out += _engine_problems(cfg)
-    out += _path_problems(cfg)
-    out += _policy_hf_problems(cfg)
+    models, model_problems = _run_models(cfg, elsewhere)
+    out += _layout_problems(cfg, world_size, models, model_problems)
+    out += _engine_problems(cfg, models[0].arch if models else None, installed=elsewhere is None)
+    if elsewhere is None:
+        out += _path_problems(cfg)
+        out += _policy_hf_problems(cfg)
+    return out
+
+
+def _run_floats(cfg: CooperConfig) -> list[tuple[str, Optional[float], Range]]:
+    """A Cooper run's float settings and their ranges (:func:`float_problems`)."""
+    a, ro, m = cfg.algo, cfg.rollout, cfg.model
+    greedy = Range(low=0, note=" (0: greedy)")
+    return [("model.moe_aux_loss_coef", m.moe_aux_loss_coef, NON_NEGATIVE),
+            ("rollout.temperature", ro.temperature, greedy), ("rollout.top_p", ro.top_p, TOP_P),
+            ("rollout.sglang_mem_fraction", ro.sglang_mem_fraction, Range(0, 1, low_open=True, high_open=True)),
+            ("reward.verifier_timeout_s", cfg.reward.verifier_timeout_s, Range(0, low_open=True, dtype=None)),
+            ("reward.unverifiable_reward", cfg.reward.unverifiable_reward, Range()),
+            ("algo.clip_low", a.clip_low, NON_NEGATIVE), ("algo.clip_high", a.clip_high, NON_NEGATIVE),
+            ("algo.clip_ratio_c", a.clip_ratio_c, Range(1, low_open=True, note=" (or null: no dual clip)")),
+            ("algo.kl_coef", a.kl_coef, NON_NEGATIVE), ("algo.adv_eps", a.adv_eps, NON_NEGATIVE),
+            ("algo.adv_std_floor", a.adv_std_floor, NON_NEGATIVE), ("algo.entropy_coef", a.entropy_coef, Range()),
+            ("algo.tis_cap", a.tis_cap, Range(0, low_open=True, note=" (or null: off)")),
+            ("algo.logprob_diff_guard", a.logprob_diff_guard, Range(0, low_open=True, note=" (or null: off)")),
+            *_optim_floats("optim", cfg.optim, NON_NEGATIVE), *_optim_floats("rm.optim", cfg.rm.optim, NON_NEGATIVE),
+            ("rm.anchor_weight", cfg.rm.anchor_weight, NON_NEGATIVE),
+            ("rm.assistant_timeout_s", cfg.rm.assistant_timeout_s, Range(0, low_open=True, dtype=None)),
+            ("eval.temperature", cfg.eval.temperature, greedy), ("eval.top_p", cfg.eval.top_p, TOP_P)]
+
+
+def _optim_floats(prefix: str, o: OptimSection, lr: Range) -> list[tuple[str, Optional[float], Range]]:
+    """An optimizer section's floats: the learning rate (``lr``'s range), weight decay and the clip."""
+    return [(f"{prefix}.lr", o.lr, lr), (f"{prefix}.weight_decay", o.weight_decay, NON_NEGATIVE),
+            (f"{prefix}.clip_grad", o.clip_grad, Range(0, note=" (0: off)"))]
+
+
+# ----------------------------------------------------------------------------- numbers as the run uses them
+
+
+class Range(NamedTuple):
+    """The values a float setting may take (:func:`float_problem`)."""
+
+    low: Optional[float] = None
+    """Lowest value (None: no bound)."""
+    high: Optional[float] = None
+    """Highest value (None: no bound)."""
+    low_open: bool = False
+    """``> low`` rather than ``>= low``."""
+    high_open: bool = False
+    """``< high`` rather than ``<= high``."""
+    dtype: Optional[str] = "float32"
+    """The torch dtype the run computes with the value in (losses, clamps, the optimizer's fp32 master
+    weights: float32 even for bf16 models); None: used as a Python float only (a timeout)."""
+    note: str = ""
+    """Appended to the range in the message, e.g. `` (or null: off)``."""
+
+    def describe(self) -> str:
+        """The range in words: ``>= 0``, ``in (0, 1]``, ``a finite number``."""
+        low, high = (f"{v:g}" if v is not None else None for v in (self.low, self.high))
+        if low is not None and high is not None:
+            return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        if low is not None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        if high is not None:
+            return f"{'<' if self.high_open else '<='} {high}"
+        return "a finite number"
+
+
+NON_NEGATIVE = Range(low=0)
+TOP_P = Range(0, 1, low_open=True)
+
+
+def float_problem(name: str, value: Optional[float], allowed: Range) -> Optional[str]:
+    """Why the float setting ``name`` cannot be used as the run uses it, or None (also for None,
+    which the schema allows only where null means "off").
+
+    The value must be finite and in ``allowed``'s range, and in ``allowed.dtype`` (the tensors it
+    meets) neither overflow nor, when nonzero, fall below the dtype's smallest normal number: there
+    ``1e-300`` is 0 (a TIS cap or a learning rate that silently stops training) and a subnormal's
+    reciprocal or log is infinite (a temperature the logits are divided by).
+    """
+    if value is None:
+        return None
+    value = float(value)
+    low, high = allowed.low, allowed.high
+    inside = math.isfinite(value) and not (
+        low is not None and (value < low or (allowed.low_open and value == low))) and not (
+        high is not None and (value > high or (allowed.high_open and value == high)))
+    if not inside:
+        bound = allowed.describe()
+        if not math.isfinite(value) and bound != "a finite number":
+            bound += " and finite"
+        return f"{name} must be {bound}{allowed.note}, got {value}"
+    if allowed.dtype is None or value == 0:
+        return None
+    info = torch.finfo(getattr(torch, allowed.dtype))
+    used = torch.tensor(value, dtype=getattr(torch, allowed.dtype)).item()
+    if not math.isfinite(used):
+        return (f"{name}={value:g} overflows {allowed.dtype}, the type the run computes it in (at most "
+                f"{info.max:.3g}){allowed.note}")
+    if abs(used) < info.tiny:
+        became = "0" if used == 0 else f"the subnormal {used:.3g}"
+        return (f"{name}={value:g} is {became} in {allowed.dtype}, the type the run computes it in (its reciprocal "
+                f"and log are not finite there): use a magnitude of at least {info.tiny:.3g}"
+                f"{'' if allowed.low_open and low == 0 else ' or 0'}{allowed.note}")
+    return None
+
+
+def float_problems(settings: list[tuple[str, Optional[float], Range]]) -> list[str]:
+    """:func:`float_problem` of each ``(name, value, range)``."""
+    return [p for name, value, allowed in settings if (p := float_problem(name, value, allowed)) is not None]
+
+
+#: the largest seed: every generator the run seeds takes it, after the small offsets added per rank
+#: and per model (NumPy's and SGLang's seeds are 32-bit)
+MAX_SEED = 2**31 - 1
+#: the range of an integer setting: a 64-bit integer, as the tensors and the C libraries that get it
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def seed_problems(seeds: list[tuple[str, int]]) -> list[str]:
+    """Seeds outside ``0..MAX_SEED``, by setting."""
+    return [f"{name} must be in 0..{MAX_SEED} (a seed every random generator takes), got {value}"
+            for name, value in seeds if isinstance(value, int) and not 0 <= value <= MAX_SEED]
+
+
+def int_problems(cfg: Any, prefix: str = "") -> list[str]:
+    """Integer settings (anywhere in ``cfg``) that do not fit in 64 bits."""
+    out = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            out += int_problems(value, f"{prefix}{f.name}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+            out.append(f"{prefix}{f.name}={value} does not fit in a 64-bit integer")
     return out
 
 
@@ -138,21 +288,26 @@ def choice_problems(cfg: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _data_parallel(par: ParallelConfig, world_size: int) -> tuple[list[str], Optional[int]]:
-    """The layout's problems of its own, and the data-parallel size (None when it has none)."""
+def _data_parallel(par: ParallelConfig, world_size: Optional[int]) -> tuple[list[str], Optional[int]]:
+    """The layout's problems of its own, and the data-parallel size (None when it has none, or
+    without a world size)."""
     if par.tp < 1 or par.pp < 1:
         return [f"parallel.tp and parallel.pp must be >= 1, got tp={par.tp} pp={par.pp}"], None
     out = []
     if par.sequence_parallel and par.tp == 1:
         out.append("parallel.sequence_parallel needs parallel.tp > 1")
+    if world_size is None:
+        return out, None
     if world_size % (par.tp * par.pp):
         out.append(f"the world size {world_size} is not divisible by tp*pp = {par.tp}*{par.pp}")
         return out, None
     return out, world_size // (par.tp * par.pp)
 
 
-def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
-    """The parallel layout against the world size, the batch sizes and the models' shapes."""
+def _layout_problems(cfg: CooperConfig, world_size: Optional[int], models: list[_Model],
+                     model_problems: list[str]) -> list[str]:
+    """The parallel layout against the world size (None: not checked), the batch sizes and the
+    models' shapes (``models``; ``model_problems``: why their configs cannot be read)."""
     par, t = cfg.parallel, cfg.train
     out, dp = _data_parallel(par, world_size)
     if par.tp < 1 or par.pp < 1:
@@ -170,15 +325,25 @@ def _layout_problems(cfg: CooperConfig, world_size: int) -> list[str]:
                 out.append(f"{per_rank} sequences per data-parallel rank (prompts_per_step {t.prompts_per_step} / "
                            f"dp {dp} * group_size {cfg.rollout.group_size}) are not divisible by "
                            f"micro_batch_size*mini_batches = {t.micro_batch_size}*{t.mini_batches}")
-    if cfg.model.moe_aux_loss_coef is not None and cfg.model.moe_aux_loss_coef < 0:
-        out.append(f"model.moe_aux_loss_coef must be >= 0, got {cfg.model.moe_aux_loss_coef}")
-    models, problems = _run_models(cfg)
     policy = models[0] if models else None
     if cfg.model.moe_routing_replay and policy is not None and policy.arch is not None \
             and not isinstance(policy.arch.get("moe"), dict):
         out.append(f"model.moe_routing_replay needs a mixture-of-experts policy; {policy.name} ({policy.path}) "
                    "is dense")
-    return out + problems + _model_layout_problems(par, models, world_size, {"model.policy_ckpt": cfg.model.dtype})
+    return out + model_problems + _model_layout_problems(par, models, world_size,
+                                                         {"model.policy_ckpt": cfg.model.dtype})
+
+
+class Elsewhere(NamedTuple):
+    """A Cooper run checked away from the machines it will run on (``cooper plan``, ``cooper
+    rehearse``): its models' shapes as found there (:func:`cooper_mcore.planner.report.find_shapes`),
+    since the checkpoints need not be here; the files it reads and the rollout engine's package are
+    not looked for."""
+
+    policy: Optional[ArchSpec]
+    """The policy's architecture (None: unknown, the models' checks are left out)."""
+    rm: Optional[ArchSpec]
+    """The reward model's (None without one, or unknown)."""
 
 
 class _Model(NamedTuple):
@@ -195,13 +360,19 @@ def _checkpoint_model(name: str, ckpt: str) -> _Model:
     return _Model(name, ckpt, *checkpoint_arch_fields(ckpt))
 
 
-def _run_models(cfg: CooperConfig) -> tuple[list[_Model], list[str]]:
-    """A Cooper run's models (the RM when it has one): their checkpoints, or with ``model.init: random``
-    their configs (:func:`~cooper_mcore.config.model_shapes.random_init_shapes`); and why a config cannot be read."""
+def _run_models(cfg: CooperConfig, elsewhere: Optional[Elsewhere] = None) -> tuple[list[_Model], list[str]]:
+    """A Cooper run's models (the RM when it has one): their checkpoints (or, ``elsewhere``, the shapes
+    given for them), or with ``model.init: random`` their configs
+    (:func:`~cooper_mcore.config.model_shapes.random_init_shapes`); and why a config cannot be read."""
     if not cfg.model.random_init:
         names = [("model.policy_ckpt", cfg.model.policy_ckpt)] + ([("model.rm_ckpt", cfg.model.rm_ckpt)]
                                                                   if _uses_rm(cfg) else [])
-        return [_checkpoint_model(name, ckpt) for name, ckpt in names], []
+        if elsewhere is None:
+            return [_checkpoint_model(name, ckpt) for name, ckpt in names], []
+        if elsewhere.policy is None:
+            return [], []
+        archs = [elsewhere.policy, elsewhere.rm or elsewhere.policy]
+        return [_Model(name, ckpt, arch.to_dict(), None) for (name, ckpt), arch in zip(names, archs)], []
     try:
         shapes = random_init_shapes(cfg.model, _uses_rm(cfg))
     except ValueError as e:
@@ -210,7 +381,7 @@ def _run_models(cfg: CooperConfig) -> tuple[list[_Model], list[str]]:
             for name, s in zip(("model.policy_config", "model.rm_config"), shapes) if s is not None], []
 
 
-def _model_layout_problems(par: ParallelConfig, models: list[_Model], world_size: int,
+def _model_layout_problems(par: ParallelConfig, models: list[_Model], world_size: Optional[int],
                            dtypes: Optional[dict[str, str]] = None) -> list[str]:
     """``models`` against the layout: heads, key/value heads and vocabulary by tp, layers by pp,
     experts by ep/etp (:func:`_expert_model_problems`), and the dtype a model is trained in
@@ -242,12 +413,12 @@ def _model_layout_problems(par: ParallelConfig, models: list[_Model], world_size
     return out + _expert_layout_problems(par.ep, par.expert_tp, par.pp, world_size)
 
 
-def _expert_layout_problems(ep: int, etp: int, pp: int, world_size: int) -> list[str]:
+def _expert_layout_problems(ep: int, etp: int, pp: int, world_size: Optional[int]) -> list[str]:
     """The expert-parallel layout against the world size (megatron's expert groups: ``etp*ep*pp``
-    must divide it, as ``tp*pp`` does for the dense layers)."""
+    must divide it, as ``tp*pp`` does for the dense layers; None: no world to check against)."""
     if ep < 1 or etp < 1:
         return [f"parallel.ep and parallel.etp must be >= 1, got ep={ep} etp={etp}"]
-    if world_size % (etp * ep * pp):
+    if world_size is not None and world_size % (etp * ep * pp):
         return [f"the world size {world_size} is not divisible by the expert layout etp*ep*pp = {etp}*{ep}*{pp}"]
     return []
 
@@ -285,26 +456,37 @@ def _dense_only_problems(par: ParallelConfig, models: list[_Model]) -> list[str]
             f"{'is' if len(models) == 1 else 'are'} dense"]
 
 
-def _engine_problems(cfg: CooperConfig) -> list[str]:
-    """What the rollout engine cannot serve. SGLang's Qwen3-MoE (``srt/models/qwen3_moe.py``, 0.5.x)
-    builds every layer sparse whatever ``mlp_only_layers``/``decoder_sparse_step`` say, so a policy
-    with dense layers would be served wrong (log-probabilities ~1e-2 off, measured) rather than refused.
-    SGLang loads its first weights from ``model.policy_hf``, which a run with random weights does not have."""
-    if cfg.rollout.uses_sglang and cfg.model.random_init:
+def _engine_problems(cfg: CooperConfig, policy_arch: Optional[dict[str, Any]], installed: bool) -> list[str]:
+    """What the rollout engine cannot serve, and (``installed``) an engine whose package is not
+    installed here. SGLang's Qwen3-MoE (``srt/models/qwen3_moe.py``, 0.5.x) builds every layer sparse
+    whatever ``mlp_only_layers``/``decoder_sparse_step`` say, so a policy (``policy_arch``: its shape's
+    fields) with dense layers would be served wrong (log-probabilities ~1e-2 off, measured) rather
+    than refused. SGLang loads its first weights from ``model.policy_hf``, which a run with random
+    weights does not have."""
+    ro = cfg.rollout
+    if not ro.uses_sglang:
+        return []
+    if cfg.model.random_init:
         return ["model.init=random needs rollout.engine=hf: SGLang starts from the weights in model.policy_hf, "
                 "the transformers engine is built empty and filled by the weight push"]
-    if cfg.rollout.uses_sglang and not 1024 <= cfg.rollout.sglang_base_port <= 60000:
-        return [f"rollout.sglang_base_port must be in 1024..60000 (each local rank takes 10 ports above it), "
-                f"got {cfg.rollout.sglang_base_port}"]
-    if not cfg.rollout.uses_sglang or not cfg.model.policy_ckpt:
-        return []
-    arch, _ = checkpoint_arch_fields(cfg.model.policy_ckpt)
-    moe = arch.get("moe") if arch else None
+    out = []
+    if not 1024 <= ro.sglang_base_port <= 60000:
+        out.append(f"rollout.sglang_base_port must be in 1024..60000 (each local rank takes 10 ports above it), "
+                   f"got {ro.sglang_base_port}")
+    if installed and not sglang_installed():
+        out.append(f"rollout.engine=sglang needs SGLang, which is not installed here: {SGLANG_INSTALL}; or set "
+                   "rollout.engine=hf (the transformers engine)")
+    moe = policy_arch.get("moe") if policy_arch else None
     if isinstance(moe, dict) and (moe.get("mlp_only_layers") or moe.get("decoder_sparse_step", 1) != 1):
-        return [f"model.policy_ckpt ({cfg.model.policy_ckpt}) is a Qwen3-MoE with dense layers (mlp_only_layers="
-                f"{moe.get('mlp_only_layers')}, decoder_sparse_step={moe.get('decoder_sparse_step', 1)}), which "
-                "SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse"]
-    return []
+        out.append(f"model.policy_ckpt ({cfg.model.policy_ckpt}) is a Qwen3-MoE with dense layers (mlp_only_layers="
+                   f"{moe.get('mlp_only_layers')}, decoder_sparse_step={moe.get('decoder_sparse_step', 1)}), which "
+                   "SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse")
+    return out
+
+
+def sglang_installed() -> bool:
+    """Whether the ``sglang`` package is installed here (found, not imported: that takes seconds)."""
+    return importlib.util.find_spec("sglang") is not None
 
 
 def _policy_hf_problems(cfg: CooperConfig) -> list[str]:
@@ -429,11 +611,13 @@ def sft_problems(cfg: SFTConfig, world_size: int) -> list[str]:
               ("train.micro_batch_size", t.micro_batch_size, 1), ("train.log_every", t.log_every, 0),
               ("optim.warmup_steps", o.warmup_steps, 0), ("data.num_examples", d.num_examples, 1)]
     out += [f"{name} must be >= {low}, got {value}" for name, value, low in ranges if value < low]
-    out += [f"optim.lr must be > 0, got {o.lr}"] if not o.lr > 0 else []
+    out += int_problems(cfg) + seed_problems([("train.seed", t.seed), ("data.seed", d.seed)])
+    out += float_problems([*_optim_floats("optim", o, Range(0, low_open=True)),
+                           ("data.mix_wrong", d.mix_wrong, Range(0, 1, dtype=None))])
     if t.min_lr is not None and not 0 <= t.min_lr <= o.lr:
         out.append(f"train.min_lr must be in [0, optim.lr={o.lr}] (or null: constant), got {t.min_lr}")
-    if not 0 <= d.mix_wrong <= 1:
-        out.append(f"data.mix_wrong must be in [0, 1], got {d.mix_wrong}")
+    else:
+        out += float_problems([("train.min_lr", t.min_lr, NON_NEGATIVE)])
     if "{question}" not in d.template:
         out.append(f"data.template {d.template!r} has no {{question}} placeholder")
     layout, dp = _data_parallel(cfg.parallel, world_size)
@@ -450,13 +634,12 @@ def verify_rm_problems(cfg: VerifyRMConfig, world_size: int) -> list[str]:
               ("train.micro_batch_size", t.micro_batch_size, 1), ("train.eval_every", t.eval_every, 0),
               ("train.save_every", t.save_every, 0)]
     out += [f"{name} must be >= {low}, got {value}" for name, value, low in ranges if value < low]
-    out += [f"optim.lr must be > 0, got {o.lr}"] if not o.lr > 0 else []
+    out += int_problems(cfg) + seed_problems([("train.seed", t.seed)])
+    out += float_problems([*_optim_floats("optim", o, Range(0, low_open=True)),
+                           ("train.threshold", t.threshold, Range(0, 1, low_open=True, high_open=True)),
+                           ("train.gate", t.gate, Range(0, 1, note=" (0: no gate)"))])
     if o.warmup_steps:
         out.append(f"optim.warmup_steps must be 0 (train-rm trains at a constant learning rate), got {o.warmup_steps}")
-    if not 0.0 < t.threshold < 1.0:
-        out.append(f"train.threshold must be in (0, 1), got {t.threshold}")
-    if not 0.0 <= t.gate <= 1.0:
-        out.append(f"train.gate must be in [0, 1] (0: no gate), got {t.gate}")
     if (t.gate or t.keep_best) and not d.eval_path:
         out.append("train.gate and train.keep_best judge the epochs by their evaluation: set data.eval_path")
     if d.max_length is not None and d.max_length < 1:

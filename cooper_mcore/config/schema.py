@@ -14,6 +14,7 @@ settings before any work starts.
 from __future__ import annotations
 
 import ast
+import difflib
 import errno
 import inspect
 import json
@@ -29,14 +30,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cooper_mcore.algo.pairs import NegativePick, PositivePick
-from cooper_mcore.algo.reward_transforms import RewardTransform
-from cooper_mcore.algo.vocab import DEFAULT_CHUNK_TOKENS
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.config.versions import newest_config
-from cooper_mcore.negatives.assistant import AssistantPrompt
-from cooper_mcore.negatives.rewrites import RewriteForms
-from cooper_mcore.parallel import ParallelConfig
+from cooper_mcore.parallel_layout import ParallelConfig
 from cooper_mcore.redaction import scrub_config
 
 T = TypeVar("T")
@@ -57,6 +53,20 @@ EvalVerifier = Literal["rule", "arithmetic_oracle"]
 AnswerStyle = Literal["boxed", "gsm8k", "boxed_period"]
 #: the evaluation-data formats of :func:`cooper_mcore.data.rm_data.read_eval_examples`
 RMEvalFormat = Literal["auto", "labeled", "verifybench"]
+# The choices below are the library's own (named in each comment; a test keeps each equal to it), written
+# here so that the configs load without torch: `cooper config KEY` answers at once.
+#: the transforms of :func:`cooper_mcore.algo.reward_from_logits` (``RewardTransform``)
+RewardTransform = Literal["sigmoid", "sigmoid_bf16", "binary"]
+#: the picks of :func:`cooper_mcore.algo.pairs.select_positives` (``PositivePick``)
+PositivePick = Literal["first", "hardest", "random"]
+#: the picks of :func:`cooper_mcore.algo.pairs.select_negatives` (``NegativePick``)
+NegativePick = Literal["hardest", "random", "first"]
+#: the requests of :mod:`cooper_mcore.negatives.assistant` (``AssistantPrompt``)
+AssistantPrompt = Literal["reference", "with_gold"]
+#: the answer forms of :mod:`cooper_mcore.negatives.rewrites` (``RewriteForms``)
+RewriteForms = Literal["positive", "rollouts"]
+#: :data:`cooper_mcore.algo.vocab.DEFAULT_CHUNK_TOKENS`
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 class RewardMode(str, Enum):
@@ -574,8 +584,10 @@ def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = N
     the config; an unknown key or a value of the wrong type is an error at once.
 
     Raises:
-        ValueError: unknown key, wrong type, or an unreadable preset (naming it: a YAML error with
-            its line, an empty preset, a top level that is not a mapping of sections).
+        ValueError: one line naming the key and its source: an unknown key (with a did-you-mean), an
+            override without ``=``, a wrong type, a broken interpolation; or an unreadable preset
+            (naming it: a YAML error with its line, an empty preset, a top level that is not a
+            mapping of sections).
         FileNotFoundError / IsADirectoryError: the preset does not exist / is a folder.
     """
     return load_sections(cls, preset, overrides)
@@ -602,26 +614,19 @@ def load_sections(cls: type[T], preset: Optional[str] = None, overrides: Optiona
     if presets is not None and preset is not None and preset not in presets:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(presets)}")
     cfg = OmegaConf.structured(cls)
-    items: list[tuple[str, str, Any]] = []
-    try:
-        if preset:
-            tree = presets[preset] if presets is not None else _read_preset(preset)
-            items += [(preset, k, v) for k, v in _leaves(tree)]
-        for item in overrides or []:
-            items += [(f"override {item!r}", k, v) for k, v in _leaves(OmegaConf.to_container(
-                OmegaConf.from_dotlist([item])))]
-    except OmegaConfBaseException as e:
-        raise ValueError(f"bad config ({preset or 'overrides'}): {e}") from None
     off_choice: dict[str, Any] = {}
-    for source, key, value in items:
+    for source, key, value in _settings(cls, preset, overrides, presets):
         try:
             cfg = OmegaConf.merge(cfg, _nested(key, value))
             off_choice.pop(key, None)
         except OmegaConfBaseException as e:
             if not _is_choice(cls, key):
-                raise ValueError(f"bad config ({source}): {e}") from None
+                raise ValueError(f"bad config ({source}): {_library_problem(key, e)}") from None
             off_choice[key] = value
-    result: T = OmegaConf.to_object(cfg)
+    try:
+        result: T = OmegaConf.to_object(cfg)  # resolves ${...} interpolations
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad config ({preset or 'overrides'}): {_library_problem('', e)}") from None
     for key, value in off_choice.items():  # left for the caller's checks to report with the rest
         *path, name = key.split(".")
         obj: Any = result
@@ -629,6 +634,96 @@ def load_sections(cls: type[T], preset: Optional[str] = None, overrides: Optiona
             obj = getattr(obj, part)
         object.__setattr__(obj, name, value)
     return result
+
+
+def _settings(cls: type, preset: Optional[str], overrides: Optional[list[str]],
+              presets: Optional[Mapping[str, Mapping[str, Any]]]) -> list[tuple[str, str, Any]]:
+    """``(source, dotted key, value)`` of the preset's settings, then of the overrides, each key a
+    setting of ``cls`` (an empty section of a preset is left out).
+
+    Raises:
+        ValueError: one line naming the source and the key: an unknown key (with a did-you-mean), a
+            section given a value, an override without ``=``, or an unreadable value.
+    """
+    items: list[tuple[str, str, Any]] = []
+    if preset:
+        tree = presets[preset] if presets is not None else _read_preset(preset)
+        items += [(preset, k, v) for k, v in _leaves(tree) if v != {}]
+    for item in overrides or []:
+        key = item.partition("=")[0].strip()
+        if "=" not in item:
+            raise ValueError(f"override {item!r} has no '=': write {key}=VALUE (null to unset); "
+                             f"`cooper config {key}` shows its value and doc")
+        try:
+            tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise ValueError(f"bad config (override {item!r}): {_library_problem(key, e)}") from None
+        leaves = _leaves(tree)
+        if key in setting_keys(cls) and any(k != key for k, _ in leaves):  # data.template={question}
+            raise ValueError(f"bad config (override {item!r}): the value of {key} reads as a YAML mapping; quote "
+                             f"it: {key}='{item.partition('=')[2]}'")
+        items += [(f"override {item!r}", k, v) for k, v in leaves]
+    for source, key, _ in items:
+        problem = key_problem(cls, key)
+        if problem:
+            raise ValueError(f"bad config ({source}): {problem}")
+    return items
+
+
+def _library_problem(key: str, e: OmegaConfBaseException) -> str:
+    """One line for an error of the config library about ``key``: the key it names (OmegaConf's own
+    ``full_key``, else ``key``) and the first line of its message (the rest repeats the key and
+    names OmegaConf's node types)."""
+    lines = str(e).strip().splitlines()
+    text = lines[0].strip() if lines else type(e).__name__
+    name = getattr(e, "full_key", None) or key
+    if "is not a ListConfig" in text:  # a bare value given to a list setting
+        text = f"a list is expected: write {name}=[a,b] ([] for none)"
+    return f"{name}: {text}" if name else text
+
+
+def setting_keys(cls: type, prefix: str = "") -> list[str]:
+    """The dotted key of every leaf setting of the config dataclass ``cls``, in declaration order."""
+    keys = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in fields(cls)}:
+            continue
+        if is_dataclass(hint):
+            keys += setting_keys(hint, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def key_problem(cls: type, key: str) -> Optional[str]:
+    """Why ``key`` is no setting of the config dataclass ``cls`` (an unknown key with a did-you-mean,
+    a section, or a setting addressed as a section), or None when it is one."""
+    keys = setting_keys(cls)
+    if key in keys:
+        return None
+    if not key:
+        return "a setting without a name (key=value is expected)"
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        head = ".".join(parts[:i])
+        if head in keys:
+            return f"{head} is a setting, not a section: write {head}=VALUE"
+    inside = [k for k in keys if k.startswith(key + ".")]
+    if inside:
+        return (f"{key} is a section, not a setting: name one of its settings ({', '.join(inside[:3])}"
+                f"{', ...' if len(inside) > 3 else ''})")
+    return f"unknown setting {key}{did_you_mean(key, keys)}"
+
+
+def did_you_mean(key: str, keys: list[str]) -> str:
+    """`` (did you mean a or b?)`` for the keys closest to ``key`` ('' when none is close): the keys
+    with ``key``'s last part, else the closest spellings of the whole key or of its last part."""
+    leaf = key.rsplit(".", 1)[-1]
+    leaves = {k: k.rsplit(".", 1)[-1] for k in keys}
+    close = [k for k, last in leaves.items() if last == leaf]
+    close = close or difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
+    close = close or [k for k, last in leaves.items() if difflib.get_close_matches(leaf, [last], cutoff=0.8)]
+    return f" (did you mean {' or '.join(close[:3])}?)" if close else ""
 
 
 def dotted(settings: Mapping[str, Any]) -> list[str]:
@@ -754,9 +849,23 @@ def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
     return rows
 
 
-def format_settings(cfg: Any) -> str:
-    """Every setting of a config of sections (:class:`CooperConfig`, the demo's) with its value and
-    doc, one per line (``cooper config --show``, ``cooper demo --show``)."""
+def format_settings(cfg: Any, keys: Optional[list[str]] = None) -> str:
+    """Settings of a config of sections (:class:`CooperConfig`, the demo's) with their values and
+    docs, one per line (``cooper config --show``, ``cooper demo --show``): every setting, or those
+    ``keys`` name (a key names a setting, or a section and so each of its settings).
+
+    Raises:
+        ValueError: a key that names neither (with the closest keys: a did-you-mean).
+    """
     rows = describe(cfg)
+    if keys:
+        chosen = []
+        for key in keys:
+            picked = [r for r in rows if r[0] == key or r[0].startswith(key + ".")]
+            if not picked:
+                raise ValueError(f"unknown setting {key!r}{did_you_mean(key, [r[0] for r in rows])}; "
+                                 "`cooper config` lists every setting")
+            chosen += [r for r in picked if r not in chosen]
+        rows = chosen
     width = max(len(k) + 2 + len(json.dumps(v)) for k, v, _ in rows)
     return "\n".join(f"{(k + '=' + json.dumps(v)):<{width}}  # {doc}" for k, v, doc in rows)

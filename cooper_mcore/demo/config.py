@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional
 
 from cooper_mcore.algo.pairs import NegativePick, PositivePick
 from cooper_mcore.algo.reward_transforms import RewardTransform
-from cooper_mcore.config.checks import choice_problems
+from cooper_mcore.config.checks import MAX_SEED, choice_problems, seed_problems
 from cooper_mcore.config.schema import KLKind, NegativeKind, load_sections
 from cooper_mcore.negatives.rewrites import RewriteForms
 
@@ -312,6 +312,12 @@ def demo_problems(cfg: DemoConfig) -> list[str]:
     out = choice_problems(cfg)
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         out.append(f"seeds must be a non-empty list of distinct integers, got {cfg.seeds}")
+    stages = [("task.seed", cfg.task.seed), ("sft.seed", cfg.sft.seed), ("rm.seed", cfg.rm.seed),
+              ("rl.seed", cfg.rl.seed)]
+    out += seed_problems(stages + [(f"seeds entry {s}", s) for s in cfg.seeds])
+    if not out:  # each stage runs with its seed plus each entry of seeds
+        out += [f"{name} ({base}) + seeds entry {s} = {base + s} is past {MAX_SEED}, the largest seed every random "
+                "generator takes" for name, base in stages for s in cfg.seeds if base + s > MAX_SEED]
     if cfg.rm.head_std < 0:  # checked by the converter too, but only at the rm stage, after the SFT
         out.append(f"rm.head_std must be >= 0, got {cfg.rm.head_std}")
     m = cfg.model

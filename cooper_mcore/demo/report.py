@@ -63,12 +63,12 @@ from cooper_mcore.demo.report_render import (
     mode_label,
     plot,
     report_modes,
-    series,
 )
 from cooper_mcore.demo.results import OwnAnswers, RMGate, from_plain, omitted_when_none, to_plain
 from cooper_mcore.demo.verdict import SE_BAND, Part, verdict_parts
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import METRICS_FILE, read_metrics
+from cooper_mcore.plots import series
 from cooper_mcore.redaction import redact
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The demo report's plots (matplotlib's Agg canvas, no display) and its markdown.
+"""The demo report's plots (drawn with :mod:`cooper_mcore.plots`) and its markdown.
 
 :mod:`cooper_mcore.demo.report` computes the numbers; this module draws and writes them. Every
 figure shows every seed (the first seed labelled, the others thinner and lighter).
@@ -7,21 +7,17 @@ figure shows every seed (the first seed labelled, the others thinner and lighter
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
-
 from cooper_mcore.config.schema import RewardMode
 from cooper_mcore.metric_names import MetricKey as K
+from cooper_mcore.plots import save_figure, series, stacked_figure
 
 __all__ = ["MAX_EXAMPLES", "MODE_COLORS", "MODE_LABELS", "MODES", "PLOT_FILES", "PREDICTIONS", "markdown",
-           "mode_color", "mode_label", "plot", "report_modes", "series"]
+           "mode_color", "mode_label", "plot", "report_modes"]
 
 #: the paper's three reward modes, which the verdict compares; a report may hold further ones (an ablation)
 MODES = tuple(m.value for m in RewardMode)  # rule, static_rm, cooper
@@ -58,18 +54,6 @@ def mode_color(mode: str, modes: Sequence[str]) -> str:
     return EXTRA_COLORS[extra.index(mode) % len(EXTRA_COLORS)]
 
 
-def series(metrics: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    """Steps and values of ``key`` on the lines that logged a finite number for it."""
-    steps: list[int] = []
-    values: list[float] = []
-    for i, m in enumerate(metrics):
-        v = m.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            steps.append(int(m.get(K.STEP, i + 1)))
-            values.append(float(v))
-    return steps, values
-
-
 # ----------------------------------------------------------------------------- plots
 
 
@@ -97,12 +81,8 @@ def plot(out_dir: str, metrics: Mapping[int, Mapping[str, list[dict[str, Any]]]]
     paths = {k: os.path.join(out_dir, v) for k, v in PLOT_FILES.items()}
     seeds = list(metrics)
     for name, (title, panels) in specs.items():
-        fig = Figure(figsize=(7.5, 1.0 + 3.0 * len(panels)), dpi=100)
-        FigureCanvasAgg(fig)
-        for i, (key, ylabel, modes) in enumerate(panels):
-            ax = fig.add_subplot(len(panels), 1, i + 1)
-            ax.grid(True, alpha=0.3)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        fig, axes = stacked_figure(len(panels), panel_height=3.0)
+        for i, (ax, (key, ylabel, modes)) in enumerate(zip(axes, panels)):
             if key == K.REWARD_RULE_GAP:
                 ax.axhline(0.0, color="gray", linewidth=0.8, zorder=0)
             for j, seed in enumerate(seeds):
@@ -122,8 +102,7 @@ def plot(out_dir: str, metrics: Mapping[int, Mapping[str, list[dict[str, Any]]]]
             ax.set(ylabel=ylabel, title=title if i == 0 else "", xlabel="step" if i == len(panels) - 1 else "")
             if i == 0 or name == "rm_rewards":
                 ax.legend()
-        fig.tight_layout()
-        fig.savefig(paths[name])
+        save_figure(fig, paths[name])
     return paths
 
 

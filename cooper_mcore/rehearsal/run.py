@@ -42,7 +42,7 @@ import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
 from cooper_mcore.atomic import exclusive
-from cooper_mcore.config.checks import validate
+from cooper_mcore.config.checks import Elsewhere, validate
 from cooper_mcore.config.model_shapes import ModelShape
 from cooper_mcore.config.presets import resolve_preset
 from cooper_mcore.config.schema import CooperConfig, load_config, save_config
@@ -627,8 +627,13 @@ def rehearse_preset(preset: str, overrides: Optional[list[str]] = None, out: str
         tiny = tiny_hf_config("qwen2_tied").to_dict()
         policy, rm = ModelShape(ArchSpec.from_hf_config(tiny), tiny, "the tiny qwen2 (tied)"), None
         missing = Substitution("model shape", "not found", "qwen2 (tied), as `cooper tiny-assets` makes", str(e))
+    # the preset's own settings (its engine's too) pass the checks `cooper train` runs, before any is swapped
+    validate(cfg, None, Elsewhere(None if missing else policy.arch, rm.arch if rm and not missing else None))
     plan = plan_rehearsal(preset, cfg, policy.arch, rm.arch if rm else None, sglang_available=sglang_runs_here(),
                           at_real_shape=at_real_shape)
+    swapped = [str(sub) for sub in plan.substitutions if sub.setting == "rollout.engine"]
+    if swapped:
+        logger.info("the preset's settings pass the trainer's checks; the rehearsal swaps %s", swapped[0])
     if at_real_shape:
         plan.model_configs = {"model.policy_config": policy.hf_config,
                               **({"model.rm_config": rm.hf_config} if rm is not None else {})}

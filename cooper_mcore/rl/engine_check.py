@@ -84,6 +84,6 @@ def check_engine(agreement: Optional[EngineAgreement], algo: AlgoConfig, step: i
     if first and guard is not None and agreement.diff_mean > guard:
         raise EngineMismatch(
             f"step {step}: the rollout engine's log-probabilities differ from the trainer's by "
-            f"{agreement.diff_mean:.3f} nats per response token (max {agreement.diff_max:.2f}; "
+            f"{agreement.diff_mean:#.3g} nats per response token (max {agreement.diff_max:#.3g}; "
             f"algo.logprob_diff_guard={guard}): the engine's weights are not the policy's (a weight push that "
             "failed or mapped a tensor wrongly, or model.policy_hf is not the model model.policy_ckpt holds)")

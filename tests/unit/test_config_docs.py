@@ -8,12 +8,14 @@ import typing
 
 import pytest
 
+from cooper_mcore.algo import pairs, reward_transforms, vocab
 from cooper_mcore.algo.losses import KL_ESTIMATORS
 from cooper_mcore.cli import main as cli_main
 from cooper_mcore.config import schema as C
 from cooper_mcore.config.checks import config_problems
 from cooper_mcore.data.mathgen import STYLES
 from cooper_mcore.demo.config import DemoConfig, load_demo_config
+from cooper_mcore.negatives import assistant, rewrites
 from cooper_mcore.negatives.pairs import NEGATIVE_KINDS
 from cooper_mcore.negatives.rewrites import REWRITE_KINDS
 from tests.conftest import ROOT
@@ -61,6 +63,12 @@ def test_choices_agree_with_the_code_that_reads_them():
     assert set(typing.get_args(C.NegativeKind)) == set(NEGATIVE_KINDS)
     assert set(typing.get_args(C.RewriteKind)) == set(REWRITE_KINDS)
     assert set(typing.get_args(C.AnswerStyle)) == set(STYLES)
+    # the library's own choices, written again in the schema so that it loads without torch
+    for ours, theirs in ((C.RewardTransform, reward_transforms.RewardTransform), (C.PositivePick, pairs.PositivePick),
+                         (C.NegativePick, pairs.NegativePick), (C.AssistantPrompt, assistant.AssistantPrompt),
+                         (C.RewriteForms, rewrites.RewriteForms)):
+        assert typing.get_args(ours) == typing.get_args(theirs)
+    assert C.DEFAULT_CHUNK_TOKENS == vocab.DEFAULT_CHUNK_TOKENS
     assert [(m.value, m.uses_rm, m.trains_rm) for m in C.RewardMode] == [
         ("rule", False, False), ("static_rm", True, False), ("cooper", True, True)]
 

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from cooper_mcore.cli import main as cli_main
+from cooper_mcore.config import checks
 from cooper_mcore.config.checks import config_problems, validate
 from cooper_mcore.config.schema import load_config
 
@@ -270,7 +271,13 @@ def test_expert_layouts_that_would_drift_are_refused(paths, tmp_path):
     assert config_problems(_cfg(paths, "parallel.tp=2", "parallel.etp=1", "reward.mode=rule"), 2) == []
 
 
-def test_sglang_refuses_a_moe_policy_with_dense_layers(paths, tmp_path):
+@pytest.fixture
+def sglang_here(monkeypatch):
+    """SGLang counted as installed (the CPU venv has none): the checks of its settings alone."""
+    monkeypatch.setattr(checks, "sglang_installed", lambda: True)
+
+
+def test_sglang_refuses_a_moe_policy_with_dense_layers(paths, tmp_path, sglang_here):
     """SGLang's Qwen3-MoE builds every layer sparse: a policy with dense layers would be served wrong."""
     mixed = _moe_ckpt(tmp_path / "mixed", mlp_only_layers=[3], decoder_sparse_step=1)
     sparse = _moe_ckpt(tmp_path / "sparse", mlp_only_layers=[], decoder_sparse_step=1)
@@ -281,7 +288,7 @@ def test_sglang_refuses_a_moe_policy_with_dense_layers(paths, tmp_path):
         "which SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse"]
 
 
-def test_sglang_base_port_in_range(paths):
+def test_sglang_base_port_in_range(paths, sglang_here):
     assert config_problems(_cfg(paths, "rollout.engine=sglang", "rollout.sglang_base_port=31000"), 1) == []
     assert config_problems(_cfg(paths, "rollout.engine=hf", "rollout.sglang_base_port=80"), 1) == []
     assert config_problems(_cfg(paths, "rollout.engine=sglang", "rollout.sglang_base_port=80"), 1) == [

@@ -79,12 +79,17 @@ def test_the_first_step_stops_when_the_engine_is_not_the_policy(caplog):
         check_engine(far, AlgoConfig(), step=1, first=True)
     message = str(info.value)
     assert isinstance(info.value, ValueError) and "\n" not in message
-    assert message.startswith("step 1: the rollout engine's log-probabilities differ from the trainer's by 2.750 nats")
+    assert message.startswith("step 1: the rollout engine's log-probabilities differ from the trainer's by 2.75 nats")
     assert "algo.logprob_diff_guard=0.5" in message and "the engine's weights are not the policy's" in message
     check_engine(far, AlgoConfig(), step=2, first=False)  # later steps report, never stop
     check_engine(far, AlgoConfig(logprob_diff_guard=None), step=1, first=True)  # off
     check_engine(far, AlgoConfig(logprob_diff_guard=3.0), step=1, first=True)  # a looser bound
     check_engine(EngineAgreement(diff_mean=0.02, diff_max=1.5, kl=1e-3), AlgoConfig(), step=1, first=True)
+    # a tight guard: the message has the digits that show the difference above it
+    with pytest.raises(EngineMismatch, match=r"by 0\.000310 nats per response token \(max 0\.00120; "
+                                             r"algo\.logprob_diff_guard=0\.0001\)"):
+        check_engine(EngineAgreement(diff_mean=3.1e-4, diff_max=1.2e-3, kl=1e-7), AlgoConfig(logprob_diff_guard=1e-4),
+                     step=1, first=True)
     with pytest.raises(ValueError, match="algo.tis_cap needs the rollout engine's per-token log-probabilities"):
         check_engine(None, AlgoConfig(tis_cap=2.0), step=3, first=False)
     with caplog.at_level(logging.WARNING, logger="cooper_mcore.rl.engine_check"):
@@ -129,7 +134,7 @@ def test_a_step_checks_the_engine_on_its_first_step_and_reports_it_on_every_step
     run, seen = _step_run(monkeypatch, engine)
     with single_process_world():
         if stops:
-            with pytest.raises(EngineMismatch, match="differ from the trainer's by 1.000 nats"):
+            with pytest.raises(EngineMismatch, match="differ from the trainer's by 1.00 nats"):
                 step.cooper_step(run, [], PhaseTimer())
             run.engine_checked, run.step = True, 1  # a later step of the same process only reports it
         result = step.cooper_step(run, [], PhaseTimer())

@@ -174,16 +174,22 @@ def _all_bytes_under(root) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
 
 
-def test_wandb_offline_without_credentials_and_config_redacted(tmp_path, no_wandb_creds):
+def test_wandb_offline_without_credentials_and_config_redacted(tmp_path, no_wandb_creds, capfd, caplog):
     out = tmp_path / "run"
-    with MetricsLogger(str(out), run_name="t1", config={"policy": {"api_key": SECRET}, "lr": 1e-6}) as log:
-        assert log.wandb_mode == "offline"
-        assert log.wandb_run is not None
-        log.log(1, {"reward/mean": 0.5, "rule/acc": float("nan")})
-        log.log(2, {"reward/mean": 0.6, "rule/acc": 0.5})
+    with caplog.at_level(logging.INFO, logger="cooper_mcore.metrics"):
+        with MetricsLogger(str(out), run_name="t1", config={"policy": {"api_key": SECRET}, "lr": 1e-6}) as log:
+            assert log.wandb_mode == "offline"
+            assert log.wandb_run is not None
+            log.log(1, {"reward/mean": 0.5, "rule/acc": float("nan")})
+            log.log(2, {"reward/mean": 0.6, "rule/acc": 0.5})
     assert log.wandb_run is None
     runs = list((tmp_path / "wandb_dir" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
+    # wandb's own banner and summary (~30 lines) silenced; one log line says where the offline run is
+    printed = capfd.readouterr()
+    assert "wandb" not in printed.out + printed.err, printed
+    said = [r.getMessage() for r in caplog.records if r.name == "cooper_mcore.metrics"]
+    assert said == [f"wandb offline: the run is in {runs[0]} (`wandb sync {runs[0]}` uploads it)"]
     # wandb-core may still be flushing the run file after finish() returns: wait for it
     deadline, record = time.monotonic() + 10, b""
     while time.monotonic() < deadline:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cooper_mcore.config import checks
 from cooper_mcore.config.checks import validate
 from cooper_mcore.config.schema import load_config
 from cooper_mcore.parallel import ParallelConfig
@@ -99,6 +100,12 @@ def with_stand_in_paths(cfg, tmp_path: Path):
                 (stand_in / marker).write_text(json.dumps({"arch": arch, "dtype": cfg.model.dtype}))
             setattr(getattr(cfg, section), name, str(stand_in))
     return cfg
+
+
+@pytest.fixture(autouse=True)
+def sglang_installed(monkeypatch):
+    """The presets run on their GPU image, where SGLang is installed: counted as installed here."""
+    monkeypatch.setattr(checks, "sglang_installed", lambda: True)
 
 
 def test_there_are_cluster_presets():
