@@ -35,7 +35,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Optional, TextIO
+from typing import Any, Literal, Optional, TextIO
 from urllib.parse import urlsplit
 
 import torch
@@ -49,7 +49,7 @@ from cooper_mcore.redaction import scrub, scrub_config
 
 __all__ = [
     "DEFAULT_PROGRESS_KEYS", "METRICS_FILE", "JsonlWriter", "MetricsLogger", "PhaseTimer", "ProgressBar",
-    "read_metrics", "reduce_metrics", "resolve_wandb_mode", "write_json_atomic",
+    "current_history", "read_metrics", "reduce_metrics", "resolve_wandb_mode", "write_json_atomic",
 ]
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class MetricsLogger:
     """
 
     def __init__(self, out_dir: str, run_name: Optional[str] = None, config: Optional[dict] = None,
-                 use_wandb: bool = True, wandb_project: str = "cooper_mcore", is_main: bool = True,
+                 start_step: int = 0, use_wandb: bool = True, wandb_project: str = "cooper_mcore", is_main: bool = True,
                  wandb_init_kwargs: Optional[dict] = None) -> None:
         """Open the metrics file and start wandb (on the main rank only).
 
@@ -154,6 +154,9 @@ class MetricsLogger:
             out_dir: run folder (created); ``metrics.jsonl`` is appended to if it exists.
             run_name: wandb run name (None: wandb picks one).
             config: run configuration; redacted before it is written or sent anywhere.
+            start_step: the steps already done (a resumed run): lines of later steps already in the file
+                (logged after the checkpoint the run resumes from) are kept, and superseded by the
+                redone steps' lines (:func:`read_metrics`); a warning says so.
             use_wandb: False disables wandb (JSONL only).
             wandb_project: wandb project name.
             is_main: whether this process writes (rank 0); False makes the logger a no-op.
@@ -176,6 +179,7 @@ class MetricsLogger:
         if not self.is_main:
             return
         os.makedirs(out_dir, exist_ok=True)
+        _warn_superseded(self.path, start_step)
         self._file = JsonlWriter(self.path)
         if self.wandb_mode != "disabled":
             self._run = self._init_wandb(run_name, wandb_project, dict(wandb_init_kwargs or {}))
@@ -324,13 +328,42 @@ def _drop_torn_tail(path: str) -> None:
         f.truncate(keep)
 
 
+def _warn_superseded(path: str, start_step: int) -> None:
+    """Say that a resumed run redoes steps the file already has (logged after its checkpoint)."""
+    if not os.path.exists(path):
+        return
+    later = [r["step"] for r in read_metrics(path, history="all") if isinstance(r.get("step"), int)
+             and r["step"] > start_step]
+    if later:
+        logger.warning("%s holds steps %d..%d logged after the checkpoint this run resumes from (step %d): their "
+                       "lines stay in the file, and the redone steps' lines supersede them (read_metrics, cooper "
+                       "plot and the demo report read the newest history)", path, min(later), max(later), start_step)
+
+
+def current_history(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history a run's lines tell after its resumes: a line whose step is not after the line before
+    it starts a resumed segment, which supersedes the earlier lines of that step and later ones.
+
+    >>> [r["step"] for r in current_history([{"step": s} for s in (1, 2, 3, 2, 3, 4)])]
+    [1, 2, 3, 4]
+    """
+    out: list[dict[str, Any]] = []
+    for line in lines:
+        step = line.get("step")
+        if isinstance(step, int):
+            while out and isinstance(out[-1].get("step"), int) and out[-1]["step"] >= step:
+                out.pop()
+        out.append(line)
+    return out
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
     """Write ``obj`` as indented JSON under a temporary name, then rename it to ``path``
     (:func:`cooper_mcore.atomic.write_json_atomic`: a special file at ``path`` is refused)."""
     atomic.write_json_atomic(path, obj)
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
+def read_metrics(path: str, history: Literal["current", "all"] = "current") -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl`` file (or a run folder containing one).
 
     A torn last line (a run killed mid-write) is skipped; a corrupt line anywhere else is an
@@ -338,6 +371,9 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
     Args:
         path: the JSONL file, or the ``out_dir`` that holds ``metrics.jsonl``.
+        history: "current": the run's history after its resumes (:func:`current_history`: a resume from a
+            checkpoint older than the last logged step redoes those steps, and their new lines supersede
+            the old ones, which stay in the file); "all": every line.
 
     Returns:
         The complete lines as dicts, in file order.
@@ -364,7 +400,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(record).__name__}")
         out.append(record)
-    return out
+    return current_history(out) if history == "current" else out
 
 
 # ----------------------------------------------------------------------------- timing

@@ -535,3 +535,25 @@ def test_phase_timer_records_each_phases_peak_memory_with_nesting():
     out = timer.pop()
     assert out["memory/weight_sync"] == 9 and out["memory/rollout"] == 9 and out["memory/policy_update"] == 2
     assert "memory/step" not in out and set(PhaseTimer().pop()) == {"time/step"}  # no memory without a probe
+
+
+def test_a_resume_from_an_older_checkpoint_keeps_the_old_lines_and_reads_the_redone_ones(tmp_path, caplog):
+    """Killed after step 3 with the newest checkpoint at step 2: the resumed run redoes step 3. The
+    file keeps both step-3 lines (no record is rewritten); readers get one history, the new line."""
+    with MetricsLogger(str(tmp_path), use_wandb=False) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"x": float(step)})
+    with caplog.at_level("WARNING"), MetricsLogger(str(tmp_path), use_wandb=False, start_step=2) as log:
+        log.log(3, {"x": 30.0})
+        log.log(4, {"x": 40.0})
+    assert "holds steps 3..3 logged after the checkpoint this run resumes from (step 2)" in caplog.text
+    assert [r["step"] for r in read_metrics(str(tmp_path), history="all")] == [1, 2, 3, 3, 4]
+    assert [(r["step"], r["x"]) for r in read_metrics(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_a_resume_at_the_last_logged_step_says_nothing(tmp_path, caplog):
+    with MetricsLogger(str(tmp_path), use_wandb=False) as log:
+        log.log(1, {"x": 1.0})
+    with caplog.at_level("WARNING"), MetricsLogger(str(tmp_path), use_wandb=False, start_step=1):
+        pass
+    assert "logged after the checkpoint" not in caplog.text
