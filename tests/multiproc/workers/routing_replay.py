@@ -4,8 +4,10 @@ The recorded routes are a function of each token's id and the layer (two experts
 random weights would seldom pick), so every router call can be checked on its own: an embedding hook
 keeps the token ids of the forward under way, a router hook the routing map it returns. Checked: the
 old-log-prob pass (padded micro-batches, forward only) and a GRPO update (packed micro-batches, with
-full activation recomputation: each router runs again in the backward). Each rank writes
-``{checked, mismatched, recomputed, padding}`` to ``<out>.<rank>`` as JSON.
+full activation recomputation: each router runs again in the backward). With a model-parallel group
+of two ranks (TP=2), the routes are held on its first rank only and reach the other through
+:func:`~cooper_mcore.rl.rollouts.share_groups`, as a step's rollouts do. Each rank writes
+``{checked, mismatched, recomputed, padding, pickled_routes}`` to ``<out>.<rank>`` as JSON.
 """
 
 import argparse
@@ -19,11 +21,14 @@ from megatron.core.transformer.moe.router import TopKRouter
 from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
 from cooper_mcore.micro_batching.runner import PACK_PAD_ID, MicroBatching
 from cooper_mcore.models.builder import build_model
-from cooper_mcore.models.routing_replay import NO_ROUTE, enable_routing_replay, replaying
+from cooper_mcore.models.routing_replay import NO_ROUTE, enable_routing_replay, replaying, route_batch
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
+from cooper_mcore.rl import rollouts
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.rl.rollouts import share_groups
 from cooper_mcore.train.step import OptimConfig, wrap_for_training
 from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
+from cooper_mcore.types import Prompt, RolloutGroup, Sample
 
 
 def recorded(tokens: torch.Tensor, layer: int, experts: int) -> torch.Tensor:
@@ -72,6 +77,30 @@ def routes_of(ids: torch.Tensor, lengths: torch.Tensor, layers: int, experts: in
     return torch.where(real[..., None, None], routes, torch.full_like(routes, NO_ROUTE)).to(torch.int16)
 
 
+def shared_routes(prompts, responses, routes: torch.Tensor, lengths: torch.Tensor, counts: dict) -> torch.Tensor:
+    """``routes`` as the trainer gets them: held as each rollout's routes on the model-parallel group's
+    leader only, shared with :func:`share_groups` (the routes as one tensor, not pickled), laid out
+    again by :func:`route_batch`. ``counts["pickled_routes"]``: samples whose pickled part held routes."""
+    groups = None
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        groups = [RolloutGroup(Prompt(str(i), "q", "a", token_ids=p), [Sample(str(i), r, "", routed_experts=routes[
+            i, :n].reshape(int(n), -1))]) for i, (p, r, n) in enumerate(zip(prompts, responses, lengths.tolist()))]
+    real = rollouts.broadcast_object_in_model_parallel_group
+
+    def watched(obj):
+        out = real(obj)
+        counts["pickled_routes"] += sum(s.routed_experts is not None for g in out.groups for s in g.samples)
+        return out
+
+    rollouts.broadcast_object_in_model_parallel_group = watched
+    try:
+        shared = share_groups(groups)
+    finally:
+        rollouts.broadcast_object_in_model_parallel_group = real
+    _, _, layers, topk = routes.shape
+    return route_batch([s.routed_experts for g in shared for s in g.samples], routes.shape[1], layers, topk)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--policy", required=True)
@@ -91,6 +120,10 @@ def main():
     responses = [torch.randint(1, arch.vocab_size, (int(n),), generator=g).tolist() for n in (6, 2, 7, 3)]
     batch = build_token_batch(prompts, responses, pad_id=PACK_PAD_ID)
     routes = routes_of(batch.input_ids, batch.lengths, arch.num_layers, arch.moe.num_experts)
+    checker.counts["pickled_routes"] = 0
+    if dist.get_world_size(parallel_state.get_model_parallel_group()) > 1:
+        checker.counts["shared"] = True
+        routes = shared_routes(prompts, responses, routes, batch.lengths, checker.counts)
     with replaying(model, routes):
         batch.old_logp = compute_logprobs(model, batch, MicroBatching(2))
     batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
