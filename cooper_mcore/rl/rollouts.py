@@ -1,12 +1,12 @@
 """Rollouts and held-out evaluation on the rollout engine.
 
 Completions are generated and verified on the first rank of each model-parallel group (where its
-engine and rule verifier live) and then, once the engine has released its memory, broadcast to the
-group's other ranks (:func:`share_groups`), so every rank runs the same collective Megatron passes on
-the same data. Evaluation splits the held-out prompts
-across the data-parallel replicas and sums the verdicts over the world: the rule verifier's, and
-an oracle's when one is given (``eval.verifier``); each replica's leader may write its completions
-with both verdicts to a JSONL file (``eval.save_samples``).
+engine and rule verifier live) and broadcast to the group's other ranks, so every rank then runs
+the same collective Megatron passes on the same data; their routed experts (rollout routing replay)
+follow as one tensor once the engine has released its memory (:func:`share_routes`). Evaluation
+splits the held-out prompts across the data-parallel replicas and sums the verdicts over the world:
+the rule verifier's, and an oracle's when one is given (``eval.verifier``); each replica's leader
+may write its completions with both verdicts to a JSONL file (``eval.save_samples``).
 """
 
 from __future__ import annotations
@@ -35,71 +35,72 @@ from cooper_mcore.verify.rule import GOLD_UNREADABLE
 
 
 def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVerifier], prompts: Sequence[Prompt],
-                    group_size: int, params: SamplingParams, version: int) -> Optional[list[RolloutGroup]]:
-    """G completions per prompt, verified against the gold answers, on the model-parallel group's
+                    group_size: int, params: SamplingParams, version: int) -> list[RolloutGroup]:
+    """G completions per prompt, verified against the gold answers (gold first) on the group
     leader (each sample's ``rule_correct`` and ``rule_answered`` from its outcome's ``correct`` and
-    ``answered``; the group's ``gold_unreadable`` when the verifier could not read the gold); None on
-    the group's other ranks, which get them from :func:`share_groups` (not collective)."""
-    if not is_group_leader():
-        return None
-    assert engine is not None and verifier is not None, "the group leader owns the engine and verifier"
-    outs = engine.generate([p.token_ids for p in prompts for _ in range(group_size)], params)
-    outcomes = verifier.verify_batch([p.answer for p in prompts for _ in range(group_size)], [o.text for o in outs])
-    groups = []
-    for i, p in enumerate(prompts):
-        samples = []
-        for j in range(group_size):
-            o, v = outs[i * group_size + j], outcomes[i * group_size + j]
-            routes = None if o.routed_experts is None else o.routed_experts.to(torch.int16)
-            samples.append(Sample(prompt_id=p.id, token_ids=o.token_ids, text=o.text, logprobs=o.logprobs,
-                                  finish_reason=o.finish_reason, rule_correct=v.correct,
-                                  rule_answered=getattr(v, "answered", None), weight_version=version,
-                                  routed_experts=routes))
-        unreadable = any(getattr(v, "status", None) == GOLD_UNREADABLE
-                         for v in outcomes[i * group_size:(i + 1) * group_size])
-        groups.append(RolloutGroup(p, samples, gold_unreadable=unreadable))
-    return groups
+    ``answered``; the group's ``gold_unreadable`` when the verifier could not read the gold), then
+    shared with the model-parallel group (collective over that group), without the samples' routed
+    experts: those stay on the leader until :func:`share_routes`.
+
+    Called while the engine holds its memory: the group's other ranks wait in the broadcast until the
+    leader has generated, and so do not bring their training state back onto GPUs the engine uses.
+    """
+    groups = None
+    if is_group_leader():
+        assert engine is not None and verifier is not None, "the group leader owns the engine and verifier"
+        outs = engine.generate([p.token_ids for p in prompts for _ in range(group_size)], params)
+        outcomes = verifier.verify_batch([p.answer for p in prompts for _ in range(group_size)],
+                                         [o.text for o in outs])
+        groups = []
+        for i, p in enumerate(prompts):
+            samples = []
+            for j in range(group_size):
+                o, v = outs[i * group_size + j], outcomes[i * group_size + j]
+                routes = None if o.routed_experts is None else o.routed_experts.to(torch.int16)
+                samples.append(Sample(prompt_id=p.id, token_ids=o.token_ids, text=o.text, logprobs=o.logprobs,
+                                      finish_reason=o.finish_reason, rule_correct=v.correct,
+                                      rule_answered=getattr(v, "answered", None), weight_version=version,
+                                      routed_experts=routes))
+            unreadable = any(getattr(v, "status", None) == GOLD_UNREADABLE
+                             for v in outcomes[i * group_size:(i + 1) * group_size])
+            groups.append(RolloutGroup(p, samples, gold_unreadable=unreadable))
+    if dist.get_world_size(parallel_state.get_model_parallel_group()) == 1:
+        return groups
+    bare = None if groups is None else [replace(g, samples=[replace(s, routed_experts=None) for s in g.samples])
+                                        for g in groups]
+    shared = broadcast_object_in_model_parallel_group(bare)
+    return groups if groups is not None else shared
 
 
-@dataclass
-class _Shared:
-    """What :func:`share_groups` pickles: the groups without their routes, and each sample's number of
-    route rows (None: a sample without routes)."""
+def share_routes(groups: Sequence[RolloutGroup]) -> None:
+    """Give the samples of the group's other ranks the leader's routed experts (rollout routing
+    replay: int16 ``[positions, layers * top_k]`` per sample), as tensors (collective over the
+    model-parallel group; every rank passes the groups :func:`generate_groups` returned it).
 
-    groups: list[RolloutGroup]
-    route_rows: list[Optional[int]]
-
-
-def share_groups(groups: Optional[list[RolloutGroup]]) -> list[RolloutGroup]:
-    """The leader's groups (:func:`generate_groups`) on every rank of its model-parallel group
-    (collective over that group; the leader passes its groups, the others None).
-
-    Called after the engine released its memory: the broadcasts go through device memory with NCCL.
-    The samples' routed experts (rollout routing replay: int16 ``[positions, layers * top_k]`` each,
-    about 0.2 GB per step at the Qwen3-30B-A3B preset) do not travel pickled with the rest: they
-    are concatenated and broadcast as one tensor (its shape first), each sample's row count in the
-    pickled part.
+    Called after the engine released its memory (NCCL broadcasts go through device memory): the
+    samples' row counts (int64, -1 for a sample without routes), then every sample's routes end to
+    end as one tensor, each with its shape first. At the Qwen3-30B-A3B preset on 2 nodes that is up
+    to 384 rollouts per replica of up to ~700 positions at 48 layers x top-8 x 2 bytes, about 0.2 GB
+    (computed), which went pickled through the engine's memory window before.
     """
     if dist.get_world_size(parallel_state.get_model_parallel_group()) == 1:
-        assert groups is not None, "the group leader generates the rollouts"
-        return groups
-    routes: list[torch.Tensor] = []
-    shared = None
-    if groups is not None:
-        samples = [s for g in groups for s in g.samples]
-        routes = [s.routed_experts for s in samples if s.routed_experts is not None]
-        bare = [replace(g, samples=[replace(s, routed_experts=None) for s in g.samples]) for g in groups]
-        shared = _Shared(bare, [None if s.routed_experts is None else len(s.routed_experts) for s in samples])
-    shared = broadcast_object_in_model_parallel_group(shared)
-    if all(n is None for n in shared.route_rows):
-        return groups if groups is not None else shared.groups
-    flat = broadcast_tensor_in_model_parallel_group(torch.cat(routes) if groups is not None else None, torch.int16)
-    if groups is not None:
-        return groups
-    parts = iter(torch.split(flat.cpu(), [n for n in shared.route_rows if n is not None]))
-    for sample, rows in zip((s for g in shared.groups for s in g.samples), shared.route_rows):
-        sample.routed_experts = None if rows is None else next(parts)
-    return shared.groups
+        return
+    samples = [s for g in groups for s in g.samples]
+    leader = is_group_leader()
+    rows = None
+    if leader:
+        rows = torch.tensor([-1 if s.routed_experts is None else len(s.routed_experts) for s in samples])
+    rows = broadcast_tensor_in_model_parallel_group(rows, torch.int64).cpu().tolist()
+    assert len(rows) == len(samples), (len(rows), len(samples))
+    if all(n < 0 for n in rows):
+        return
+    routes = [s.routed_experts for s in samples if s.routed_experts is not None] if leader else None
+    flat = broadcast_tensor_in_model_parallel_group(torch.cat(routes) if leader else None, torch.int16)
+    if leader:
+        return
+    parts = iter(torch.split(flat.cpu(), [n for n in rows if n >= 0]))
+    for sample, n in zip(samples, rows):
+        sample.routed_experts = next(parts) if n >= 0 else None
 
 
 #: the folder under the run's ``out`` that ``eval.save_samples`` writes to

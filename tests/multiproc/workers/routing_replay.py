@@ -6,12 +6,13 @@ keeps the token ids of the forward under way, a router hook the routing map it r
 old-log-prob pass (padded micro-batches, forward only) and a GRPO update (packed micro-batches, with
 full activation recomputation: each router runs again in the backward). With a model-parallel group
 of two ranks (TP=2), the routes are held on its first rank only and reach the other through
-:func:`~cooper_mcore.rl.rollouts.share_groups`, as a step's rollouts do. Each rank writes
+:func:`~cooper_mcore.rl.rollouts.generate_groups` and ``share_routes``, as a step's rollouts do. Each rank writes
 ``{checked, mismatched, recomputed, padding, pickled_routes}`` to ``<out>.<rank>`` as JSON.
 """
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,11 @@ from cooper_mcore.models.routing_replay import NO_ROUTE, enable_routing_replay, 
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 from cooper_mcore.rl import rollouts
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
-from cooper_mcore.rl.rollouts import share_groups
+from cooper_mcore.rl.rollouts import generate_groups, share_routes
+from cooper_mcore.rollout.base import GenerateOutput, SamplingParams
 from cooper_mcore.train.step import OptimConfig, wrap_for_training
 from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
-from cooper_mcore.types import Prompt, RolloutGroup, Sample
+from cooper_mcore.types import Prompt
 
 
 def recorded(tokens: torch.Tensor, layer: int, experts: int) -> torch.Tensor:
@@ -77,28 +79,46 @@ def routes_of(ids: torch.Tensor, lengths: torch.Tensor, layers: int, experts: in
     return torch.where(real[..., None, None], routes, torch.full_like(routes, NO_ROUTE)).to(torch.int16)
 
 
-def shared_routes(prompts, responses, routes: torch.Tensor, lengths: torch.Tensor, counts: dict) -> torch.Tensor:
-    """``routes`` as the trainer gets them: held as each rollout's routes on the model-parallel group's
-    leader only, shared with :func:`share_groups` (the routes as one tensor, not pickled), laid out
-    again by :func:`route_batch`. ``counts["pickled_routes"]``: samples whose pickled part held routes."""
-    groups = None
-    if parallel_state.get_tensor_model_parallel_rank() == 0:
-        groups = [RolloutGroup(Prompt(str(i), "q", "a", token_ids=p), [Sample(str(i), r, "", routed_experts=routes[
-            i, :n].reshape(int(n), -1))]) for i, (p, r, n) in enumerate(zip(prompts, responses, lengths.tolist()))]
+class CannedEngine:
+    """Returns each prompt's recorded response and routes (the prompt's first token is its index)."""
+
+    def __init__(self, responses: list[list[int]], routes: list[torch.Tensor]) -> None:
+        self.responses, self.routes = responses, routes
+
+    def generate(self, prompts, params):
+        return [GenerateOutput(self.responses[ids[0]], "", None, "stop", self.routes[ids[0]].to(torch.int32))
+                for ids in prompts]
+
+
+class NoVerdicts:
+    def verify_batch(self, golds, preds):
+        return [SimpleNamespace(correct=None)] * len(preds)
+
+
+def shared_routes(responses, routes: torch.Tensor, lengths: torch.Tensor, counts: dict) -> torch.Tensor:
+    """``routes`` as the trainer gets them: the rollouts generated on the model-parallel group's leader
+    (:func:`generate_groups`, a canned engine that returns each rollout's routes) and shared with the
+    group, their routes by :func:`share_routes` (one tensor, not pickled), laid out by :func:`route_batch`.
+    ``counts["pickled_routes"]``: samples whose pickled part held routes."""
+    per_rollout = [routes[i, :n].reshape(int(n), -1) for i, n in enumerate(lengths.tolist())]
+    prompts = [Prompt(str(i), "q", "a", token_ids=[i]) for i in range(len(responses))]
+    leader = parallel_state.get_tensor_model_parallel_rank() == 0
     real = rollouts.broadcast_object_in_model_parallel_group
 
     def watched(obj):
         out = real(obj)
-        counts["pickled_routes"] += sum(s.routed_experts is not None for g in out.groups for s in g.samples)
+        counts["pickled_routes"] += sum(s.routed_experts is not None for g in out for s in g.samples)
         return out
 
     rollouts.broadcast_object_in_model_parallel_group = watched
     try:
-        shared = share_groups(groups)
+        groups = generate_groups(CannedEngine(responses, per_rollout) if leader else None,
+                                 NoVerdicts() if leader else None, prompts, 1, SamplingParams(), 0)
     finally:
         rollouts.broadcast_object_in_model_parallel_group = real
+    share_routes(groups)
     _, _, layers, topk = routes.shape
-    return route_batch([s.routed_experts for g in shared for s in g.samples], routes.shape[1], layers, topk)
+    return route_batch([s.routed_experts for g in groups for s in g.samples], routes.shape[1], layers, topk)
 
 
 def main():
@@ -123,7 +143,7 @@ def main():
     checker.counts["pickled_routes"] = 0
     if dist.get_world_size(parallel_state.get_model_parallel_group()) > 1:
         checker.counts["shared"] = True
-        routes = shared_routes(prompts, responses, routes, batch.lengths, checker.counts)
+        routes = shared_routes(responses, routes, batch.lengths, checker.counts)
     with replaying(model, routes):
         batch.old_logp = compute_logprobs(model, batch, MicroBatching(2))
     batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
