@@ -55,8 +55,8 @@ def test_the_steps_run_in_the_order_of_the_issue(tmp_path):
 
 
 #: seconds each step took on an H200 (docs/gpu_check/2026-11-27_h200_*: the 5 tests then in 143 s with
-#: start-up, the MoE forward tests 21 s more; the 8th test, not yet run, counted as 11 s) or, for steps
-#: not run there yet, a guess as long as their slice
+#: start-up, the MoE forward tests 21 s more; the tests not yet run there counted as 11 s together) or,
+#: for steps not run there yet, a guess at least as long as their slice
 H200_SECONDS = {"gpu_tests": 175, "moe_step": 150, "cooper_step": 600, "train_step_megatron-local": 30,
                 "train_step_megatron-te": 19, "train_step_transformers": 46}
 
