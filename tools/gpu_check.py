@@ -6,8 +6,9 @@ keeps what it measured. Each step runs in its own process group with a time slic
 budget at most); a step past it is killed with every process it started, torchrun's ranks included
 (:class:`ProcessTree`: they run in sessions of their own), so none keeps GPU memory from the next:
 
-1. the ``gpu``-marked tests (``tests/gpu``; 240 s): 8 tests, 2 min 3 s for the first 5 and 21 s for
-   the MoE forward on an H200 (2026-11-27), the most informative minutes;
+1. the ``gpu``-marked tests (``tests/gpu``; 240 s), the most informative minutes: 12 tests; on an
+   H200 (2026-11-27) the 5 of then took 2 min 3 s and the 2 MoE forward tests 21 s, the others are
+   seconds each (about 175 s expected);
 2. ``benchmarks/moe_step.py --gpu --settings 1x1`` (not with ``--quick``; 150 s): the first
    mixture-of-experts training steps on a GPU, at Qwen3-30B-A3B's layer shape, with the grouped
    experts (``torch._grouped_mm`` where it is known correct), then megatron's ``SequentialMLP``, each
