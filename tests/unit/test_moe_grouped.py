@@ -87,7 +87,7 @@ def test_grouped_mm_falls_back_where_torch_cannot():
                                                      ((10, 0), False, "pytorch#172439"),
                                                      ((10, 3), False, "pytorch#172439"),
                                                      ((12, 0), False, "pytorch#172439"),
-                                                     ((8, 0), False, "no grouped kernel before 9.0")])
+                                                     ((8, 0), False, "fast grouped kernel needs 9.0")])
 def test_the_cuda_grouped_kernel_only_where_it_is_known_correct(monkeypatch, caplog, capability, grouped, says):
     """Hopper takes ``torch._grouped_mm``; Blackwell (its kernel gives experts without tokens non-zero
     weight gradients) and older GPUs take one matmul per expert, said once in the log."""
