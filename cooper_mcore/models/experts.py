@@ -51,7 +51,7 @@ _ALIGN_BYTES = 16
 #: the CUDA compute capability majors whose ``torch._grouped_mm`` is known to train experts correctly:
 #: Hopper. On Blackwell (10.x) torch's CUTLASS kernel gives an expert without tokens a non-zero weight
 #: gradient (pytorch#172439, open; CUTLASS fixed it upstream, and no torch release is known to carry
-#: the fix); before 9.0 torch has no fast kernel and loops over the groups itself (pytorch#161407's
+#: the fix); on other GPUs torch has no fast kernel and loops over the groups itself (pytorch#161407's
 #: fallback, with a host synchronisation), which the per-expert path does without one.
 GROUPED_MM_CAPABILITY_MAJORS = (9,)
 
@@ -69,7 +69,7 @@ def cuda_grouped_mm_correct(capability: tuple[int, int]) -> bool:
         return True
     major, minor = capability
     why = ("torch's CUTLASS kernel gives experts without tokens non-zero weight gradients there (pytorch#172439)"
-           if major > max(GROUPED_MM_CAPABILITY_MAJORS) else "torch's fast grouped kernel needs 9.0")
+           if major == 10 else "torch's fast grouped kernel is for 9.x and 10.x only (elsewhere it loops itself)")
     _per_expert_notice(f"compute capability {major}.{minor}: {why}")
     return False
 

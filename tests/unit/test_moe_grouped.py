@@ -86,11 +86,11 @@ def test_grouped_mm_falls_back_where_torch_cannot():
 @pytest.mark.parametrize("capability,grouped,says", [((9, 0), True, None), ((9, 2), True, None),
                                                      ((10, 0), False, "pytorch#172439"),
                                                      ((10, 3), False, "pytorch#172439"),
-                                                     ((12, 0), False, "pytorch#172439"),
-                                                     ((8, 0), False, "fast grouped kernel needs 9.0")])
+                                                     ((12, 0), False, "for 9.x and 10.x only"),
+                                                     ((8, 0), False, "for 9.x and 10.x only")])
 def test_the_cuda_grouped_kernel_only_where_it_is_known_correct(monkeypatch, caplog, capability, grouped, says):
     """Hopper takes ``torch._grouped_mm``; Blackwell (its kernel gives experts without tokens non-zero
-    weight gradients) and older GPUs take one matmul per expert, said once in the log."""
+    weight gradients) and GPUs without torch's fast kernel take one matmul per expert, said once."""
     experts._per_expert_notice.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0), element_size=lambda: 2)
