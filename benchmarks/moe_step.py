@@ -14,7 +14,10 @@ Dispatch time is measured by wrapping megatron's ``MoEAlltoAllTokenDispatcher`` 
 ``token_combine``, ``combine_postprocess``: permutation and all-to-all) and the all-to-all's autograd
 function (``tensor_parallel.mappings._AllToAll``, forward and backward), with a device synchronise
 around each call on GPUs. The backward of the permutations is not counted, so the share is a lower
-bound. Rank 0's figures are reported.
+bound. Rank 0's figures are reported; the table is printed after every run (a run stopped at a time
+limit keeps what it measured), and a non-finite loss ends the benchmark with an error. The experts
+column says how the grouped experts multiplied: ``torch._grouped_mm`` or, where it is not known
+correct (:func:`~cooper_mcore.models.experts.grouped_mm_supported`), one matmul per expert.
 
     python benchmarks/moe_step.py                 # CPU: hidden 256, 8 experts, top 2; 1 rank EP=1, 2 ranks EP=1, EP=2
     python benchmarks/moe_step.py --gpu           # GPUs: Qwen3-30B-A3B's layer shape, 4 layers, bf16
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +48,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
+from cooper_mcore.models.experts import GroupedExperts, grouped_mm_supported
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
 
 logger = logging.getLogger("moe_step")
@@ -94,12 +99,19 @@ def instrument_dispatch() -> None:
 
 
 def make_step(shape: dict[str, Any], ep: int, batches: list[torch.Tensor],
-              dtype: torch.dtype, grouped: bool = True) -> Callable[[], float]:
-    """A training step of the MoE model on ``batches`` (one optimizer step); returns the mean loss."""
+              dtype: torch.dtype, grouped: bool = True) -> tuple[Callable[[], float], str]:
+    """A training step of the MoE model on ``batches`` (one optimizer step; it returns the mean loss),
+    and how its experts multiply: ``torch._grouped_mm``, one matmul per expert, or ``SequentialMLP``."""
     arch = ArchSpec.from_hf_config(dict(shape))
     model = build_model(arch, ParallelConfig(ep=ep), dtype=dtype, grouped_experts=grouped)
+    experts = next((m for m in model.modules() if isinstance(m, GroupedExperts)), None)
+    kernel = "SequentialMLP"
+    if experts is not None:
+        w = experts.linear_fc1.weight
+        kernel = ("torch._grouped_mm" if grouped_mm_supported(w.new_empty((0, w.shape[2])), w)
+                  else "one matmul per expert")
     step, _ = megatron_lm_step(model, batches)
-    return step
+    return step, kernel
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of a ``torchrun`` world: time the steps, rank 0 writes the figures to ``args.out``."""
@@ -111,8 +123,8 @@ def worker(args: argparse.Namespace) -> None:
         batches = [torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq), generator=gen)
                    for _ in range(args.micro_batches)]
         instrument_dispatch()
-        step = make_step(shape, args.ep, batches, torch.bfloat16 if args.gpu else torch.float32,
-                         args.experts == "grouped")
+        step, kernel = make_step(shape, args.ep, batches, torch.bfloat16 if args.gpu else torch.float32,
+                                 args.experts == "grouped")
         for _ in range(args.warmup):
             step()
         TIMES.clear()
@@ -125,7 +137,7 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         median = sorted(times)[len(times) // 2]
         if rank == 0:
-            row = {"ranks": world, "ep": args.ep, "experts": args.experts,
+            row = {"ranks": world, "ep": args.ep, "experts": args.experts, "kernel": kernel,
                    "experts_per_rank": shape["num_experts"] // args.ep,
                    "tokens_per_step": world * args.micro_batch * args.seq * args.micro_batches,
                    "ms_per_step": median * 1e3, "loss": loss, "total_s": sum(times),
@@ -163,16 +175,16 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              f"{megatron.core.__version__}; median of {args.steps} steps after {args.warmup}"
              + (f", median run of {args.repeat}" if args.repeat > 1 else ""),
              "| ranks | EP | experts | experts/rank | tokens/step | ms/step | tokens/s | dispatcher fwd (ms/step) "
-             "| all-to-all fwd+bwd (ms/step) | dispatch share |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| all-to-all fwd+bwd (ms/step) | dispatch share | loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         dispatcher = r.get("dispatcher_s", 0.0) / args.steps
         a2a = (r.get("a2a_fwd_s", 0.0) + r.get("a2a_bwd_s", 0.0)) / args.steps
         share = (dispatcher + r.get("a2a_bwd_s", 0.0) / args.steps) / (r["total_s"] / args.steps)
-        lines.append(f"| {r['ranks']} | {r['ep']} | {r['experts']} | {r['experts_per_rank']} | "
+        lines.append(f"| {r['ranks']} | {r['ep']} | {r['experts']} ({r['kernel']}) | {r['experts_per_rank']} | "
                      f"{r['tokens_per_step']} | "
                      f"{r['ms_per_step']:.1f} | {r['tokens_per_step'] / r['ms_per_step'] * 1e3:,.0f} | "
-                     f"{dispatcher * 1e3:.1f} | {a2a * 1e3:.1f} | {share:.1%} |")
+                     f"{dispatcher * 1e3:.1f} | {a2a * 1e3:.1f} | {share:.1%} | {r['loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -239,15 +251,23 @@ def main() -> None:
     kinds = [k.strip() for k in args.experts.split(",")]
     if not kinds or any(k not in ("grouped", "sequential") for k in kinds):
         raise ValueError(f"--experts {args.experts!r}: a comma-separated list of grouped and sequential")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for ranks, ep in settings:
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
         for _ in range(args.repeat):  # alternating, so that a busy spell of a shared machine hits both
             for kind in kinds:
                 logger.info("ranks=%d ep=%d experts=%s ...", ranks, ep, kind)
                 runs[kind].append(run_setting(ranks, ep, kind, args, passthrough))
-        rows += [sorted(r, key=lambda x: x["ms_per_step"])[len(r) // 2] for r in runs.values()]
-    print(table(rows, args))
+                # the table so far after every run: a run stopped at its time limit keeps what it measured
+                print(table(rows + [median_run(r) for r in runs.values() if r], args) + "\n", flush=True)
+                if not math.isfinite(runs[kind][-1]["loss"]):
+                    raise SystemExit(f"moe_step: ranks={ranks} ep={ep} experts={kind}: non-finite loss")
+        rows += [median_run(r) for r in runs.values()]
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median step time."""
+    return sorted(runs, key=lambda x: x["ms_per_step"])[len(runs) // 2]
 
 
 if __name__ == "__main__":

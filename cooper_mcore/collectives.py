@@ -12,6 +12,7 @@ device type cpu". Results are returned on the device; callers that need host val
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -42,6 +43,45 @@ def broadcast_object_in_model_parallel_group(obj: T) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+#: the most dimensions :func:`broadcast_tensor_in_model_parallel_group` sends a shape of
+_MAX_DIMS = 7
+
+
+def broadcast_tensor_in_model_parallel_group(t: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The model-parallel group's first rank's ``t`` on every rank of the group, as tensors, not
+    pickled: its shape first (one int64 tensor), then its bytes (one uint8 tensor: neither NCCL nor
+    gloo reduces or broadcasts every dtype, int16 for one, and bytes are bytes).
+
+    Args:
+        t: the tensor on the group's first rank (of ``dtype``, at most 7 dimensions); None elsewhere.
+        dtype: its dtype (every rank must know it).
+
+    Returns:
+        The tensor, on the device; ``t`` itself in a one-rank group.
+    """
+    group, src = model_parallel_group_and_src()
+    if dist.get_world_size(group) == 1:
+        assert t is not None, "the group's first rank holds the tensor"
+        return t
+    leader = dist.get_rank() == src
+    header = torch.full((1 + _MAX_DIMS,), -1, dtype=torch.int64)
+    if leader:
+        assert t is not None and t.dtype == dtype and t.dim() <= _MAX_DIMS, (None if t is None else (t.dtype, t.shape))
+        header[0] = t.dim()
+        header[1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    header = header.to(device())
+    dist.broadcast(header, src=src, group=group)
+    if leader:
+        shape = list(t.shape)
+        data = t.to(device()).contiguous().reshape(-1).view(torch.uint8)
+    else:
+        dims = header.tolist()
+        shape = dims[1:1 + dims[0]]
+        data = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device())
+    dist.broadcast(data, src=src, group=group)
+    return data.view(dtype).reshape(shape)
 
 
 def broadcast_from_last_stage(t: torch.Tensor, pp_group: Optional[Any] = None) -> torch.Tensor:

@@ -2,27 +2,34 @@
 
 A GPU is lent for minutes, so the run is bounded (``--budget-s``, 8 minutes by default) and ordered
 by what it tells, most first; ``<out>/report.md`` is rewritten after every step, so a run cut short
-keeps what it measured. Each step runs in its own process group with a time limit (the rest of the
+keeps what it measured. Each step runs in its own process group with a time slice (the rest of the
 budget at most); a step past it is killed with every process it started, torchrun's ranks included
 (:class:`ProcessTree`: they run in sessions of their own), so none keeps GPU memory from the next:
 
-1. the ``gpu``-marked tests (``tests/gpu``, and ``tests/sglang/test_gpu.py`` when sglang imports):
-   2 min 3 s on an H200 (2026-11-27), the most informative minutes;
-2. ``benchmarks/train_step.py``: tokens/s, MFU and peak memory of a Qwen2.5-1.5B-shaped policy
-   step (bf16, sequence 4096) with megatron-core and with plain transformers, each in a fresh
-   process;
-3. ``benchmarks/cooper_step.py`` (not with ``--quick``): one full Cooper step at the Qwen2.5-1.5B
-   shape with random weights built on the GPU, without and with offload, each in a fresh process, at
-   the largest micro-batch ``cooper plan`` fits on this GPU: per phase seconds, peak memory, the
-   plan and their ratio, Cooper's extras as a share of the step, offload against no offload;
-4. ``benchmarks/moe_step.py --gpu`` (not with ``--quick``): a Qwen3-30B-A3B-shaped MoE training step.
+1. the ``gpu``-marked tests (``tests/gpu``; 240 s), the most informative minutes: 12 tests; on an
+   H200 (2026-11-27) the 5 of then took 2 min 3 s and the 2 MoE forward tests 21 s, the others are
+   seconds each (about 175 s expected);
+2. ``benchmarks/moe_step.py --gpu --settings 1x1`` (not with ``--quick``; 150 s): the first
+   mixture-of-experts training steps on a GPU, at Qwen3-30B-A3B's layer shape, with the grouped
+   experts (``torch._grouped_mm`` where it is known correct), then megatron's ``SequentialMLP``, each
+   in its own process, the table printed after each;
+3. ``benchmarks/cooper_step.py`` (not with ``--quick``; the rest of the budget): one full Cooper step
+   at the Qwen2.5-1.5B shape with random weights built on the GPU, without and with offload, each in
+   a fresh process, at the largest micro-batch ``cooper plan`` fits: per phase seconds, peak memory
+   and the plan, and the bf16 rollout engine's log-probabilities against the trainer's;
+4. ``tests/sglang/test_gpu.py`` when sglang imports (180 s; not on the lent machines' image);
+5. budget permitting (each only when its whole 120 s slice is left; skipping them does not fail the
+   run): ``benchmarks/train_step.py`` per variant, measured on an H100 and an H200 already.
 
-``cooper rehearse --config examples/qwen2.5-1.5b_8xh100.yaml --real-shape`` is not part of it: the
-Cooper-step benchmark measures the same phases of the same shape.
+**The mismatch gate.** The run fails when the engine's bf16 log-probabilities are further from the
+trainer's than peers let their GPU CI pass (:data:`MISMATCH_BOUNDS`: mean ``|engine - trainer|`` per
+response token at most 0.1 nats, as slime's CI asserts, and the k3 KL(engine || trainer) at most 0.01,
+as prime-rl's checks): read from the Cooper-step benchmark's ``rollout/logprob_*`` of every setting it
+finished; not measured (the benchmark failed before its first setting, or was not reached) fails too.
 
-The report holds the device, driver, versions, every figure, and every failure with the end of its
-log; raw logs and JSON lie beside it. Steps that fail are reported and the run goes on; a step the
-budget has no time left for is reported as skipped. The exit code is 0 only when every step passed.
+The report holds the device, driver, versions, every figure, the gate, and every failure with the
+end of its log; raw logs and JSON lie beside it. Steps that fail are reported and the run goes on. The
+exit code is 0 only when every step that had to run passed and the gate held (``--quick``: no gate).
 
 It needs torch and transformers (a GPU image has them) and these small wheels, which install
 offline (``pip install --no-index --find-links DIR``; ``make gpu-wheels`` downloads them on a
@@ -63,8 +70,13 @@ class Step:
 
     name: str
     cmd: list[str]
-    timeout_s: int
+    timeout_s: float
+    """Its time slice: the longest it may run (less when less of the budget is left)."""
     cwd: Path = ROOT
+    optional: bool = False
+    """Budget permitting: it runs only when its whole slice is left, and skipping it fails nothing."""
+    output: Optional[Path] = None
+    """The JSON it writes, removed before it starts: a stale one of an earlier run is never read."""
     rc: Optional[int] = None
     seconds: float = 0.0
     log: str = ""
@@ -75,10 +87,23 @@ class Step:
         return self.rc == 0
 
     @property
+    def passed(self) -> bool:
+        """Whether it leaves the run's exit code at 0: it passed, or it was optional and skipped."""
+        return self.ok or (self.optional and self.rc is None)
+
+    @property
     def result(self) -> str:
         if self.rc is None:
-            return "skipped (budget)"
+            return "skipped (budget)" + (", optional" if self.optional else "")
         return "pass" if self.ok else f"FAIL (rc {self.rc})"
+
+
+def time_limit(step: Step, left_s: float) -> Optional[float]:
+    """The seconds ``step`` may run with ``left_s`` of the budget left (after the report's margin), or
+    None when it is not started: nothing left, or an optional step whose whole slice is not left."""
+    if left_s <= 0 or (step.optional and left_s < step.timeout_s):
+        return None
+    return min(step.timeout_s, left_s)
 
 
 #: the real-SGLang tier's GPU tests (marked ``gpu`` only: ``make test-sglang`` must not select them)
@@ -161,12 +186,14 @@ def run_step(step: Step, out: Path, deadline: Optional[float] = None) -> Step:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
                    "PYTHONPATH")])))
-    limit = step.timeout_s if deadline is None else min(step.timeout_s, deadline - time.monotonic() - MARGIN_S)
-    if limit <= 0:
+    limit = time_limit(step, step.timeout_s if deadline is None else deadline - time.monotonic() - MARGIN_S)
+    if limit is None:
         step.rc, step.log = None, "[gpu_check] skipped: no time left in the budget"
         log_path.write_text(step.log)
         logger.info("%s: skipped (budget)", step.name)
         return step
+    if step.output is not None:
+        step.output.unlink(missing_ok=True)
     t0 = time.perf_counter()
     logger.info("%s: %s (limit %.0f s)", step.name, " ".join(step.cmd), limit)
     token = f"{os.getpid()}-{step.name}-{time.time_ns()}"
@@ -232,12 +259,54 @@ def _last_table(log: str) -> list[str]:
     return [ln for ln in tail if ln.startswith(("|", "- ", "shape ", "one Cooper", "  "))]
 
 
-def report(out: Path, info: dict[str, str], steps: list[Step]) -> str:
+#: the engine-against-trainer figures the Cooper-step benchmark reports per setting (the metrics
+#: ``rollout/logprob_diff_mean`` and ``rollout/logprob_kl``, docs/metrics.md) and the bound above which
+#: the run fails: mean |engine - trainer| log-probability per response token, nats (slime's CI asserts
+#: its ``train_rollout_logprob_abs_diff`` <= 0.1); the k3 estimate of KL(engine || trainer) (prime-rl
+#: keeps its mismatch KL under 0.01). docs/testing.md says why these.
+MISMATCH_BOUNDS = {"rollout/logprob_diff_mean": 0.1, "rollout/logprob_kl": 0.01}
+MISMATCH_GATE = "bf16 engine-trainer log-prob mismatch"
+
+
+@dataclass
+class Gate:
+    """A condition on what the steps measured that the run's exit code follows."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+def mismatch_gate(cooper: Step) -> Gate:
+    """:data:`MISMATCH_BOUNDS` held against every setting of the Cooper-step benchmark's JSON
+    (``cooper.output``) that has the engine's figures; a run with none fails (not measured)."""
+    results = _json(cooper.output).get("results", {}) if cooper.output is not None else {}
+    measured = {variant: r.get("engine") or {} for variant, r in results.items()}
+    measured = {variant: m for variant, m in measured.items() if all(k in m for k in MISMATCH_BOUNDS)}
+    if not measured:
+        why = ("the Cooper-step benchmark was not reached" if cooper.rc is None else
+               f"the Cooper-step benchmark ({cooper.result}) finished no setting with the engine's log-probabilities")
+        return Gate(MISMATCH_GATE, False, f"not measured: {why}")
+    figures, over = [], []
+    for variant, m in measured.items():
+        for key, bound in MISMATCH_BOUNDS.items():
+            value = float(m[key])
+            figures.append(f"{variant} {key.split('/')[-1]} {value:.3g}")
+            if not value <= bound:  # NaN too
+                over.append(f"{variant} {key} {value:.3g} > {bound}")
+    bounds = ", ".join(f"{k.split('/')[-1]} <= {b}" for k, b in MISMATCH_BOUNDS.items())
+    return Gate(MISMATCH_GATE, not over, ("; ".join(over) if over else ", ".join(figures)) + f" (bounds: {bounds})")
+
+
+def report(out: Path, info: dict[str, str], steps: list[Step], gates: tuple[Gate, ...] = ()) -> str:
     lines = [f"# gpu-check report ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", "## Steps", "", "| step | result | seconds |", "|---|---|---|"]
     lines += [f"| {s.name} | {s.result} | {s.seconds:.0f} |" for s in steps]
+    if gates:
+        lines += ["", "## Gates", "", "| gate | result | figures |", "|---|---|---|"]
+        lines += [f"| {g.name} | {'pass' if g.ok else 'FAIL'} | {g.detail} |" for g in gates]
     for s in steps:
         if s.name.startswith(TABLE_STEPS) and s.rc is not None:
             table = _last_table(s.log)
@@ -255,7 +324,7 @@ def report(out: Path, info: dict[str, str], steps: list[Step]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="the GPU checks in one run, with one report")
     p.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"), help="report folder")
-    p.add_argument("--quick", action="store_true", help="the tests and the train-step benchmark only")
+    p.add_argument("--quick", action="store_true", help="the tests and the MoE step only (no mismatch gate)")
     p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole run (default 480)")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the tiny shapes on CPU
     args = p.parse_args(argv)
@@ -276,7 +345,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     info = versions() if not tiny else {"device": "CPU (--allow-cpu: tiny shapes, a test of this script)"}
     steps: list[Step] = []
-    for step in plan_steps(sys.executable, tiny, args.quick, out):
+    for step in plan_steps(sys.executable, tiny, args.quick, out, args.budget_s):
         steps.append(run_step(step, out, deadline))
         report(out, info, steps)  # after every step: a run cut short keeps what it measured
     for variant in ("megatron-te",):  # a variant whose benchmark found nothing to run here (no TE) is not a step
@@ -284,36 +353,52 @@ def main(argv: Optional[list[str]] = None) -> int:
         if any(s.name == name and s.ok for s in steps) and not _json(out / f"{name}.json").get("rows"):
             logger.info("%s: not available on this machine", variant)
             steps[:] = [s for s in steps if s.name != name]
-    text = report(out, info, steps)
+    gates = tuple(mismatch_gate(s) for s in steps if s.name == "cooper_step")
+    text = report(out, info, steps, gates)
     print(text)
     print(f"report: {out / 'report.md'}")
-    return 0 if all(s.ok for s in steps) else 1
+    return exit_code(steps, gates)
 
 
-def plan_steps(py: str, tiny: bool, quick: bool, out: Path) -> list[Step]:
-    """The steps in the order they run (see the module doc); ``tiny``: the CPU shapes (a test of this script)."""
+def exit_code(steps: list[Step], gates: tuple[Gate, ...]) -> int:
+    """0 when every step that had to run passed and every gate held, else 1."""
+    return 0 if all(s.passed for s in steps) and all(g.ok for g in gates) else 1
+
+
+#: each step's time slice, seconds (the H200 timings behind them: the module doc)
+SLICES = {"gpu_tests": 240, "moe_step": 150, "sglang_gpu_tests": 180, "train_step": 120}
+
+
+def plan_steps(py: str, tiny: bool, quick: bool, out: Path, budget_s: float = 480.0) -> list[Step]:
+    """The steps in the order they run (see the module doc); ``tiny``: the CPU shapes (a test of this
+    script); the Cooper-step benchmark's slice is what the budget leaves."""
     bench = ROOT / "benchmarks"
-    steps = [Step("gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"], 180)]
+    steps = [Step("gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"],
+                  SLICES["gpu_tests"])]
+    # the tiny shapes (a test of this script) time the grouped experts only, in one step
+    moe = (["--settings", "1x1", "--steps", "1", "--warmup", "0", "--experts", "grouped"] if tiny
+           else ["--gpu", "--settings", "1x1"])
+    steps.append(Step("moe_step", [py, "moe_step.py", *moe], SLICES["moe_step"], cwd=bench))
+    if not quick:
+        js = out / "cooper_step.json"
+        steps.append(Step("cooper_step", [py, "cooper_step.py", *(["--tiny"] if tiny else []), "--steps", "2",
+                                          "--json", str(js)], budget_s, cwd=bench, output=js))
     try:
         import sglang  # noqa: F401  (optional)
 
-        steps.append(Step("sglang_gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                               *SGLANG_GPU_TESTS], 180))
+        steps.append(Step("sglang_gpu_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SGLANG_GPU_TESTS],
+                          SLICES["sglang_gpu_tests"]))
     except ImportError:
         logger.info("sglang is not installed: its GPU tests are not run")
-    shape = ["--tiny"] if tiny else []
+    if quick:
+        return steps
     variants = ("megatron-local", "megatron-te", "transformers")
     for variant in variants:
         skip = ",".join(v for v in variants if v != variant)
         js = out / f"train_step_{variant}.json"
-        steps.append(Step(f"train_step_{variant}", [py, "train_step.py", *shape, "--steps", "3", "--warmup", "1",
-                                                    "--skip", skip, "--json", str(js)], 120, cwd=bench))
-    if quick:
-        return steps
-    steps.append(Step("cooper_step", [py, "cooper_step.py", *shape, "--steps", "2", "--json",
-                                      str(out / "cooper_step.json")], 270, cwd=bench))
-    moe = ["--settings", "1x1", "--steps", "1"] if tiny else ["--gpu"]
-    steps.append(Step("moe_step", [py, "moe_step.py", *moe], 120, cwd=bench))
+        steps.append(Step(f"train_step_{variant}", [py, "train_step.py", *(["--tiny"] if tiny else []), "--steps",
+                                                    "3", "--warmup", "1", "--skip", skip, "--json", str(js)],
+                          SLICES["train_step"], cwd=bench, optional=True, output=js))
     return steps
 
 

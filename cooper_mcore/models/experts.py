@@ -9,9 +9,17 @@ and the tokens of all of them go through one grouped matrix multiply per linear:
   rows of each half), the layout of ``SequentialMLP``'s ``local_experts.{e}.linear_fc1.weight``;
 * ``linear_fc2.weight`` ``[E_local, h, I / etp]``: expert ``e``'s ``down_proj`` (this rank's columns).
 
-:func:`grouped_mm` uses ``torch._grouped_mm`` where it runs (CUDA with bf16 on compute capability 9.0
-or newer, and torch's own CPU implementation; row strides must be multiples of 16 bytes) and otherwise
-one matmul per expert on the same stacked weights: the same products, in the same order per expert.
+:func:`grouped_mm` uses ``torch._grouped_mm`` where it is known correct (:func:`grouped_mm_supported`:
+CUDA bf16 on compute capability 9.x, and torch's own CPU implementation; row strides must be
+multiples of 16 bytes) and otherwise one matmul per expert on the same stacked weights: the same
+products, in the same order per expert. On other GPUs (Blackwell, Ampere) the per-expert path is
+taken and said once in the log.
+
+The groups of a layer's call (:class:`ExpertGroups`) are made once for both linears: for the grouped
+kernel the cumulative offsets, summed where megatron's dispatcher left the counts (the host, after
+its own synchronisation) and queued to the device without waiting (:func:`~cooper_mcore.models.transfer.
+to_device_async`), so the layer adds no host stall; the per-expert path needs the sizes on the host,
+which costs a device synchronisation only if the counts were on the device.
 
 The distributed checkpoint is ``SequentialMLP``'s (same keys, global shapes and expert axis), so a
 checkpoint saved with either loads into the other, and :mod:`cooper_mcore.convert.hf` reads both.
@@ -21,6 +29,9 @@ With Transformer Engine megatron's own ``TEGroupedMLP`` is used instead (:mod:`c
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,21 +42,52 @@ from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from cooper_mcore.models.transfer import to_device_async
+
+logger = logging.getLogger(__name__)
+
 #: the byte multiple torch's grouped matmul wants of every row stride of its operands
 _ALIGN_BYTES = 16
+#: the CUDA compute capability majors whose ``torch._grouped_mm`` is known to train experts correctly:
+#: Hopper. On Blackwell (10.x) torch's CUTLASS kernel gives an expert without tokens a non-zero weight
+#: gradient (pytorch#172439, open; CUTLASS fixed it upstream, and no torch release is known to carry
+#: the fix); on other GPUs torch has no fast kernel and loops over the groups itself (pytorch#161407's
+#: fallback, with a host synchronisation), which the per-expert path does without one.
+GROUPED_MM_CAPABILITY_MAJORS = (9,)
+
+
+@functools.cache
+def _per_expert_notice(reason: str) -> None:
+    """Say once per process (per reason) that the experts run one matmul per expert, and why."""
+    logger.warning("grouped experts: one matmul per expert, not torch._grouped_mm: %s", reason)
+
+
+def cuda_grouped_mm_correct(capability: tuple[int, int]) -> bool:
+    """Whether torch's CUDA grouped matmul is known correct on a GPU of ``capability`` (major, minor);
+    when it is not, the per-expert path is said once in the log."""
+    if capability[0] in GROUPED_MM_CAPABILITY_MAJORS:
+        return True
+    major, minor = capability
+    why = ("torch's CUTLASS kernel gives experts without tokens non-zero weight gradients there (pytorch#172439)"
+           if major == 10 else "torch's fast grouped kernel is for 9.x and 10.x only (elsewhere it loops itself)")
+    _per_expert_notice(f"compute capability {major}.{minor}: {why}")
+    return False
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes ``x [T, in]`` against stacked weights ``[E, out, in]`` here.
 
-    CUDA: bf16 on compute capability 9.0 or newer (Hopper, Blackwell), where torch has the kernel.
-    CPU: torch's implementation (a loop over the groups). Both need 16-byte multiples of the row
-    strides of the operands and the output.
+    CUDA: bf16 on a GPU where the kernel is known correct (:func:`cuda_grouped_mm_correct`: compute
+    capability 9.x). CPU: torch's implementation (a loop over the groups). Both need 16-byte
+    multiples of the row strides of the operands and the output.
     """
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
         return False
     if x.is_cuda:
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+        if x.dtype != torch.bfloat16:
+            _per_expert_notice(f"torch's CUDA kernel takes bf16 only, the experts are {x.dtype}")
+            return False
+        if not cuda_grouped_mm_correct(torch.cuda.get_device_capability(x.device)):
             return False
     elif x.device.type != "cpu":
         return False
@@ -53,32 +95,61 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(d * size % _ALIGN_BYTES == 0 for d in (weight.shape[1], weight.shape[2]))
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-               use_grouped: Optional[bool] = None) -> torch.Tensor:
-    """``x_e @ weight[e].T`` for consecutive row groups ``x_e`` of ``x`` of sizes ``counts``.
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The consecutive row groups (one per local expert) of a layer's call, in the form its path takes:
+    exactly one of ``offsets`` and ``sizes`` is set."""
+
+    offsets: Optional[torch.Tensor] = None
+    """``torch._grouped_mm``'s ``offs``: int32 ``[E]`` cumulative row counts on the rows' device."""
+    sizes: Optional[list[int]] = None
+    """The per-expert path's rows per group, on the host."""
+
+    @classmethod
+    def of(cls, counts: torch.Tensor, device: torch.device, grouped: bool) -> ExpertGroups:
+        """The groups of ``counts`` (``[E]`` rows per group, on the host or on ``device``) for rows on
+        ``device``: the grouped kernel's offsets, or the per-expert path's sizes.
+
+        The offsets are summed where the counts are (no value is read on the host) and queued to
+        ``device`` without waiting when they are on the host. The sizes are read on the host: a
+        device synchronisation when the counts are on a GPU, for the per-expert path only.
+        """
+        assert counts.dim() == 1, counts.shape
+        if grouped:
+            return cls(offsets=to_device_async(torch.cumsum(counts, 0, dtype=torch.int32), device))
+        return cls(sizes=[int(c) for c in counts.tolist()])
+
+    def __len__(self) -> int:
+        return len(self.offsets) if self.offsets is not None else len(self.sizes)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) with row-major strides, which ``torch._grouped_mm`` checks even of an empty tensor:
+    a broadcast (stride-0) gradient of a sum, or an empty one (a rank that received no tokens; torch
+    calls an empty tensor contiguous whatever its strides), is copied."""
+    return t if t.stride() == (t.shape[1], 1) else t.clone(memory_format=torch.contiguous_format)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """``x_e @ weight[e].T`` for consecutive row groups ``x_e`` of ``x``.
 
     Args:
         x: ``[T, in]`` rows sorted by group.
         weight: ``[E, out, in]`` stacked weights.
-        counts: ``[E]`` rows per group (any device), summing to ``T``.
-        use_grouped: force ``torch._grouped_mm`` on or off (tests); default :func:`grouped_mm_supported`.
+        groups: the ``E`` groups' rows (:meth:`ExpertGroups.of`, summing to ``T``): offsets for
+            ``torch._grouped_mm``, or sizes for one matmul per group.
 
     Returns:
         ``[T, out]``.
     """
     assert x.dim() == 2 and weight.dim() == 3 and x.shape[1] == weight.shape[2], (x.shape, weight.shape)
-    assert counts.numel() == weight.shape[0], (counts.shape, weight.shape)
-    if use_grouped is None:
-        use_grouped = grouped_mm_supported(x, weight)
-    if use_grouped:
-        offs = torch.cumsum(counts.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
-        out = torch._grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offs)
-    else:
-        parts = torch.split(x, counts.tolist())
-        out = torch.cat([p @ w.t() for p, w in zip(parts, weight)]) if parts else x.new_zeros((0, weight.shape[1]))
-    if out.requires_grad:
-        # the grouped matmul's backward needs real strides; a broadcast gradient (of a sum) has none
-        out.register_hook(lambda g: g.contiguous())
+    assert len(groups) == weight.shape[0], (len(groups), weight.shape)
+    if groups.sizes is not None:
+        parts = torch.split(x, groups.sizes)
+        return torch.cat([p @ w.t() for p, w in zip(parts, weight)]) if parts else x.new_zeros((0, weight.shape[1]))
+    out = torch._grouped_mm(_dense(x), weight.transpose(1, 2), offs=groups.offsets)
+    if out.requires_grad:  # the backward's grouped matmuls check the output gradient's strides too
+        out.register_hook(_dense)
     return out
 
 
@@ -138,13 +209,15 @@ class GroupedExperts(MegatronModule):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """``tokens [T, h]`` sorted by local expert, ``tokens_per_expert [E_local]``, ``probs [T]`` ->
-        ``([T, h], None)``."""
-        counts = torch.as_tensor(tokens_per_expert)
-        gate_up = grouped_mm(tokens, self.linear_fc1.weight, counts)
+        ``([T, h], None)``. The groups are made once for both linears (:class:`ExpertGroups`)."""
+        fc1, fc2 = self.linear_fc1.weight, self.linear_fc2.weight
+        grouped = grouped_mm_supported(tokens, fc1) and grouped_mm_supported(tokens, fc2)
+        groups = ExpertGroups.of(torch.as_tensor(tokens_per_expert), tokens.device, grouped)
+        gate_up = grouped_mm(tokens, fc1, groups)
         gate, up = torch.chunk(gate_up, 2, dim=-1)
         hidden = self.config.activation_func(gate) * (up + self.config.glu_linear_offset)
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
-        return grouped_mm(hidden, self.linear_fc2.weight, counts), None
+        return grouped_mm(hidden, fc2, groups), None
 
     def backward_dw(self) -> None:
         """Nothing deferred (megatron calls it on every experts module)."""

@@ -20,7 +20,8 @@ How it is wired, for the policy only (the reward model's routers are never touch
   the batch the passes take, -1 where none was recorded) for the duration of its passes.
 * Each micro-batch's forward (:meth:`cooper_mcore.micro_batching.runner.MicroBatch.forward`) hands
   this stage's routers their layers' routes in the micro-batch's layout (:func:`arm`), in the
-  token order a router sees: ``[s, b]`` flattened, this rank's slice under sequence parallelism.
+  token order a router sees: ``[s, b]`` flattened, this rank's slice under sequence parallelism,
+  copied to the device once per micro-batch (queued, the host does not wait) for all its layers.
 * With full activation recomputation a router runs again in the backward pass, after later
   micro-batches were armed (pipelining); each :class:`RouteReplay` keeps the routes it used, in
   order, and a recomputing call (a checkpointed training forward with gradients on) takes the
@@ -38,6 +39,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from cooper_mcore.models.forward import unwrap
+from cooper_mcore.models.transfer import to_device_async
 
 #: what marks a position without recorded routes (and fills past a sequence's end)
 NO_ROUTE = -1
@@ -158,9 +160,10 @@ def arm(model: torch.nn.Module, layout: Callable[[torch.Tensor, int], torch.Tens
     config = inner.config
     if config.sequence_parallel:
         mb = mb.chunk(config.tensor_model_parallel_size, dim=0)[inner.pg_collection.tp.rank()]
-    mb = mb.reshape(-1, *mb.shape[2:])
+    # one copy to the device per micro-batch, queued without waiting, rather than one per router
+    mb = to_device_async(mb.reshape(-1, *mb.shape[2:]).to(torch.int64), next(inner.parameters()).device)
     for layer, replay in replays:
-        replay.push(mb[:, layer].to(torch.int64))
+        replay.push(mb[:, layer])
 
 
 def route_batch(per_sequence: Sequence[torch.Tensor], width: int, layers: int, topk: int) -> torch.Tensor:

@@ -2,10 +2,11 @@
 
 Completions are generated and verified on the first rank of each model-parallel group (where its
 engine and rule verifier live) and broadcast to the group's other ranks, so every rank then runs
-the same collective Megatron passes on the same data. Evaluation splits the held-out prompts
-across the data-parallel replicas and sums the verdicts over the world: the rule verifier's, and
-an oracle's when one is given (``eval.verifier``); each replica's leader may write its completions
-with both verdicts to a JSONL file (``eval.save_samples``).
+the same collective Megatron passes on the same data; their routed experts (rollout routing replay)
+follow as one tensor once the engine has released its memory (:func:`share_routes`). Evaluation
+splits the held-out prompts across the data-parallel replicas and sums the verdicts over the world:
+the rule verifier's, and an oracle's when one is given (``eval.verifier``); each replica's leader
+may write its completions with both verdicts to a JSONL file (``eval.save_samples``).
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cooper_mcore.atomic import atomic_open
-from cooper_mcore.collectives import all_reduce, broadcast_object_in_model_parallel_group, is_group_leader
+from cooper_mcore.collectives import (
+    all_reduce,
+    broadcast_object_in_model_parallel_group,
+    broadcast_tensor_in_model_parallel_group,
+    is_group_leader,
+)
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
 from cooper_mcore.verify.protocols import BatchVerifier, VerdictLike
@@ -32,7 +39,12 @@ def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVer
     """G completions per prompt, verified against the gold answers (gold first) on the group
     leader (each sample's ``rule_correct`` and ``rule_answered`` from its outcome's ``correct`` and
     ``answered``; the group's ``gold_unreadable`` when the verifier could not read the gold), then
-    shared with the model-parallel group (collective over that group)."""
+    shared with the model-parallel group (collective over that group), without the samples' routed
+    experts: those stay on the leader until :func:`share_routes`.
+
+    Called while the engine holds its memory: the group's other ranks wait in the broadcast until the
+    leader has generated, and so do not bring their training state back onto GPUs the engine uses.
+    """
     groups = None
     if is_group_leader():
         assert engine is not None and verifier is not None, "the group leader owns the engine and verifier"
@@ -52,7 +64,43 @@ def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVer
             unreadable = any(getattr(v, "status", None) == GOLD_UNREADABLE
                              for v in outcomes[i * group_size:(i + 1) * group_size])
             groups.append(RolloutGroup(p, samples, gold_unreadable=unreadable))
-    return broadcast_object_in_model_parallel_group(groups)
+    if dist.get_world_size(parallel_state.get_model_parallel_group()) == 1:
+        return groups
+    bare = None if groups is None else [replace(g, samples=[replace(s, routed_experts=None) for s in g.samples])
+                                        for g in groups]
+    shared = broadcast_object_in_model_parallel_group(bare)
+    return groups if groups is not None else shared
+
+
+def share_routes(groups: Sequence[RolloutGroup]) -> None:
+    """Give the samples of the group's other ranks the leader's routed experts (rollout routing
+    replay: int16 ``[positions, layers * top_k]`` per sample), as tensors (collective over the
+    model-parallel group; every rank passes the groups :func:`generate_groups` returned it).
+
+    Called after the engine released its memory (NCCL broadcasts go through device memory): the
+    samples' row counts (int64, -1 for a sample without routes), then every sample's routes end to
+    end as one tensor, each with its shape first. At the Qwen3-30B-A3B preset on 2 nodes that is up
+    to 384 rollouts per replica of up to ~700 positions at 48 layers x top-8 x 2 bytes, about 0.2 GB
+    (computed), which went pickled through the engine's memory window before.
+    """
+    if dist.get_world_size(parallel_state.get_model_parallel_group()) == 1:
+        return
+    samples = [s for g in groups for s in g.samples]
+    leader = is_group_leader()
+    rows = None
+    if leader:
+        rows = torch.tensor([-1 if s.routed_experts is None else len(s.routed_experts) for s in samples])
+    rows = broadcast_tensor_in_model_parallel_group(rows, torch.int64).cpu().tolist()
+    assert len(rows) == len(samples), (len(rows), len(samples))
+    if all(n < 0 for n in rows):
+        return
+    routes = [s.routed_experts for s in samples if s.routed_experts is not None] if leader else None
+    flat = broadcast_tensor_in_model_parallel_group(torch.cat(routes) if leader else None, torch.int16)
+    if leader:
+        return
+    parts = iter(torch.split(flat.cpu(), [n for n in rows if n >= 0]))
+    for sample, n in zip(samples, rows):
+        sample.routed_experts = next(parts) if n >= 0 else None
 
 
 #: the folder under the run's ``out`` that ``eval.save_samples`` writes to

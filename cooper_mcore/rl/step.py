@@ -29,7 +29,7 @@ from cooper_mcore.rl.engine_check import check_engine, engine_agreement
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
 from cooper_mcore.rl.results import EngineAgreement, PolicyUpdate, RolloutStats, StepResult
 from cooper_mcore.rl.rm_update import make_pairs, update_reward_model
-from cooper_mcore.rl.rollouts import generate_groups
+from cooper_mcore.rl.rollouts import generate_groups, share_routes
 from cooper_mcore.rl.scoring import rollout_logits, rule_rewards, rule_verdicts
 from cooper_mcore.rl.setup import Run
 from cooper_mcore.train.tokens import TokenBatch, build_token_batch, compute_logprobs
@@ -44,6 +44,9 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepR
         with timer.phase(Phase.ROLLOUT):
             groups = generate_groups(engine, run.verifier, prompts, cfg.rollout.group_size, run.sampling(seed),
                                      run.step)
+    if cfg.model.moe_routing_replay:
+        with timer.phase(Phase.ROLLOUT):  # once the engine has released its memory (NCCL broadcasts use the device's)
+            share_routes(groups)
     with timer.phase(Phase.RM_SCORE):
         logits = rollout_logits(run.rm, groups, cfg, run.batching) if run.rm is not None else None
     rewards = (reward_from_logits(logits, cfg.reward.rm_transform) if logits is not None

@@ -42,7 +42,7 @@ def test_moe_logits_close_to_transformers_on_gpu(tmp_path, dtype, stat, tol):
 
 
 def test_grouped_experts_equal_sequential_mlp_in_bf16_on_gpu(tmp_path):
-    """``GroupedExperts`` (``torch._grouped_mm`` on compute capability 9.0+, else one matmul per expert)
+    """``GroupedExperts`` (``torch._grouped_mm`` on compute capability 9.x, else one matmul per expert)
     against megatron's ``SequentialMLP`` from one bf16 checkpoint, forward and backward. Both multiply
     each expert's tokens by its weights with fp32 accumulation and round the products to bf16 (2^-8
     relative) in kernels of another blocking, so logits of size ~3 differ by a few bf16 steps (0.05

@@ -3,8 +3,9 @@
 ``workers/routing_replay.py`` replays routes that are a function of each token and layer in the
 old-log-prob pass and a GRPO update (packed, full recomputation), and checks every router call's
 routing map against them, at EP=1 (one process), EP=2 (two ranks, each its own rows) and TP=2 with
-sequence parallelism (each rank routes its slice of the sequence). Bit for bit: an expert set either
-is the recorded one or is not.
+sequence parallelism (each rank routes its slice of the sequence; the second rank gets the routes only
+through the rollouts' broadcast, as one tensor beside the pickled rest). Bit for bit: an expert set
+either is the recorded one or is not.
 """
 
 from __future__ import annotations
@@ -38,3 +39,4 @@ def test_trainer_routing_is_the_recorded_routing(moe_policy, tmp_path, nproc, la
         assert r["mismatched"] == 0, r
         assert r["checked"] > 100 and r["padding"] > 0 and r["recomputed"] > 0, r  # every pass was seen
         assert r["grad_norm"] > 0, r
+        assert r["pickled_routes"] == 0 and r.get("shared", False) == (layout == ("--tp", "2")), r

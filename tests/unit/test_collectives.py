@@ -67,12 +67,18 @@ def meta_device(monkeypatch):
     return seen
 
 
-def test_helpers_hand_collectives_device_tensors(meta_device):
+def test_helpers_hand_collectives_device_tensors(meta_device, monkeypatch):
     host = torch.zeros(3)  # what a careless caller passes: a host tensor
     collectives.broadcast_from_last_stage(host, pp_group=object())
     collectives.all_reduce(host)
     collectives.all_gather(host)
     assert meta_device and all(d.type == "meta" for d in meta_device), meta_device
+    meta_device.clear()  # the group leader's side of the tensor broadcast (the others read the shape's values)
+    monkeypatch.setattr(collectives, "model_parallel_group_and_src", lambda: (object(), 0))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    out = collectives.broadcast_tensor_in_model_parallel_group(torch.zeros(2, 3, dtype=torch.int16), torch.int16)
+    assert out.shape == (2, 3) and out.dtype == torch.int16 and out.device.type == "meta"
+    assert len(meta_device) == 2 and all(d.type == "meta" for d in meta_device), meta_device
 
 
 def test_the_process_group_timeout_is_the_configured_one(monkeypatch):

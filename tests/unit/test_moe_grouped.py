@@ -10,15 +10,19 @@ the last bit or to a few ulps where a kernel picks another summation order (1e-6
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from cooper_mcore.checkpoint.model import load_model_checkpoint, save_model_checkpoint
 from cooper_mcore.convert.hf import load_hf_weights, mapped_state
+from cooper_mcore.models import experts
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.models.builder import build_model
-from cooper_mcore.models.experts import GroupedExperts, grouped_mm, grouped_mm_supported
+from cooper_mcore.models.experts import ExpertGroups, GroupedExperts, grouped_mm, grouped_mm_supported
 from cooper_mcore.models.forward import position_ids_for
 from cooper_mcore.models.tiny import save_tiny_hf_model
 from cooper_mcore.parallel import ParallelConfig, single_process_world
@@ -47,13 +51,17 @@ def _model(hf: str, grouped: bool):
     return model, arch
 
 
+def _groups(counts: torch.Tensor, grouped: bool, device: str = "cpu") -> ExpertGroups:
+    return ExpertGroups.of(counts, torch.device(device), grouped)
+
+
 @pytest.mark.parametrize("use_grouped", [True, False], ids=["torch_grouped_mm", "per_expert"])
 def test_grouped_mm_is_each_groups_matmul(use_grouped):
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([5, 0, 7, 1, 0, 3])  # empty groups included
     x = torch.randn(int(counts.sum()), 16, generator=g, requires_grad=True)
     w = torch.randn(6, 8, 16, generator=g, requires_grad=True)
-    out = grouped_mm(x, w, counts, use_grouped=use_grouped)
+    out = grouped_mm(x, w, _groups(counts, use_grouped))
     ref = torch.cat([a @ b.t() for a, b in zip(torch.split(x, counts.tolist()), w)])
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     out.sum().backward()  # a broadcast gradient: the grouped backward needs real strides
@@ -70,10 +78,83 @@ def test_grouped_mm_falls_back_where_torch_cannot():
     assert not grouped_mm_supported(torch.randn(3, 6), w)
     assert grouped_mm_supported(torch.randn(3, 8), torch.randn(2, 4, 8))
     assert not grouped_mm_supported(torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(2, 4, 8))
-    counts = torch.tensor([1, 2])
     x = torch.randn(3, 6)
-    torch.testing.assert_close(grouped_mm(x, w, counts), torch.cat([x[:1] @ w[0].t(), x[1:] @ w[1].t()]), rtol=0,
-                               atol=0)
+    out = grouped_mm(x, w, _groups(torch.tensor([1, 2]), grouped_mm_supported(x, w)))
+    torch.testing.assert_close(out, torch.cat([x[:1] @ w[0].t(), x[1:] @ w[1].t()]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("capability,grouped,says", [((9, 0), True, None), ((9, 2), True, None),
+                                                     ((10, 0), False, "pytorch#172439"),
+                                                     ((10, 3), False, "pytorch#172439"),
+                                                     ((12, 0), False, "for 9.x and 10.x only"),
+                                                     ((8, 0), False, "for 9.x and 10.x only")])
+def test_the_cuda_grouped_kernel_only_where_it_is_known_correct(monkeypatch, caplog, capability, grouped, says):
+    """Hopper takes ``torch._grouped_mm``; Blackwell (its kernel gives experts without tokens non-zero
+    weight gradients) and GPUs without torch's fast kernel take one matmul per expert, said once."""
+    experts._per_expert_notice.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0), element_size=lambda: 2)
+    w = torch.empty(4, 64, 32, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger=experts.__name__):
+        assert [grouped_mm_supported(x, w) for _ in range(3)] == [grouped] * 3
+    notes = [r.getMessage() for r in caplog.records]
+    if says is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and says in notes[0] and f"compute capability {capability[0]}." in notes[0], notes
+    experts._per_expert_notice.cache_clear()
+
+
+def test_the_grouped_path_reads_no_count_on_the_host():
+    """The grouped path never reads a count's value on the host (each read would wait for the GPU): on
+    the ``meta`` device, which holds no values and runs the CUDA kernel's checks (bf16, strides), a
+    whole experts forward and backward runs, with the offsets made on the counts' device."""
+    counts = torch.tensor([5, 0, 7, 4], device="meta")
+    x = torch.empty(16, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(4, 64, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    groups = _groups(counts, True, "meta")
+    assert groups.offsets.device.type == "meta" and groups.offsets.dtype == torch.int32 and groups.sizes is None
+    grouped_mm(x, w, groups).sum().backward()
+    assert w.grad.shape == w.shape and x.grad.shape == x.shape
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        counts.tolist()  # what the per-expert path would do
+
+
+def test_host_counts_reach_the_device_once_per_layer(hf_dir, monkeypatch):
+    """megatron's dispatcher hands the counts on the host: the offsets are made once per layer for
+    both linears (one copy, queued without waiting: ``to_device_async``), not once per linear."""
+    calls = []
+    real = experts.ExpertGroups.of
+
+    def of(counts, device, grouped):
+        calls.append((counts.device.type, grouped))
+        return real(counts, device, grouped)
+
+    monkeypatch.setattr(experts.ExpertGroups, "of", staticmethod(of))
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    with single_process_world():
+        model, arch = _model(hf_dir, grouped=True)
+        model(ids, position_ids_for(ids), None).sum().backward()
+    assert calls == [("cpu", True)] * arch.num_layers
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("meta", torch.bfloat16)], ids=["cpu", "meta"])
+def test_a_rank_without_tokens_takes_an_expanded_gradient(device, dtype):
+    """A rank that received no tokens, with the output gradient of a sum (stride 0): torch calls an
+    empty tensor contiguous whatever its strides, and ``_grouped_mm`` refused it ("Invalid
+    strides/sizes"); the gradient is given real strides, the experts' weight gradients are zero."""
+    x = torch.zeros(0, 32, dtype=dtype, device=device, requires_grad=True)
+    w = torch.ones(4, 64, 32, dtype=dtype, device=device, requires_grad=True)
+    broadcast = torch.ones(1, 32, dtype=dtype, device=device).expand(0, 32)  # an empty input as a view
+    for rows in (x, broadcast.requires_grad_()):
+        w.grad = None
+        out = grouped_mm(rows, w, _groups(torch.zeros(4, dtype=torch.int64, device=device), True, device))
+        hidden = grouped_mm(out, w.transpose(1, 2), _groups(torch.zeros(4, dtype=torch.int64, device=device),
+                                                            True, device))
+        hidden.sum().backward()
+        assert out.shape == (0, 64) and w.grad.shape == w.shape
+        if device == "cpu":
+            assert float(w.grad.abs().max()) == 0.0
 
 
 def test_grouped_experts_equal_sequential_mlp(hf_dir):

@@ -4,12 +4,15 @@ The recorded routes are a function of each token's id and the layer (two experts
 random weights would seldom pick), so every router call can be checked on its own: an embedding hook
 keeps the token ids of the forward under way, a router hook the routing map it returns. Checked: the
 old-log-prob pass (padded micro-batches, forward only) and a GRPO update (packed micro-batches, with
-full activation recomputation: each router runs again in the backward). Each rank writes
-``{checked, mismatched, recomputed, padding}`` to ``<out>.<rank>`` as JSON.
+full activation recomputation: each router runs again in the backward). With a model-parallel group
+of two ranks (TP=2), the routes are held on its first rank only and reach the other through
+:func:`~cooper_mcore.rl.rollouts.generate_groups` and ``share_routes``, as a step's rollouts do. Each rank writes
+``{checked, mismatched, recomputed, padding, pickled_routes}`` to ``<out>.<rank>`` as JSON.
 """
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -19,11 +22,15 @@ from megatron.core.transformer.moe.router import TopKRouter
 from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
 from cooper_mcore.micro_batching.runner import PACK_PAD_ID, MicroBatching
 from cooper_mcore.models.builder import build_model
-from cooper_mcore.models.routing_replay import NO_ROUTE, enable_routing_replay, replaying
+from cooper_mcore.models.routing_replay import NO_ROUTE, enable_routing_replay, replaying, route_batch
 from cooper_mcore.parallel import ParallelConfig, destroy_distributed, init_distributed
+from cooper_mcore.rl import rollouts
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
+from cooper_mcore.rl.rollouts import generate_groups, share_routes
+from cooper_mcore.rollout.base import GenerateOutput, SamplingParams
 from cooper_mcore.train.step import OptimConfig, wrap_for_training
 from cooper_mcore.train.tokens import build_token_batch, compute_logprobs
+from cooper_mcore.types import Prompt
 
 
 def recorded(tokens: torch.Tensor, layer: int, experts: int) -> torch.Tensor:
@@ -72,6 +79,48 @@ def routes_of(ids: torch.Tensor, lengths: torch.Tensor, layers: int, experts: in
     return torch.where(real[..., None, None], routes, torch.full_like(routes, NO_ROUTE)).to(torch.int16)
 
 
+class CannedEngine:
+    """Returns each prompt's recorded response and routes (the prompt's first token is its index)."""
+
+    def __init__(self, responses: list[list[int]], routes: list[torch.Tensor]) -> None:
+        self.responses, self.routes = responses, routes
+
+    def generate(self, prompts, params):
+        return [GenerateOutput(self.responses[ids[0]], "", None, "stop", self.routes[ids[0]].to(torch.int32))
+                for ids in prompts]
+
+
+class NoVerdicts:
+    def verify_batch(self, golds, preds):
+        return [SimpleNamespace(correct=None)] * len(preds)
+
+
+def shared_routes(responses, routes: torch.Tensor, lengths: torch.Tensor, counts: dict) -> torch.Tensor:
+    """``routes`` as the trainer gets them: the rollouts generated on the model-parallel group's leader
+    (:func:`generate_groups`, a canned engine that returns each rollout's routes) and shared with the
+    group, their routes by :func:`share_routes` (one tensor, not pickled), laid out by :func:`route_batch`.
+    ``counts["pickled_routes"]``: samples whose pickled part held routes."""
+    per_rollout = [routes[i, :n].reshape(int(n), -1) for i, n in enumerate(lengths.tolist())]
+    prompts = [Prompt(str(i), "q", "a", token_ids=[i]) for i in range(len(responses))]
+    leader = parallel_state.get_tensor_model_parallel_rank() == 0
+    real = rollouts.broadcast_object_in_model_parallel_group
+
+    def watched(obj):
+        out = real(obj)
+        counts["pickled_routes"] += sum(s.routed_experts is not None for g in out for s in g.samples)
+        return out
+
+    rollouts.broadcast_object_in_model_parallel_group = watched
+    try:
+        groups = generate_groups(CannedEngine(responses, per_rollout) if leader else None,
+                                 NoVerdicts() if leader else None, prompts, 1, SamplingParams(), 0)
+    finally:
+        rollouts.broadcast_object_in_model_parallel_group = real
+    share_routes(groups)
+    _, _, layers, topk = routes.shape
+    return route_batch([s.routed_experts for g in groups for s in g.samples], routes.shape[1], layers, topk)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--policy", required=True)
@@ -91,6 +140,10 @@ def main():
     responses = [torch.randint(1, arch.vocab_size, (int(n),), generator=g).tolist() for n in (6, 2, 7, 3)]
     batch = build_token_batch(prompts, responses, pad_id=PACK_PAD_ID)
     routes = routes_of(batch.input_ids, batch.lengths, arch.num_layers, arch.moe.num_experts)
+    checker.counts["pickled_routes"] = 0
+    if dist.get_world_size(parallel_state.get_model_parallel_group()) > 1:
+        checker.counts["shared"] = True
+        routes = shared_routes(responses, routes, batch.lengths, checker.counts)
     with replaying(model, routes):
         batch.old_logp = compute_logprobs(model, batch, MicroBatching(2))
     batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
