@@ -2,16 +2,21 @@
 
 A cooper_mcore model checkpoint is a megatron-core distributed checkpoint (``torch_dist``
 format, loadable at any TP/PP) plus ``cooper_model.json`` (:data:`META_FILE`: the architecture, the
-original HF config and the dtype) and ``hf_extra/`` (:data:`EXTRA_DIR`: tokenizer and generation
-files copied from the HF folder, so that an export is a complete HF model folder).
+original HF config and the dtype), ``hf_extra/`` (:data:`EXTRA_DIR`: tokenizer and generation
+files copied from the HF folder, so that an export is a complete HF model folder) and, written last,
+``manifest.json`` (every file's size and CRC-32, :mod:`cooper_mcore.checkpoint.manifest`). A training
+checkpoint's ``policy/`` and ``rm/`` are model checkpoints whose manifest is their ``step_<n>/``'s.
 
 Folders are written under a temporary name and renamed when complete
 (:func:`save_model_checkpoint_atomic`); a write that fails (a full disk is reported as such, naming
 the output: :mod:`cooper_mcore.files`) removes the temporary folder.
 
-A checkpoint is checked before megatron-core reads it (:func:`check_checkpoint_files`): a damaged
-``cooper_model.json``, ``metadata.json`` naming another backend than ``torch_dist``, an
-unreadable ``common.pt``, or a missing or truncated shard is a ``ValueError`` naming the folder.
+Every reader of a checkpoint's tensors first calls :func:`open_model_checkpoint`: a folder still
+being written is refused, then a damaged ``cooper_model.json``, ``metadata.json`` naming another
+backend than ``torch_dist``, an unreadable ``common.pt``, a missing or truncated shard
+(:func:`check_checkpoint_files`), then any file that disagrees with the manifest
+(:func:`verify_model_checkpoint`) is a one-line ``ValueError`` naming the folder, the file and
+what to do.
 
 The conversion from and to Hugging Face folders is :mod:`cooper_mcore.convert.hf`'s.
 """

@@ -5,7 +5,9 @@ it one HF tensor at a time and saves it as a model checkpoint (:mod:`cooper_mcor
 without extra copies; ``mcore-to-hf`` (:func:`mcore_to_hf`) builds no model and reads the
 checkpoint one stored tensor at a time. Neither needs the model in memory twice. Folders are written under
 a temporary name and renamed when complete; a write that fails (a full disk is reported as such,
-naming the output: :mod:`cooper_mcore.files`) removes the temporary folder.
+naming the output: :mod:`cooper_mcore.files`) removes the temporary folder. ``mcore-to-hf`` reads
+only a checkpoint that :func:`~cooper_mcore.checkpoint.model.open_model_checkpoint` passes (finished,
+matching its manifest), and its export always holds a tokenizer: the checkpoint's, or one given.
 
 The per-parameter names and layouts are :mod:`cooper_mcore.models.hf_mapping`'s; the safetensors
 reader and writer :mod:`cooper_mcore.checkpoint.safetensors_io`'s.
