@@ -207,11 +207,11 @@ def _add_model_commands(sub: Any) -> None:
     m2h = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors folder")
     m2h.add_argument("--ckpt", required=True, help="checkpoint folder written by hf-to-mcore/training "
                                                    "(<run>/checkpoints/step_N/policy or .../rm)")
-    m2h.add_argument("--out", required=True, help="output HF folder (must not exist)")
-    m2h.add_argument("--max-shard-gib", type=float, default=5.0, help="safetensors shard size in GiB")
     m2h.add_argument("--tokenizer", default=None, metavar="DIR",
                      help="tokenizer to export with the model (an HF model or tokenizer folder, or a checkpoint); "
                           "default the checkpoint's own; needed when it has none (a model.init=random run's)")
+    m2h.add_argument("--out", required=True, help="output HF folder (must not exist)")
+    m2h.add_argument("--max-shard-gib", type=float, default=5.0, help="safetensors shard size in GiB")
 
     ver = sub.add_parser("verify", help="check predictions against gold answers with math-verify")
     ver.add_argument("--in", dest="inp", required=True, help="JSONL with 'gold' and 'pred' on each line")

@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 META_FILE = "cooper_model.json"
 #: the HF tokenizer and generation files kept with the checkpoint
 EXTRA_DIR = "hf_extra"
+#: the trainer's state in a training checkpoint (``step_<n>/trainer.json``): marks a model folder's parent as one
+TRAINER_FILE = "trainer.json"
 #: the files of an HF folder kept in ``hf_extra/``: tokenizer, generation settings, chat template
 EXTRA_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -393,9 +395,10 @@ def _refuse_unfinished(ckpt_dir: str) -> None:
 
 def verify_model_checkpoint(ckpt_dir: str) -> None:
     """Check a model checkpoint against its manifest: its own ``manifest.json``, or the one of the
-    training checkpoint (``step_<n>/``) holding it (its files only). A folder with neither (written
-    before model checkpoints carried one) is read with a warning. Collective over the world when
-    torch.distributed is initialised: each rank checksums a share of the pieces.
+    training checkpoint holding it (a ``step_<n>`` folder, or one with a ``trainer.json``; its files
+    only). A folder with neither (written before model checkpoints carried one) is read with a
+    warning. Collective over the world when torch.distributed is initialised: each rank checksums a
+    share of the pieces.
 
     Raises:
         ValueError: unfinished, no manifest in its training checkpoint, or a file missing, of
@@ -406,7 +409,7 @@ def verify_model_checkpoint(ckpt_dir: str) -> None:
     parent = os.path.dirname(folder)
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         manifest_dir, under = folder, ""
-    elif os.path.isfile(os.path.join(parent, MANIFEST)) or _training_step(folder):
+    elif _training_step(folder) or os.path.isfile(os.path.join(parent, TRAINER_FILE)):  # a training checkpoint's
         manifest_dir, under = parent, os.path.basename(folder)
     else:
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

@@ -203,6 +203,7 @@ def test_model_checkpoints_carry_a_manifest_and_older_ones_are_read_with_a_warni
     old = tmp_path / "old"  # written before model checkpoints carried a manifest
     shutil.copytree(src, old)
     os.remove(old / MANIFEST)
+    (tmp_path / MANIFEST).write_text("{}")  # another tool's file beside it: not a training checkpoint's
     with caplog.at_level(logging.WARNING):
         mcore_to_hf(str(old), str(tmp_path / "hf"))
     assert f"checkpoint {old} has no {MANIFEST} (written before model checkpoints carried one): its files are not " \
