@@ -38,6 +38,7 @@ def make_checkpoint(out: str, shape: str) -> int:
     from cooper_mcore.checkpoint.safetensors_io import write_tensors
     from cooper_mcore.models.arch import ArchSpec
     from cooper_mcore.models.hf_mapping import hf_shapes, param_mappings
+    from cooper_mcore.models.tiny import save_tiny_tokenizer
 
     cfg = transformers.Qwen2Config(**SHAPES[shape], dtype="bfloat16")
     cfg.architectures = ["Qwen2ForCausalLM"]
@@ -56,6 +57,7 @@ def make_checkpoint(out: str, shape: str) -> int:
                   max_shard_bytes=2 * 2**30)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg_dict, f, indent=2)
+    save_tiny_tokenizer(out)  # an export needs a tokenizer; ids 0..127 fit any vocabulary here
     return dir_bytes(out)
 
 

@@ -173,7 +173,8 @@ def _parquet_cases(tmp: str, write: Callable[[str, bytes], str]) -> list[Outcome
 def checkpoint_cases(tmp: str, reference_ckpts: str) -> list[Outcome]:
     """Damage the newest of the reference run's checkpoints in every way; ``resume: auto`` must
     warn with its path and fall back to the previous one; an explicit path must be refused."""
-    from cooper_mcore.checkpoint.training import MANIFEST, find_resume
+    from cooper_mcore.checkpoint.manifest import MANIFEST
+    from cooper_mcore.checkpoint.training import find_resume
 
     steps = sorted(int(n.split("_")[1]) for n in os.listdir(reference_ckpts) if n.startswith("step_"))
     prev, last = steps[-2], steps[-1]

@@ -3,7 +3,7 @@
 Subcommands are thin: they parse arguments and call one library function.
 
     cooper convert hf-to-mcore --hf-dir D --out D [--model-type causal_lm|reward] [--head-std S]
-    cooper convert mcore-to-hf --ckpt D --out D
+    cooper convert mcore-to-hf --ckpt D --out D [--tokenizer DIR]
     cooper verify --in F.jsonl --out G.jsonl [--timeout S] [--workers N]
     cooper tiny-assets --out DIR
     cooper eval --model CKPT_OR_HF --data F.jsonl [--k 8]
@@ -252,6 +252,9 @@ def _add_model_commands(sub: Any) -> None:
     m2h = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors folder")
     m2h.add_argument("--ckpt", required=True, help="checkpoint folder written by hf-to-mcore/training "
                                                    "(<run>/checkpoints/step_N/policy or .../rm)")
+    m2h.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="tokenizer to export with the model (an HF model or tokenizer folder, or a checkpoint); "
+                          "default the checkpoint's own; needed when it has none (a model.init=random run's)")
     m2h.add_argument("--out", required=True, help="output HF folder (must not exist)")
     m2h.add_argument("--max-shard-gib", type=positive_float, default=5.0, help="safetensors shard size in GiB")
 

@@ -119,3 +119,13 @@ def all_gather(t: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
 def any_rank(flag: bool, group: Optional[Any] = None) -> bool:
     """Whether ``flag`` is true on any rank of ``group`` (collective: every rank calls it)."""
     return bool(all_reduce(torch.tensor([1.0 if flag else 0.0]), dist.ReduceOp.MAX, group).item() > 0)
+
+
+def gather_objects(obj: T, group: Optional[Any] = None) -> list[T]:
+    """``obj`` of every rank of ``group`` (default the world), in rank order (collective: every rank
+    calls it); ``[obj]`` in a world of one or without one."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

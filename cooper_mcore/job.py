@@ -292,8 +292,8 @@ def job_room(out: str, total_steps: int, *, start_step: int = 0, config: Optiona
     """
     main = dist.get_rank() == 0
     room = JobRoom(out, main, MetricsLogger(metrics_dir or out, run_name=run_name, config=config,
-                                            start_step=start_step, use_wandb=use_wandb and write_metrics, wandb_project=wandb_project,
-                                            is_main=main and write_metrics),
+                                            start_step=start_step, use_wandb=use_wandb and write_metrics,
+                                            wandb_project=wandb_project, is_main=main and write_metrics),
                    ProgressBar(total_steps, start_step=start_step, enabled=main), StopSignal(), start_step)
     try:
         yield room

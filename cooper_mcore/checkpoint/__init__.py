@@ -1,12 +1,14 @@
 """The checkpoint room: every format cooper_mcore saves its models and runs in.
 
 * :mod:`~cooper_mcore.checkpoint.model`: model checkpoints (a megatron-core distributed checkpoint
-  with ``cooper_model.json`` and ``hf_extra/``): their metadata, saving, checked loading, building
-  a model from one, and reading a checkpoint's architecture.
+  with ``cooper_model.json``, ``hf_extra/`` and ``manifest.json``): their metadata, saving, the check
+  every reader passes (:func:`~cooper_mcore.checkpoint.model.open_model_checkpoint`), loading,
+  building a model from one, and reading a checkpoint's architecture.
+* :mod:`~cooper_mcore.checkpoint.manifest`: a checkpoint folder's ``manifest.json`` (every file's size
+  and CRC-32), written last, and the verification against it.
 * :mod:`~cooper_mcore.checkpoint.tokenizer`: a model checkpoint's tokenizer (its ``hf_extra/``).
 * :mod:`~cooper_mcore.checkpoint.training`: training checkpoints (``step_<n>/``: both models with
-  their optimizers and schedules, RNG states, trainer state, manifest), their verification,
-  resume and pruning.
+  their optimizers and schedules, RNG states, trainer state, manifest), resume and pruning.
 * :mod:`~cooper_mcore.checkpoint.safetensors_io`: streaming reads and writes of Hugging Face
   safetensors folders.
 

@@ -2,16 +2,21 @@
 
 A cooper_mcore model checkpoint is a megatron-core distributed checkpoint (``torch_dist``
 format, loadable at any TP/PP) plus ``cooper_model.json`` (:data:`META_FILE`: the architecture, the
-original HF config and the dtype) and ``hf_extra/`` (:data:`EXTRA_DIR`: tokenizer and generation
-files copied from the HF folder, so that an export is a complete HF model folder).
+original HF config and the dtype), ``hf_extra/`` (:data:`EXTRA_DIR`: tokenizer and generation
+files copied from the HF folder, so that an export is a complete HF model folder) and, written last,
+``manifest.json`` (every file's size and CRC-32, :mod:`cooper_mcore.checkpoint.manifest`). A training
+checkpoint's ``policy/`` and ``rm/`` are model checkpoints whose manifest is their ``step_<n>/``'s.
 
 Folders are written under a temporary name and renamed when complete
 (:func:`save_model_checkpoint_atomic`); a write that fails (a full disk is reported as such, naming
 the output: :mod:`cooper_mcore.files`) removes the temporary folder.
 
-A checkpoint is checked before megatron-core reads it (:func:`check_checkpoint_files`): a damaged
-``cooper_model.json``, ``metadata.json`` naming another backend than ``torch_dist``, an
-unreadable ``common.pt``, or a missing or truncated shard is a ``ValueError`` naming the folder.
+Every reader of a checkpoint's tensors first calls :func:`open_model_checkpoint`: a folder still
+being written is refused, then a damaged ``cooper_model.json``, ``metadata.json`` naming another
+backend than ``torch_dist``, an unreadable ``common.pt``, a missing or truncated shard
+(:func:`check_checkpoint_files`), then any file that disagrees with the manifest
+(:func:`verify_model_checkpoint`) is a one-line ``ValueError`` naming the folder, the file and
+what to do.
 
 The conversion from and to Hugging Face folders is :mod:`cooper_mcore.convert.hf`'s.
 """
@@ -27,12 +32,14 @@ from typing import Any, Optional
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing import ShardedTensor, load_plain_tensors
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint import FileSystemReader
 
+from cooper_mcore.checkpoint.manifest import MANIFEST, complete_checkpoints, verify_checkpoint, write_manifest
+from cooper_mcore.collectives import gather_objects
 from cooper_mcore.files import explain_write_errors, read_json_object
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
@@ -44,7 +51,16 @@ logger = logging.getLogger(__name__)
 META_FILE = "cooper_model.json"
 #: the HF tokenizer and generation files kept with the checkpoint
 EXTRA_DIR = "hf_extra"
+#: the trainer's state in a training checkpoint (``step_<n>/trainer.json``): marks a model folder's parent as one
+TRAINER_FILE = "trainer.json"
+#: the files of an HF folder kept in ``hf_extra/``: tokenizer, generation settings, chat template
+EXTRA_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+)
 FORMAT_VERSION = 1
+_TMP_NAME = re.compile(r"\.tmp(-[^/]*)?$")
+_STEP_NAME = re.compile(r"^step_(\d+)(\.tmp)?$")
 #: the parameter dtypes a model checkpoint may hold, by the name ``cooper_model.json`` gives them
 CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -129,9 +145,11 @@ def checkpoint_arch_fields(ckpt_dir: str) -> tuple[Optional[dict[str, Any]], Opt
 
 def save_model_checkpoint(
     model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec, hf_config: dict[str, Any],
-    dtype: torch.dtype, consume: bool = False,
+    dtype: torch.dtype, consume: bool = False, extra_from: Optional[str] = None,
 ) -> None:
-    """Save a (possibly TP/PP-sharded) model as a distributed checkpoint into an empty folder.
+    """Save a (possibly TP/PP-sharded) model as a distributed checkpoint into an empty folder, with
+    its ``cooper_model.json``, its ``hf_extra/`` and, last, its ``manifest.json`` (every file's
+    size and CRC-32, checked by every reader: :func:`open_model_checkpoint`).
 
     Collective: every rank of the model's groups calls it.
 
@@ -139,20 +157,40 @@ def save_model_checkpoint(
         consume: the model is not needed afterwards. megatron-core's writer clones every CPU
             tensor that is a view (the gate and up halves of ``linear_fc1``); with ``consume``
             no second copy is made (see :func:`_detach_views`).
+        extra_from: a model checkpoint or HF folder whose tokenizer and generation files
+            (:func:`copy_extra_files`) go into ``hf_extra/``; None: no ``hf_extra/``.
     """
     sharded = model.sharded_state_dict()
     if consume:
         apply_factories(sharded)
         _detach_views(sharded, model)
     dist_checkpointing.save(sharded, ckpt_dir)
+    torch.distributed.barrier()  # every rank's shards are on disk before rank 0 checksums them
     if torch.distributed.get_rank() == 0:
         write_meta(ckpt_dir, arch, hf_config, dtype)
+        copy_extra_files(extra_from, os.path.join(ckpt_dir, EXTRA_DIR))
+        write_manifest(ckpt_dir)
+
+
+def copy_extra_files(source: Optional[str], dest: str) -> None:
+    """Copy a model checkpoint's ``hf_extra/`` (all of it), else an HF folder's :data:`EXTRA_FILES`,
+    into the folder ``dest`` (made only when there is something to copy; ``source`` None: nothing)."""
+    if source is None:
+        return
+    if os.path.isdir(os.path.join(source, EXTRA_DIR)):
+        shutil.copytree(os.path.join(source, EXTRA_DIR), dest, dirs_exist_ok=True)
+        return
+    names = [n for n in EXTRA_FILES if os.path.isfile(os.path.join(source, n))]
+    if names:
+        os.makedirs(dest, exist_ok=True)
+    for name in names:
+        shutil.copy2(os.path.join(source, name), os.path.join(dest, name))
 
 
 def save_model_checkpoint_atomic(model: torch.nn.Module, dest: str, arch: ArchSpec, hf_config: dict[str, Any],
                                  dtype: torch.dtype, extra_from: str | None = None) -> None:
-    """Save under ``dest + ".tmp"`` (with ``extra_from/hf_extra`` copied in), then rename to
-    ``dest``, so a folder named ``dest`` is always complete. Collective."""
+    """Save under ``dest + ".tmp"`` (with ``extra_from``'s tokenizer files), then rename to ``dest``,
+    so a folder named ``dest`` is always complete. Collective."""
     tmp = dest + ".tmp"
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
@@ -161,12 +199,9 @@ def save_model_checkpoint_atomic(model: torch.nn.Module, dest: str, arch: ArchSp
     torch.distributed.barrier()
     try:
         with explain_write_errors(dest, "model checkpoint"):
-            save_model_checkpoint(model, tmp, arch, hf_config, dtype)
+            save_model_checkpoint(model, tmp, arch, hf_config, dtype, extra_from=extra_from)
             torch.distributed.barrier()
             if rank0:
-                extra = os.path.join(extra_from, EXTRA_DIR) if extra_from else ""
-                if extra and os.path.isdir(extra):
-                    shutil.copytree(extra, os.path.join(tmp, EXTRA_DIR))
                 os.replace(tmp, dest)
     except BaseException:
         if rank0:  # nothing half-written is left behind
@@ -239,7 +274,8 @@ def _sharded_lists(d: dict):
 
 
 def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec | None = None) -> None:
-    """Load a model checkpoint into a built model at any TP/PP layout.
+    """Load a model checkpoint into a built model at any TP/PP layout, after checking it
+    (:func:`open_model_checkpoint`). Collective over the world.
 
     Args:
         model: this rank's model (unwrapped GPTModel or RewardGPTModel).
@@ -247,16 +283,21 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
         arch: the architecture the model was built with; checked against the checkpoint's.
 
     Raises:
-        ValueError: the checkpoint's architecture or a tensor's global shape differs.
+        ValueError: the checkpoint is unfinished or damaged, or its architecture or a tensor's global
+            shape differs.
     """
-    ckpt_arch, _, _ = read_meta(ckpt_dir)
+    ckpt_arch, _, _ = open_model_checkpoint(ckpt_dir)
     if arch is not None and arch != ckpt_arch:
         diffs = {k: (v, getattr(ckpt_arch, k)) for k, v in arch.to_dict().items()
                  if ckpt_arch.to_dict()[k] != v}
         raise ValueError(f"checkpoint {ckpt_dir!r} does not match the model: "
                          + ", ".join(f"{k}: model {a} vs checkpoint {b}" for k, (a, b) in diffs.items()))
+    _load_checked(model, ckpt_dir)
+
+
+def _load_checked(model: torch.nn.Module, ckpt_dir: str) -> None:
+    """Load a checked checkpoint of the model's architecture: every tensor's shape first."""
     sharded = model.sharded_state_dict()
-    check_checkpoint_files(ckpt_dir)
     saved = dist_checkpointing.load_tensors_metadata(ckpt_dir)
     for key, sh in _sharded_tensors(sharded):
         if key not in saved:
@@ -275,7 +316,8 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, arch: ArchSpec 
 
 def load_checkpoint_model(ckpt: str, parallel: ParallelConfig,
                           pg_collection: Any = None) -> tuple[torch.nn.Module, ArchSpec]:
-    """Build this rank's part of a checkpoint's model and load the checkpoint into it.
+    """Check a checkpoint (:func:`open_model_checkpoint`), build this rank's part of its model and
+    load it. Collective over the world.
 
     Args:
         ckpt: a model checkpoint folder.
@@ -285,10 +327,102 @@ def load_checkpoint_model(ckpt: str, parallel: ParallelConfig,
     Returns:
         ``(model, arch)``.
     """
-    arch, _, dtype = read_meta(ckpt)
+    arch, _, dtype = open_model_checkpoint(ckpt)
     model = build_model(arch, parallel, dtype=dtype, init_weights=False, pg_collection=pg_collection)
-    load_model_checkpoint(model, ckpt, arch)
+    _load_checked(model, ckpt)
     return model, arch
+
+
+def load_checkpoint_tensors(ckpt: str) -> dict[str, Any]:
+    """Every tensor and object a checked checkpoint stores (:func:`open_model_checkpoint`), by key,
+    unsharded (megatron-core's ``load_plain_tensors``: optimizer state included). Needs a world."""
+    open_model_checkpoint(ckpt)
+    return load_plain_tensors(ckpt)
+
+
+def open_model_checkpoint(ckpt_dir: str) -> tuple[ArchSpec, dict[str, Any], torch.dtype]:
+    """A model checkpoint's ``(arch, hf_config, dtype)`` once it is known whole: every reader of a
+    checkpoint's tensors (the loaders here, the HF export) calls this first.
+
+    In order: an unfinished folder is refused (:func:`verify_model_checkpoint`), ``cooper_model.json``
+    read (:func:`read_meta`), the dist checkpoint's files checked (:func:`check_checkpoint_files`),
+    then every file against its manifest (:func:`verify_model_checkpoint`). Collective over the
+    world when torch.distributed is initialised (the ranks share the checksumming).
+
+    Raises:
+        ValueError: one line naming the checkpoint, the file and what to do.
+        FileNotFoundError: no ``cooper_model.json``.
+    """
+    _refuse_unfinished(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    check_checkpoint_files(ckpt_dir)
+    verify_model_checkpoint(ckpt_dir)
+    return meta
+
+
+def _training_step(folder: str) -> Optional[re.Match]:
+    """The ``step_<n>`` (or ``step_<n>.tmp``) name of the training checkpoint holding ``folder``."""
+    return _STEP_NAME.match(os.path.basename(os.path.dirname(folder)))
+
+
+def _what_to_do(ckpt_dir: str) -> str:
+    """Advice for an unusable checkpoint: another step's complete one, or writing it again."""
+    folder = os.path.realpath(ckpt_dir)
+    step = _training_step(folder)
+    if step is None:
+        return "write it again (`cooper convert hf-to-mcore`, or the job that wrote it) or restore it from a copy"
+    room, name = os.path.dirname(os.path.dirname(folder)), os.path.basename(folder)
+    others = [s for s in complete_checkpoints(room) if not (s == int(step.group(1)) and not step.group(2))]
+    if not others:
+        return f"no other complete checkpoint is in {room}: use another checkpoint or run the steps again"
+    return ("use the previous step's checkpoint, e.g. the newest other complete one: "
+            f"{os.path.join(room, f'step_{others[-1]}', name)}")
+
+
+def _refuse_unfinished(ckpt_dir: str) -> None:
+    """Refuse a folder that was still being written (its writer died or is running): one under a
+    temporary name (``<dest>.tmp``, ``<out>.tmp-*``) or in a training checkpoint's ``step_<n>.tmp``."""
+    folder = os.path.realpath(ckpt_dir)
+    step = _training_step(folder)
+    if step is not None and step.group(2):
+        where = f"its training checkpoint {os.path.dirname(folder)} was never completed (no manifest, not renamed)"
+    elif _TMP_NAME.search(os.path.basename(folder)):
+        where = "it is a temporary folder its writer never renamed into place"
+    else:
+        return
+    raise ValueError(f"checkpoint {ckpt_dir!r} is unfinished: {where}; {_what_to_do(ckpt_dir)}")
+
+
+def verify_model_checkpoint(ckpt_dir: str) -> None:
+    """Check a model checkpoint against its manifest: its own ``manifest.json``, or the one of the
+    training checkpoint holding it (a ``step_<n>`` folder, or one with a ``trainer.json``; its files
+    only). A folder with neither (written before model checkpoints carried one) is read with a
+    warning. Collective over the world when torch.distributed is initialised: each rank checksums a
+    share of the pieces.
+
+    Raises:
+        ValueError: unfinished, no manifest in its training checkpoint, or a file missing, of
+            another size or CRC-32 (one line: the checkpoint, the file, what to do).
+    """
+    _refuse_unfinished(ckpt_dir)
+    folder = os.path.realpath(ckpt_dir)
+    parent = os.path.dirname(folder)
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        manifest_dir, under = folder, ""
+    elif _training_step(folder) or os.path.isfile(os.path.join(parent, TRAINER_FILE)):  # a training checkpoint's
+        manifest_dir, under = parent, os.path.basename(folder)
+    else:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            logger.warning("checkpoint %s has no %s (written before model checkpoints carried one): its files are "
+                           "not checked against checksums", ckpt_dir, MANIFEST)
+        return
+    world = torch.distributed.is_initialized()
+    problem = verify_checkpoint(manifest_dir, under, rank=torch.distributed.get_rank() if world else 0,
+                                world=torch.distributed.get_world_size() if world else 1,
+                                gather=gather_objects if world else None)
+    if problem is not None:
+        raise ValueError(f"checkpoint {ckpt_dir!r} is damaged: {problem} ({os.path.join(manifest_dir, MANIFEST)}); "
+                         f"{_what_to_do(ckpt_dir)}")
 
 
 def drop_absent_extra_state(sharded: dict, ckpt_dir: str) -> dict:

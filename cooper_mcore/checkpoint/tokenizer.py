@@ -7,10 +7,22 @@ checkpoint's metadata (the config checks, ``cooper plan``) do not need.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from cooper_mcore.checkpoint.model import EXTRA_DIR
 from cooper_mcore.data.tokenizer import load_tokenizer
+
+#: a folder holds a tokenizer when it has one of these
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_folder(path: str) -> Optional[str]:
+    """The folder holding the tokenizer of a model checkpoint (its ``hf_extra/``) or of an HF model or
+    tokenizer folder (itself); None when it has no tokenizer files (:data:`TOKENIZER_FILES`)."""
+    folder = os.path.join(path, EXTRA_DIR) if os.path.isdir(os.path.join(path, EXTRA_DIR)) else path
+    if os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, n)) for n in TOKENIZER_FILES):
+        return folder
+    return None
 
 
 def load_checkpoint_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -24,8 +36,8 @@ def load_checkpoint_tokenizer(path: str, trust_remote_code: bool = False) -> Any
     Raises:
         ValueError: no tokenizer files in the folder.
     """
-    folder = os.path.join(path, EXTRA_DIR) if os.path.isdir(os.path.join(path, EXTRA_DIR)) else path
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, n)) for n in names):
-        raise ValueError(f"no tokenizer files in {folder!r} (expected one of {names})")
+    folder = tokenizer_folder(path)
+    if folder is None:
+        where = os.path.join(path, EXTRA_DIR) if os.path.isdir(os.path.join(path, EXTRA_DIR)) else path
+        raise ValueError(f"no tokenizer files in {where!r} (expected one of {TOKENIZER_FILES})")
     return load_tokenizer(folder, trust_remote_code=trust_remote_code)

@@ -29,11 +29,8 @@ is tried. ``resume: auto`` starts from scratch only when there is no ``step_<n>`
 when there are some but none verifies, it raises ``ValueError`` (silently restarting a long run
 from step 0 would throw its progress away; move the folders aside or set ``resume: none``).
 
-Checksum: CRC-32 (``zlib``, standard library). It catches every truncation and every burst
-error up to 32 bits, which is what torn writes and storage faults produce; it is not meant to
-resist tampering (checkpoints are trusted files). zlib releases the GIL, so files are hashed in
-parallel threads; measured 1.7 GB/s per thread here (sha256: 1.4 GB/s with SHA-NI, about 0.4 GB/s
-without). Verifying reads the whole checkpoint once, on rank 0.
+The manifest and its check are :mod:`cooper_mcore.checkpoint.manifest`'s (CRC-32 in parallel
+pieces); resuming verifies the whole checkpoint once, on rank 0.
 """
 
 from __future__ import annotations
@@ -47,9 +44,7 @@ import random
 import re
 import shutil
 import signal
-import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
@@ -58,7 +53,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from torch.distributed.checkpoint.api import CheckpointException
 
-from cooper_mcore.atomic import atomic_open, fsync_path
+from cooper_mcore.atomic import fsync_path
+from cooper_mcore.checkpoint.manifest import complete_checkpoints, step_folders, verify_checkpoint, write_manifest
 from cooper_mcore.checkpoint.model import EXTRA_DIR, check_checkpoint_format, drop_absent_extra_state, write_meta
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.files import free_bytes, is_no_space
@@ -67,10 +63,7 @@ from cooper_mcore.train.model_state import ModelState
 from cooper_mcore.train.step import adam_step, restore_adam_step
 
 logger = logging.getLogger(__name__)
-_STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_(\d+)\.tmp$")
-MANIFEST = "manifest.json"
-_CHUNK = 8 << 20
 
 
 def _rng_state() -> dict[str, Any]:
@@ -259,77 +252,6 @@ def _kill_new_children(before: set) -> None:
             p.join(timeout=5)
 
 
-def _crc32(path: str) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _files(folder: str) -> list[str]:
-    """Every regular file under ``folder`` except the manifest, as sorted relative paths."""
-    out = []
-    for root, _, names in os.walk(folder):
-        for n in names:
-            rel = os.path.relpath(os.path.join(root, n), folder)
-            if rel != MANIFEST:
-                out.append(rel)
-    return sorted(out)
-
-
-def _checksums(folder: str, rels: list[str]) -> list[str]:
-    with ThreadPoolExecutor(max_workers=min(8, len(rels) or 1)) as pool:
-        return list(pool.map(lambda r: _crc32(os.path.join(folder, r)), rels))
-
-
-def write_manifest(folder: str) -> dict[str, Any]:
-    """Write ``<folder>/manifest.json`` listing every other file with its size and CRC-32.
-
-    Written to a temporary name, fsynced and renamed, so a manifest that exists is whole.
-
-    Returns:
-        The manifest.
-    """
-    rels = _files(folder)
-    crcs = _checksums(folder, rels)
-    manifest = {"format": 1, "checksum": "crc32",
-                "files": {r: {"size": os.path.getsize(os.path.join(folder, r)), "crc32": c}
-                          for r, c in zip(rels, crcs)}}
-    with atomic_open(os.path.join(folder, MANIFEST), fsync=True) as f:
-        json.dump(manifest, f, indent=0)
-    return manifest
-
-
-def verify_checkpoint(path: str) -> Optional[str]:
-    """Check ``path`` against its manifest; return None when whole, else the first problem found.
-
-    Sizes are checked for every file before any checksum is computed, so a truncated file is
-    reported without reading the rest.
-    """
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.isfile(mpath):
-        return f"no {MANIFEST} (a partial checkpoint)"
-    try:
-        with open(mpath) as f:
-            files = json.load(f)["files"]
-        rels = sorted(files)
-        sizes = {r: int(files[r]["size"]) for r in rels}
-        expected = [str(files[r]["crc32"]) for r in rels]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST}: {e}"
-    for r in rels:
-        full = os.path.join(path, r)
-        if not os.path.isfile(full):
-            return f"{r} is missing"
-        if os.path.getsize(full) != sizes[r]:
-            return f"{r} has {os.path.getsize(full)} bytes, the manifest says {sizes[r]}"
-    for r, want, got in zip(rels, expected, _checksums(path, rels)):
-        if want != got:
-            return f"{r} has CRC-32 {got}, the manifest says {want}"
-    return None
-
-
 def _prune(out_dir: str, keep: int, current: int) -> None:
     """Keep the ``keep`` newest checkpoints with a manifest; drop ``*.tmp`` leftovers of older steps."""
     steps = sorted(complete_checkpoints(out_dir))
@@ -339,18 +261,6 @@ def _prune(out_dir: str, keep: int, current: int) -> None:
         m = _TMP_RE.match(name)
         if m and int(m.group(1)) < current:
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-
-
-def _step_folders(out_dir: str) -> list[int]:
-    if not os.path.isdir(out_dir):
-        return []
-    return sorted(int(m.group(1)) for m in map(_STEP_RE.match, os.listdir(out_dir))
-                  if m and os.path.isdir(os.path.join(out_dir, m.group(0))))
-
-
-def complete_checkpoints(out_dir: str) -> list[int]:
-    """Steps of the checkpoints in ``out_dir`` that have a manifest (not verified; ``*.tmp`` ignored)."""
-    return [s for s in _step_folders(out_dir) if os.path.isfile(os.path.join(out_dir, f"step_{s}", MANIFEST))]
 
 
 def find_resume(out_dir: str, resume: str) -> Optional[str]:
@@ -368,7 +278,7 @@ def find_resume(out_dir: str, resume: str) -> Optional[str]:
         return None
     if resume == "auto":
         rejected = []
-        for s in reversed(_step_folders(out_dir)):
+        for s in reversed(step_folders(out_dir)):
             path = os.path.join(out_dir, f"step_{s}")
             problem = verify_checkpoint(path)
             if problem is None:

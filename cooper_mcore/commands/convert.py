@@ -14,5 +14,5 @@ def convert(args: argparse.Namespace) -> None:
     if args.direction == "hf-to-mcore":
         hf_to_mcore(args.hf_dir, args.out, args.model_type, head_std=args.head_std)
     else:
-        mcore_to_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30))
+        mcore_to_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30), tokenizer=args.tokenizer)
     logger.info("done: %s", args.out)

@@ -5,7 +5,9 @@ it one HF tensor at a time and saves it as a model checkpoint (:mod:`cooper_mcor
 without extra copies; ``mcore-to-hf`` (:func:`mcore_to_hf`) builds no model and reads the
 checkpoint one stored tensor at a time. Neither needs the model in memory twice. Folders are written under
 a temporary name and renamed when complete; a write that fails (a full disk is reported as such,
-naming the output: :mod:`cooper_mcore.files`) removes the temporary folder.
+naming the output: :mod:`cooper_mcore.files`) removes the temporary folder. ``mcore-to-hf`` reads
+only a checkpoint that :func:`~cooper_mcore.checkpoint.model.open_model_checkpoint` passes (finished,
+matching its manifest), and its export always holds a tokenizer: the checkpoint's, or one given.
 
 The per-parameter names and layouts are :mod:`cooper_mcore.models.hf_mapping`'s; the safetensors
 reader and writer :mod:`cooper_mcore.checkpoint.safetensors_io`'s.
@@ -19,7 +21,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,12 +36,14 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from cooper_mcore.checkpoint.model import (
     CHECKPOINT_DTYPES,
     EXTRA_DIR,
-    check_checkpoint_files,
+    copy_extra_files,
     dtype_name,
-    read_meta,
+    open_model_checkpoint,
     save_model_checkpoint,
 )
 from cooper_mcore.checkpoint.safetensors_io import HFCheckpointReader, write_tensors
+from cooper_mcore.checkpoint.tokenizer import load_checkpoint_tokenizer, tokenizer_folder
+from cooper_mcore.data.tokenizer import check_tokenizer_fits
 from cooper_mcore.files import explain_write_errors
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
 from cooper_mcore.models.builder import build_model
@@ -57,12 +61,6 @@ from cooper_mcore.models.hf_mapping import (
 from cooper_mcore.parallel import ParallelConfig, single_process_world
 
 logger = logging.getLogger(__name__)
-
-_EXTRA_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
-)
-
 
 def _hf_dtype(reader: HFCheckpointReader, cfg: dict[str, Any]) -> torch.dtype:
     """The HF folder's dtype: its config's, else that of its embedding."""
@@ -137,13 +135,6 @@ def _read_mapped(reader: HFCheckpointReader, m: ParamMapping, dest: torch.Tensor
         dest.copy_(to_mcore(m, [reader.get(n) for n in m.hf], arch))
 
 
-def _copy_extra_files(src_dir: str, dst_dir: str) -> None:
-    os.makedirs(dst_dir, exist_ok=True)
-    for name in _EXTRA_FILES:
-        if os.path.isfile(os.path.join(src_dir, name)):
-            shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
-
-
 def _atomic_dir(out: str) -> str:
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -183,10 +174,8 @@ def hf_to_mcore(hf_dir: str, out: str, model_type: str | None = None, head_std: 
             load_hf_weights(model, hf_dir, arch, head_std=head_std)
             del reader
             with explain_write_errors(out, "converted checkpoint"):
-                save_model_checkpoint(model, tmp, arch, cfg, dtype, consume=True)
+                save_model_checkpoint(model, tmp, arch, cfg, dtype, consume=True, extra_from=hf_dir)
             del model
-        with explain_write_errors(out, "converted checkpoint"):
-            _copy_extra_files(hf_dir, os.path.join(tmp, EXTRA_DIR))
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -342,9 +331,8 @@ def stream_checkpoint_tensors(ckpt: str, arch: ArchSpec):
     largest read is one parameter of all layers (e.g. ``linear_fc1``), never the whole model;
     the experts of a sparse layer are read one layer at a time (all of that layer's experts of
     one weight). The order is :func:`_export_order`'s. Needs torch.distributed initialised (one
-    process).
+    process); the caller has checked the checkpoint (:func:`open_model_checkpoint`).
     """
-    check_checkpoint_files(ckpt)
     meta = dist_checkpointing.load_tensors_metadata(ckpt)
     current, value = None, None
     for m, ck in _export_order(arch):
@@ -356,13 +344,30 @@ def stream_checkpoint_tensors(ckpt: str, arch: ArchSpec):
         yield from zip(m.hf, to_hf(m, tensor if ck.expert is None else tensor[ck.expert], arch))
 
 
-def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSpec:
-    """Export a cooper_mcore model checkpoint as an HF folder (safetensors + config.json).
+def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30, tokenizer: Optional[str] = None,
+                weights_only: bool = False) -> ArchSpec:
+    """Export a cooper_mcore model checkpoint as an HF folder (safetensors, config.json, tokenizer).
 
-    Streams: one stored tensor (one parameter of all layers, or one weight of one sparse layer's
-    experts) is in memory at a time.
+    The checkpoint is checked first (:func:`open_model_checkpoint`: an unfinished or damaged one
+    is refused). Streams: one stored tensor (one parameter of all layers, or one weight of one
+    sparse layer's experts) is in memory at a time.
+
+    Args:
+        ckpt: a model checkpoint (``hf-to-mcore``'s output, a training checkpoint's ``policy/`` or ``rm/``).
+        out: the HF folder to write; must not exist.
+        max_shard_bytes: the safetensors files' size limit.
+        tokenizer: the tokenizer to export with the model, from an HF model or tokenizer folder or a
+            model checkpoint (its ``hf_extra/``); it must fit the model's vocabulary. None: the
+            checkpoint's own ``hf_extra/`` (its tokenizer and generation files).
+        weights_only: export without tokenizer files when the checkpoint has none (tests and logit
+            comparisons: such a folder cannot tokenize or generate).
+
+    Raises:
+        ValueError: the checkpoint is unfinished or damaged, it has no tokenizer and none is given
+            (the message names ``--tokenizer``), or the given tokenizer has none or does not fit.
     """
-    arch, base_cfg, dtype = read_meta(ckpt)
+    arch, base_cfg, dtype = open_model_checkpoint(ckpt)
+    extra = _export_extra(ckpt, arch, tokenizer, weights_only)
     tmp = _atomic_dir(out)
     try:
         with single_process_world():
@@ -375,13 +380,27 @@ def mcore_to_hf(ckpt: str, out: str, max_shard_bytes: int = 5 * 2**30) -> ArchSp
         with explain_write_errors(out, "exported model"):
             with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(hf_config_for(arch, base_cfg, dtype), f, indent=2)
-            extra = os.path.join(ckpt, EXTRA_DIR)
-            if os.path.isdir(extra):
-                for name in os.listdir(extra):
-                    shutil.copy2(os.path.join(extra, name), os.path.join(tmp, name))
+            copy_extra_files(extra, tmp)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("wrote %s (%s)", out, arch.hf_architecture())
     return arch
+
+
+def _export_extra(ckpt: str, arch: ArchSpec, tokenizer: Optional[str], weights_only: bool) -> Optional[str]:
+    """Where an export's tokenizer and generation files come from (:func:`copy_extra_files`'s source)."""
+    if tokenizer is not None:
+        try:
+            tok = load_checkpoint_tokenizer(tokenizer)
+        except ValueError as e:
+            raise ValueError(f"--tokenizer {tokenizer!r}: {e}") from None
+        check_tokenizer_fits(tok, arch.vocab_size, ckpt, tokenizer_path=tokenizer)
+        logger.info("exporting the tokenizer of %s", tokenizer)
+        return tokenizer
+    if tokenizer_folder(ckpt) is None and not weights_only:
+        raise ValueError(f"checkpoint {ckpt!r} has no tokenizer (no tokenizer files in its {EXTRA_DIR}/: the "
+                         "checkpoints of a model.init=random run carry none), so its export could not be used: give "
+                         "one with --tokenizer DIR (an HF model or tokenizer folder, e.g. the run's model.policy_hf)")
+    return ckpt

@@ -14,6 +14,7 @@ import tempfile
 import torch
 
 from cooper_mcore.checkpoint.model import EXTRA_DIR, is_model_checkpoint, read_meta
+from cooper_mcore.checkpoint.tokenizer import tokenizer_folder
 from cooper_mcore.convert.hf import mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
 from cooper_mcore.data.templates import template_prompts
@@ -27,9 +28,8 @@ logger = logging.getLogger(__name__)
 
 def _check_checkpoint_tokenizer(ckpt: str) -> None:
     """A checkpoint's ``hf_extra/`` must hold a tokenizer that fits its vocabulary (ValueError otherwise)."""
-    extra = os.path.join(ckpt, EXTRA_DIR)
-    if not any(os.path.isfile(os.path.join(extra, f)) for f in ("tokenizer.json", "tokenizer.model",
-                                                                 "tokenizer_config.json")):
+    extra = tokenizer_folder(ckpt)
+    if extra is None:
         raise ValueError(f"{ckpt!r} has no tokenizer files (in {EXTRA_DIR}/); evaluation needs one")
     check_tokenizer_fits(load_tokenizer(extra), read_meta(ckpt)[0].vocab_size, ckpt, tokenizer_path=extra)
 

@@ -5,8 +5,10 @@ Used by the tests, the benchmarks and the pre-demo ``cooper demo``: no hub acces
 
 from __future__ import annotations
 
+import json
 import os
 
+import tokenizers
 import torch
 import transformers
 
@@ -77,4 +79,24 @@ def save_tiny_hf_model(out_dir: str, family: str, model_type: str = "causal_lm",
                 p.add_(torch.randn_like(p) * 0.1)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+def save_tiny_tokenizer(out_dir: str, size: int = 128) -> str:
+    """Save a word-level fast tokenizer with ``size`` ids (``<|pad|>``, ``<|endoftext|>``, ``<unk>``,
+    then ``w3``, ``w4``, ...) to ``out_dir``: one that fits the tiny models' vocabulary of 128, or,
+    larger, one that does not."""
+    vocab = {"<|pad|>": 0, "<|endoftext|>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, size)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>",
+                                               eos_token="<|endoftext|>", unk_token="<unk>")
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # what AutoTokenizer builds without a model type
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
     return out_dir

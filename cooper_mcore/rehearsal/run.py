@@ -39,9 +39,9 @@ from typing import Any, Optional
 
 import psutil
 import torch
-from megatron.core.dist_checkpointing import load_plain_tensors
 
 from cooper_mcore.atomic import exclusive
+from cooper_mcore.checkpoint.model import load_checkpoint_tensors
 from cooper_mcore.config.checks import Elsewhere, validate
 from cooper_mcore.config.model_shapes import ModelShape
 from cooper_mcore.config.presets import resolve_preset
@@ -416,7 +416,7 @@ def _weights(ckpt: str) -> dict[str, torch.Tensor]:
     buckets hold uninitialised padding; the optimizer's state shows in the next step's weights).
     With expert parallelism the optimizer is chained (dense and expert parameters): ``chained_<i>.optimizer.``."""
     with single_process_world():
-        return {k: v for k, v in load_plain_tensors(ckpt).items()
+        return {k: v for k, v in load_checkpoint_tensors(ckpt).items()
                 if isinstance(v, torch.Tensor) and not _OPTIMIZER_KEY.match(k)}
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from cooper_mcore.checkpoint.model import load_model_checkpoint, read_meta
 from cooper_mcore.cli import main as cli_main
 from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
-from cooper_mcore.models.tiny import save_tiny_hf_model
+from cooper_mcore.models.tiny import save_tiny_hf_model, save_tiny_tokenizer
 from tests.conftest import VARIANTS
 
 
@@ -29,7 +29,7 @@ def _hf_tensors(d):
 def test_roundtrip_bitwise(tiny_models, tmp_path, variant):
     hf_dir, ckpt = tiny_models[variant]
     out = tmp_path / "back"
-    mcore_to_hf(ckpt, str(out))
+    mcore_to_hf(ckpt, str(out), weights_only=True)
     a, b = _hf_tensors(hf_dir), _hf_tensors(str(out))
     assert sorted(a) == sorted(b)
     for k in a:
@@ -45,7 +45,7 @@ def test_export_loads_in_transformers_and_matches(tiny_models, tmp_path):
 
     hf_dir, ckpt = tiny_models[("llama", "reward")]
     out = tmp_path / "rm"
-    mcore_to_hf(ckpt, str(out))
+    mcore_to_hf(ckpt, str(out), weights_only=True)
     ids = torch.randint(1, 128, (2, 9))
     a = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
     b = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
@@ -67,7 +67,7 @@ def test_bf16_sharded_input_and_output(tmp_path):
     assert os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
     hf_to_mcore(hf_dir, str(tmp_path / "mc"))
     assert read_meta(str(tmp_path / "mc"))[2] == torch.bfloat16
-    mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"), max_shard_bytes=100_000)
+    mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"), max_shard_bytes=100_000, weights_only=True)
     a, b = _hf_tensors(hf_dir), _hf_tensors(str(tmp_path / "back"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert all(t.dtype == torch.bfloat16 for t in b.values())
@@ -77,7 +77,7 @@ def test_reward_from_causal_lm_initialises_head(tmp_path):
     hf_dir = save_tiny_hf_model(str(tmp_path / "lm"), "qwen2")
     arch = hf_to_mcore(hf_dir, str(tmp_path / "rm"), model_type="reward")
     assert arch.model_type == "reward"
-    mcore_to_hf(str(tmp_path / "rm"), str(tmp_path / "rm_hf"))
+    mcore_to_hf(str(tmp_path / "rm"), str(tmp_path / "rm_hf"), weights_only=True)
     t = load_file(str(tmp_path / "rm_hf" / "model.safetensors"))
     assert "score.weight" in t and "lm_head.weight" not in t and t["score.weight"].std() > 0
     assert torch.equal(t["model.norm.weight"], load_file(f"{hf_dir}/model.safetensors")["model.norm.weight"])
@@ -90,7 +90,7 @@ def test_reward_from_causal_lm_with_a_zero_head_scores_zero(tmp_path):
 
     hf_dir = save_tiny_hf_model(str(tmp_path / "lm"), "qwen2_tied")
     hf_to_mcore(hf_dir, str(tmp_path / "rm"), model_type="reward", head_std=0.0)
-    mcore_to_hf(str(tmp_path / "rm"), str(tmp_path / "rm_hf"))
+    mcore_to_hf(str(tmp_path / "rm"), str(tmp_path / "rm_hf"), weights_only=True)
     lm, rm = load_file(f"{hf_dir}/model.safetensors"), _hf_tensors(str(tmp_path / "rm_hf"))
     assert not rm["score.weight"].any()
     assert all(torch.equal(rm[k], lm[k]) for k in rm if k != "score.weight")
@@ -107,8 +107,11 @@ def _run_cli(*args):
 
 def test_cli_convert_and_errors(tmp_path, caplog):
     hf_dir = save_tiny_hf_model(str(tmp_path / "hf"), "qwen2_tied")
+    save_tiny_tokenizer(hf_dir)
     assert _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "mc")) == 0
     assert _run_cli("convert", "mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "b")) == 0
+    extra = set(os.listdir(tmp_path / "mc" / "hf_extra"))  # the tokenizer goes into the checkpoint and back out
+    assert "tokenizer.json" in extra and extra <= set(os.listdir(tmp_path / "b"))
     caplog.clear()
     # output exists: refused, nothing overwritten
     assert _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "mc")) == 2

@@ -132,7 +132,7 @@ def test_annotate_and_eval_rm_refuse_special_outputs_before_any_work(specials, t
 
 
 def test_run_files_manifests_and_demo_files_refuse_special_targets(specials, tmp_path):
-    from cooper_mcore.checkpoint.training import MANIFEST, write_manifest
+    from cooper_mcore.checkpoint.manifest import MANIFEST, write_manifest
     from cooper_mcore.demo.pipeline import write_jsonl
     from cooper_mcore.metrics import write_json_atomic
 

@@ -9,14 +9,8 @@ import time
 
 import pytest
 
-from cooper_mcore.checkpoint.training import (
-    MANIFEST,
-    _prune,
-    complete_checkpoints,
-    find_resume,
-    verify_checkpoint,
-    write_manifest,
-)
+from cooper_mcore.checkpoint.manifest import MANIFEST, complete_checkpoints, verify_checkpoint, write_manifest
+from cooper_mcore.checkpoint.training import _prune, find_resume
 from cooper_mcore.train.faults import FAULT_ENV, fault_point, format_fault, parse_fault
 
 

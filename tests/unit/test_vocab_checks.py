@@ -14,27 +14,12 @@ from types import SimpleNamespace
 import pytest
 
 from cooper_mcore.data.tokenizer import check_tokenizer_fits, check_vocab_fits, load_tokenizer, tokenizer_size
+from cooper_mcore.models.tiny import save_tiny_tokenizer
 
 
 def _save_tokenizer(folder, n: int) -> str:
     """A word-level fast tokenizer with ``n`` ids (the tiny models have a vocabulary of 128)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<|pad|>": 0, "<|endoftext|>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, n)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|endoftext|>",
-                                               unk_token="<unk>")
-    os.makedirs(folder, exist_ok=True)
-    tok.save_pretrained(str(folder))
-    cfg_path = os.path.join(folder, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return str(folder)
+    return save_tiny_tokenizer(str(folder), n)
 
 
 def _swap_tokenizer(src_ckpt, dest, n) -> str:
