@@ -105,7 +105,7 @@ def _run_cli(*args):
     return cli_main(list(args))
 
 
-def test_cli_convert_and_errors(tmp_path, caplog):
+def test_cli_convert_and_errors(tmp_path, caplog, capsys):
     hf_dir = save_tiny_hf_model(str(tmp_path / "hf"), "qwen2_tied")
     save_tiny_tokenizer(hf_dir)
     assert _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "mc")) == 0
@@ -121,9 +121,10 @@ def test_cli_convert_and_errors(tmp_path, caplog):
     assert "no config.json" in caplog.text
     assert _run_cli("convert", "mcore-to-hf", "--ckpt", hf_dir, "--out", str(tmp_path / "y")) == 2
     assert "not a cooper_mcore model checkpoint" in caplog.text
-    assert _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "z"), "--model-type",
-                    "reward", "--head-std", "-1") == 2
-    assert "head_std must be >= 0" in caplog.text
+    with pytest.raises(SystemExit) as refused:  # the flag's type refuses it as the command line is read
+        _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "z"), "--model-type",
+                 "reward", "--head-std", "-1")
+    assert refused.value.code == 2 and "--head-std: must be a finite number >= 0, got '-1'" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
     assert not os.path.exists(tmp_path / "z")
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
