@@ -10,7 +10,7 @@ subprocesses, each in its own session (a Ctrl-C goes to its process group only, 
   writer processes and leaves nothing running; ``--resume auto`` then continues;
 * prompts too long for the policy's context are skipped and counted (``data/skipped_too_long``);
 * a collective that one rank never joins ends at the timeout with one line naming the rank, the
-  call and the group.
+  call and the group (exit 69).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from cooper_mcore.exit_codes import EXIT_PEER_LOST
 from tests.conftest import ROOT, WORKERS, _free_port, last_json
 
 pytestmark = pytest.mark.multiproc
@@ -220,7 +221,7 @@ def test_a_collective_timeout_is_one_line_naming_rank_call_and_group(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     got = last_json(r.stdout)
-    assert got["rc"] == 2 and got["seconds"] < 60, got
+    assert got["rc"] == EXIT_PEER_LOST and got["seconds"] < 60, got
     (line,) = got["errors"]
     assert line.startswith("rank 0 of 2: torch.distributed.all_reduce over ranks [0, 1] timed out, called from "
                            "cooper_mcore/collectives.py"), line
