@@ -6,8 +6,10 @@ the newest checkpoint, the agent's lines, the per-node dedup of refusals and the
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
@@ -22,6 +24,7 @@ from cooper_mcore.parallel import (
     PeerLost,
     collective_failure,
     collective_timeout,
+    init_distributed,
     nccl_watchdog_env,
 )
 
@@ -173,3 +176,25 @@ def test_nccl_ranks_end_at_the_timeout_with_a_line():
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}
     assert nccl_watchdog_env({"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900"})["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "900"
     assert ParallelConfig().timeout_minutes == 20
+
+
+def test_the_watchdog_is_set_before_the_nccl_group_is_made(monkeypatch):
+    """On a GPU under torchrun (which set 1), the world's NCCL group is made with CleanUpOnly."""
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(backend=kwargs["backend"], handling=os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
+                    heartbeat=os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_MONITORING", "1")
+    monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "600")
+    with pytest.raises(RuntimeError, match="stop here"):
+        init_distributed(ParallelConfig())
+    assert seen == {"backend": "nccl", "handling": "2", "heartbeat": "600"}
