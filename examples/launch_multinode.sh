@@ -80,15 +80,19 @@ fi
 # Prints needs_assistant, url, model, api_key_env, tp, mem_fraction, one a line; exits 2 with the reason.
 settings=$("$PYTHON" - "$config" "$NNODES" "$GPUS_PER_NODE" "${GPU_MEMORY_GIB:-}" "$colocated" \
     "${ASSISTANT_TP:-}" "${ASSISTANT_MEM_FRACTION:-}" "${overrides[@]}" "$@" <<'EOF'
-import argparse
 import sys
 
-config, nodes, gpus, gib, model_path, tp, fraction, *overrides = sys.argv[1:]
-flags = argparse.ArgumentParser(add_help=False)  # cooper train's own flags, passed on as they are
-flags.add_argument("--out")
-flags.add_argument("--resume")
-flags.add_argument("--overwrite", action="store_true")
-overrides = flags.parse_known_args(overrides)[1]
+config, nodes, gpus, gib, model_path, tp, fraction, *args = sys.argv[1:]
+# cooper train's own flags (--resume auto, --out DIR, --overwrite) go to the trainer as they are; the check
+# reads the dotted overrides (key=value), so a flag's value is the next word when that is not one
+overrides, i = [], 0
+while i < len(args):
+    if args[i].startswith("--"):
+        value = "=" not in args[i] and i + 1 < len(args) and "=" not in args[i + 1] and not args[i + 1].startswith("--")
+        i += 2 if value else 1
+    else:
+        overrides.append(args[i])
+        i += 1
 if not gib:
     import torch
     if torch.cuda.is_available():
