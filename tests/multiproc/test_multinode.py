@@ -228,6 +228,7 @@ def history(stand_ins, assets, tmp_path_factory) -> dict:
     job.send_signal(signal.SIGUSR1)
     got["sbatch1_rc"] = _finish([job])[0]
     got["stopped_at"] = _newest(out)
+    assert got["stopped_at"] < STEPS - 1, "the stop came too late to leave a step to lose a node in"
     got["seconds"]["sbatch"] = time.monotonic() - t0
 
     # 2. the per-node command on each node; the node that does not host the rendezvous store is lost mid-step
@@ -345,13 +346,14 @@ def test_the_relaunch_resumes_and_equals_the_uninterrupted_run_bit_for_bit(histo
     assert any(got[s]["pairs/valid"] > 0 for s in got)  # the reward model was trained: equal weights mean something
 
 
-def test_a_node_that_never_joins_ends_the_launch_in_one_line(tmp_path):
+def test_a_node_that_never_joins_ends_the_launch_in_one_line(assets, tmp_path):
     """One node of two: the rendezvous waits RDZV_TIMEOUT, then the launcher exits 69 with one line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ASSISTANT_", "SLURM_", "TORCHELASTIC_"))}
-    env.update(PYTHON=sys.executable, NNODES="2", GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+    env.update(PYTHON=sys.executable, NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), RDZV_ID="alone", RDZV_TIMEOUT="5", PYTHONWARNINGS="ignore",
                OMP_NUM_THREADS="1")
-    r = subprocess.run(["bash", LAUNCH, "examples/tiny_cpu.yaml", f"out={tmp_path / 'run'}"], cwd=ROOT, env=env,
+    overrides = [o for o in _overrides(assets, tmp_path / "run") if not o.startswith("rm.negatives")]
+    r = subprocess.run(["bash", LAUNCH, "examples/tiny_cpu.yaml", *overrides], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == EXIT_PEER_LOST, r.stderr[-3000:]
     (line,) = _errors(r.stderr, "cooper_mcore.torchrun")
