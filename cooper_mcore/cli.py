@@ -419,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         # `kill -USR2 <pid>` prints every thread's stack: where a hung rank waits (the rehearsal asks for it);
         # to the process's own stderr, which has a file descriptor even where sys.stderr is replaced
         faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+        # SIGUSR1 (a scheduler's early warning) means "checkpoint and stop" inside a training job only
+        # (cooper_mcore.job.StopSignal); outside it, before the job or once it has stopped, it is ignored rather
+        # than killing the process: each node's launcher passes it on at its own pace, and a copy that reaches a
+        # rank after the world already stopped on another node's copy turned its clean exit 75 into a death by signal
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         rc = handler(args.command)(args)
     except Exception as e:

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -243,7 +244,8 @@ class _Call:
 
 def _collective_call(e: BaseException) -> _Call:
     """The call and the group from the traceback: the outermost frame in torch's ``distributed_c10d`` (its
-    function, its ``group`` argument) and the innermost frames outside torch that called it."""
+    function, its ``group`` argument) and the innermost frames outside torch and the standard library that
+    called it."""
     op, ranks, callers = None, None, []
     for frame, lineno in traceback.walk_tb(e.__traceback__):
         path = frame.f_code.co_filename
@@ -255,7 +257,8 @@ def _collective_call(e: BaseException) -> _Call:
             except Exception:  # noqa: BLE001 - the ranks only decorate the message
                 ranks = None
             break
-        if not path.startswith(_TORCH):
+        module = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        if not path.startswith(_TORCH) and module not in sys.stdlib_module_names:  # (contextlib's __exit__: no news)
             callers.append(f"{_short(path)}:{lineno} ({frame.f_code.co_name})")
     return _Call(op, ranks, " <- ".join(reversed(callers[-3:])))
 

@@ -12,7 +12,9 @@ behaviour), except for how it ends:
 * the rendezvous timed out (a node never joined within ``join_timeout``, the launcher's ``RDZV_TIMEOUT``) or
   its store went away (the node that hosts it, at the rendezvous endpoint, was lost): one line, exit 69
   (:data:`~cooper_mcore.exit_codes.EXIT_PEER_LOST`);
-* the agent was stopped by a signal (the scheduler's SIGTERM): one line, exit 128 + the signal.
+* the agent was stopped by a signal (the scheduler's SIGTERM): one line, exit 128 + the signal;
+* the rendezvous store going away while this node's ranks still run does not end the agent
+  (:func:`keep_monitoring_without_the_store`): it watches them to their own end.
 
 It imports torch's launcher and :mod:`cooper_mcore.exit_codes` only (not megatron-core): the agent starts
 as fast as torchrun.
@@ -21,6 +23,7 @@ as fast as torchrun.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -33,6 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.run import parse_args, run
 
 from cooper_mcore.exit_codes import EXIT_PEER_LOST
@@ -90,11 +94,40 @@ def rendezvous_failure(args: argparse.Namespace, e: Exception) -> str:
             f"({words[:200]})")
 
 
+def keep_monitoring_without_the_store() -> None:
+    """Let this agent watch its ranks to their end when the rendezvous store goes away.
+
+    While its ranks run, torchrun's agent asks the store every monitor interval whether nodes wait
+    to join (elastic scale-up, which a fixed node count with ``--max-restarts=0`` never does). The
+    store lives in the agent of one node. When a job stops on every node (a preemption: exit 75; a
+    lost peer: 69) that agent may exit first, and another node's agent, whose ranks were still
+    ending, then died of the missing store (``RendezvousConnectionError``), its ranks' codes lost:
+    seen on two nodes under load, SIGUSR1 ending in 75 on one node and in the store's error on the
+    other. Here that question is answered "none" when the store cannot be reached; the ranks end by
+    themselves, and a peer that is really gone is theirs to see (a lost peer's line, or the
+    collective timeout).
+    """
+    original = DynamicRendezvousHandler.num_nodes_waiting
+    if getattr(original, "keeps_monitoring", False):
+        return
+
+    @functools.wraps(original)
+    def num_nodes_waiting(self: DynamicRendezvousHandler) -> int:
+        try:
+            return original(self)
+        except RendezvousConnectionError:
+            return 0
+
+    num_nodes_waiting.keeps_monitoring = True  # type: ignore[attr-defined]
+    DynamicRendezvousHandler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run torchrun with ``argv`` (its options and the training command); return the exit code (module doc)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     args = parse_args(argv)
+    keep_monitoring_without_the_store()
     try:
         run(args)
     except ChildFailedError as e:

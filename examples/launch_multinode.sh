@@ -196,7 +196,7 @@ fi
 workers() {
     local stat line fields
     for stat in /proc/[0-9]*/stat; do
-        line=$(<"$stat") 2>/dev/null || continue
+        { line=$(<"$stat"); } 2>/dev/null || continue  # (a process that ended meanwhile)
         read -r -a fields <<< "${line##*) }"  # after "pid (comm) ": state ppid ...
         if [[ ${fields[1]} == "$1" ]]; then
             echo "${line%% *}"

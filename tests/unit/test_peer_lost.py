@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import pytest
 import torch
@@ -118,6 +119,8 @@ def test_a_refusal_is_said_once_per_node(tmp_path, monkeypatch, caplog):
     assert refusals == [2, 75, 2, 75]
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
         "parallel.tp=3 does not divide 2", "preempted", "preempted"]
+    # a late copy of SLURM's early warning, after the job stopped (a node's launcher passes it on late): ignored
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
 
 
 def _raise(e):
@@ -166,6 +169,28 @@ def test_the_agent_ends_in_one_line_with_the_ranks_exit_code(tmp_path, monkeypat
         assert [r.getMessage() for r in caplog.records] == [line]
     monkeypatch.setattr(agent, "run", lambda _args: None)
     assert agent.main(argv) == 0
+
+
+def test_the_agent_outlives_the_rendezvous_store(monkeypatch):
+    """The store's host node ended first: this agent keeps watching its ranks (no node waits to join a store that
+    is gone) instead of dying with their exit codes; other answers and errors are the store's as before."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    answers = iter([3, RendezvousConnectionError("The connection to the C10d store has failed."), ValueError("x")])
+
+    def store(self):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(DynamicRendezvousHandler, "num_nodes_waiting", store)
+    agent.keep_monitoring_without_the_store()
+    agent.keep_monitoring_without_the_store()  # once is enough
+    handler = object.__new__(DynamicRendezvousHandler)
+    assert handler.num_nodes_waiting() == 3 and handler.num_nodes_waiting() == 0
+    with pytest.raises(ValueError):
+        handler.num_nodes_waiting()
 
 
 def test_nccl_ranks_end_at_the_timeout_with_a_line():
