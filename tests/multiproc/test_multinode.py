@@ -11,9 +11,10 @@ One run history, shared by the tests of this module (fixture ``history``), again
    asks it once and starts the agent; steps with an evaluation and a periodic checkpoint, then SIGUSR1 to the
    batch script (SLURM's warning before the time limit): every rank checkpoints and exits 75;
 2. the per-node command on each node (``launch_multinode.sh``, NNODES=2) with ``--resume auto``: it continues;
-   once it has written a checkpoint, the node that does not host the rendezvous store (its launcher, agent,
+   once it has written a checkpoint, the node whose agent hosts the rendezvous store (its launcher, agent,
    ranks and assistant) is SIGKILLed mid-step: the other node's ranks must each exit with one line naming the
-   collective that lost its peer, the newest complete checkpoint and ``--resume auto``, exit 69, within 60 s;
+   collective that lost its peer, the newest complete checkpoint and ``--resume auto``, and its launcher exit 69
+   (its agent outliving the store), within 60 s;
 3. ``cooper.sbatch`` again with ``--resume auto``: it continues from that checkpoint to the end.
 
 Every step's metrics and the final policy and reward-model weights of that history must equal the reference's
@@ -242,7 +243,7 @@ def history(stand_ins, assets, tmp_path_factory) -> dict:
         _wait_until(lambda: _newest(out) > got["stopped_at"], nodes, "a checkpoint after the resume")
         host = [_hosts_store(node, rdzv_port) for node in nodes]
         assert host.count(True) == 1, host
-        lost, survivor = (0, 1) if host[1] else (1, 0)
+        lost, survivor = (0, 1) if host[0] else (1, 0)  # the harder loss: the other agent loses its store too
         _kill_tree(nodes[lost].pid)
         killed = time.monotonic()
         got["lost_newest"] = _newest(out)
