@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import hashlib
 import importlib
 import importlib.metadata
 import logging
@@ -71,14 +72,16 @@ HANDLERS = {
 
 #: Errors that are the user's (or the machine's) to fix: one clear line, no traceback, exit code 2
 #: (or the error's ``exit_code``: ``cooper train`` stops with 75 when preempted, 3 on non-finite
-#: numbers). Operating-system errors count when they are about a path or the disk (see
-#: :func:`environment_error`); the others (a connection reset, ...) get a traceback.
+#: numbers, 69 when another rank is lost). Under torchrun a refusal (exit 2) that a node's ranks
+#: all raise is printed once (:func:`said_on_this_node`). Operating-system errors count when they
+#: are about a path or the disk (see :func:`environment_error`); the others (a connection reset,
+#: ...) get a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
 #: The library's own user errors, by "module.Class": importing them would import megatron-core.
 USER_ERROR_NAMES = frozenset({"cooper_mcore.job.TrainingStopped",
                               "cooper_mcore.negatives.pairs.AssistantUnavailable",
                               "cooper_mcore.jobs.annotate.JudgeUnavailable",
-                              "cooper_mcore.parallel.CollectiveTimeout"})
+                              "cooper_mcore.parallel.CollectiveFailed"})
 #: Exit code of a user or environment error.
 EXIT_USER_ERROR = 2
 
@@ -132,6 +135,31 @@ def user_error(e: BaseException, args: Optional[argparse.Namespace] = None) -> O
     if isinstance(e, USER_ERRORS) or names & USER_ERROR_NAMES:
         return str(e.args[0] if e.args and not isinstance(e, UnicodeError) else e)  # (a UnicodeError's is its codec)
     return None
+
+
+def said_on_this_node(message: str) -> bool:
+    """Whether another rank of this node already reported ``message``; if not, this one will (claimed here).
+
+    Under torchrun each rank of a node has an error file in a folder of its agent's own
+    (``TORCHELASTIC_ERROR_FILE``: ``<agent's folder>/attempt_<n>/<local rank>/error.json``): the first
+    rank to create ``<that attempt's folder>/cooper-error-<hash of the message>`` reports it, the
+    others exit with the same code in silence. So a config refusal raised alike on every rank is
+    printed once per node, not once per rank; one raised on only some ranks is printed by the first
+    of them; messages that differ (each names its rank) are all printed. Outside torchrun, or when
+    the folder cannot be written: never said before.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    digest = hashlib.sha256(message.encode("utf-8", "replace")).hexdigest()[:16]
+    marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), f"cooper-error-{digest}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return True
+    except OSError:  # no such folder, read-only: report it
+        return False
+    return False
 
 
 def version() -> str:
@@ -454,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         # `kill -USR2 <pid>` prints every thread's stack: where a hung rank waits (the rehearsal asks for it);
         # to the process's own stderr, which has a file descriptor even where sys.stderr is replaced
         faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+        # SIGUSR1 (a scheduler's early warning) means "checkpoint and stop" inside a training job only
+        # (cooper_mcore.job.StopSignal); outside it, before the job or once it has stopped, it is ignored rather
+        # than killing the process: each node's launcher passes it on at its own pace, and a copy that reaches a
+        # rank after the world already stopped on another node's copy turned its clean exit 75 into a death by signal
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         rc = handler(args.command)(args)
     except Exception as e:
@@ -462,8 +495,13 @@ def main(argv: list[str] | None = None) -> int:
             logger.exception("unexpected error (a bug, or an environment problem the message names); please report "
                              "it with this traceback")
             return 1
-        logger.error("%s", message)
-        return getattr(e, "exit_code", EXIT_USER_ERROR)  # train: 75 preempted (SIGTERM/SIGUSR1), 3 non-finite stop
+        # train: 75 preempted (SIGTERM/SIGUSR1), 3 non-finite stop, 69 another rank lost (cooper_mcore/exit_codes.py)
+        code = getattr(e, "exit_code", EXIT_USER_ERROR)
+        # a refusal (exit 2) raised alike on every rank: once per node; a stop or a lost peer: each rank says what
+        # it saw
+        if code != EXIT_USER_ERROR or not said_on_this_node(message):
+            logger.error("%s", message)
+        return code
     return rc or 0
 
 

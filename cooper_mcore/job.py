@@ -20,6 +20,11 @@ or a first Ctrl-C (SIGINT) is caught into a flag that the job checks at the end 
 (:meth:`JobRoom.stop_requested`, collective); a second Ctrl-C stops at once and leaves the room as
 :class:`TrainingStopped` with ``EXIT_INTERRUPTED`` naming the newest complete checkpoint. Forked
 children (megatron-core's checkpoint writers) ignore the stop signals: the job decides.
+
+A collective that fails in the body (another rank gone: its process or its node; or a timeout,
+:func:`cooper_mcore.parallel.collective_failure`) leaves the room as :class:`TrainingStopped` with
+``EXIT_PEER_LOST``, one line naming the collective, the newest complete checkpoint and the command
+that continues from it (:meth:`JobRoom.lost`).
 """
 
 from __future__ import annotations
@@ -38,18 +43,21 @@ import torch.distributed as dist
 from cooper_mcore.checkpoint.training import complete_checkpoints, find_resume
 from cooper_mcore.collectives import any_rank
 from cooper_mcore.config.versions import RECORD_FILE, ConfigRecord, write_record
+from cooper_mcore.exit_codes import (  # noqa: F401 - the jobs' exit codes, importable from here as before
+    EXIT_CHECKPOINT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NO_SIGNAL,
+    EXIT_NONFINITE,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+)
 from cooper_mcore.metrics import MetricsLogger, ProgressBar
-from cooper_mcore.parallel import ParallelConfig, job_world
+from cooper_mcore.parallel import CollectiveFailed, ParallelConfig, collective_failure, job_world
 from cooper_mcore.run_lock import LOCK_FILE, RunLock
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-EXIT_NO_SIGNAL = 2  # the data gives the run nothing to learn from: the user's to fix (the CLI's user-error code)
-EXIT_NONFINITE = 3
-EXIT_CHECKPOINT_FAILED = 74  # sysexits' EX_IOERR: a checkpoint could not be written
-EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, run the same command again
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CHECKPOINTS_DIR = "checkpoints"
 
@@ -190,6 +198,18 @@ class JobRoom:
                        "empty output folder")
         return TrainingStopped(f"{self.stop.describe()} after step {step}: {written}", EXIT_PREEMPTED, checkpoint)
 
+    def lost(self, failure: CollectiveFailed) -> TrainingStopped:
+        """The error that ends a job whose collective failed (another rank gone, or a timeout): what failed, the
+        newest complete checkpoint and the command that continues from it, in one line (``EXIT_PEER_LOST``).
+        Every rank that sees the failure says so: none can know which others are still there."""
+        last = self.newest_checkpoint()
+        if last is None:
+            then = "no complete checkpoint yet: run the same command on every node to start over"
+        else:
+            then = (f"the newest complete checkpoint is {last}: run the same command on every node with --resume "
+                    "auto to continue from it")
+        return TrainingStopped(f"{failure}; {then}", EXIT_PEER_LOST, last)
+
 
 def _nothing() -> None:
     return None
@@ -288,7 +308,8 @@ def job_room(out: str, total_steps: int, *, start_step: int = 0, config: Optiona
     (:func:`job`'s arguments; ``start_step``: steps already done, for a resumed run).
 
     Raises:
-        TrainingStopped: a second Ctrl-C in the body (``EXIT_INTERRUPTED``).
+        TrainingStopped: a second Ctrl-C in the body (``EXIT_INTERRUPTED``), or a collective that failed in it
+            (``EXIT_PEER_LOST``, :meth:`JobRoom.lost`).
     """
     main = dist.get_rank() == 0
     room = JobRoom(out, main, MetricsLogger(metrics_dir or out, run_name=run_name, config=config,
@@ -304,6 +325,11 @@ def job_room(out: str, total_steps: int, *, start_step: int = 0, config: Optiona
                               f"{last or 'none (the run starts over)'}: "
                               "run the same command with --resume auto to continue from it",
                               EXIT_INTERRUPTED, last) from None
+    except RuntimeError as e:
+        failure = collective_failure(e)
+        if failure is None:
+            raise
+        raise room.lost(failure) from e
     finally:
         room.stop.restore()
         room.progress.close()

@@ -26,8 +26,8 @@ class ParallelConfig:
     """Expert tensor-parallel size: each expert's weights are split over etp ranks; null: tp (megatron's default)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in tensor-parallel regions (needs tp > 1)."""
-    timeout_minutes: int = 60
-    """Collective timeout (NCCL's watchdog) of all process groups: ranks may wait this long while leaders generate."""
+    timeout_minutes: int = 20
+    """How long a rank waits in a collective for the others before the job ends with exit 69 (docs/reliability.md)."""
 
     @property
     def expert_tp(self) -> int:

@@ -4,6 +4,10 @@
 #
 #   MASTER_ADDR=node0 NNODES=2 examples/launch_multinode.sh examples/qwen2.5-7b_multinode.yaml [key=value ...]
 #
+# After the config come dotted overrides and `cooper train`'s own flags (--out DIR, --resume auto, --overwrite).
+# Exit code: the training processes' (75 preempted, 69 a node lost or never joined, 2 a config or input error,
+# docs/reliability.md), or 2 when a check below stops the launch.
+#
 # Environment (defaults in brackets):
 #   MASTER_ADDR [127.0.0.1]  host of the rendezvous (any one node; the same on every node)
 #   MASTER_PORT [29500]      its port;  NNODES [1];  GPUS_PER_NODE [8];  RDZV_ID [cooper]: one per run
@@ -78,7 +82,17 @@ settings=$("$PYTHON" - "$config" "$NNODES" "$GPUS_PER_NODE" "${GPU_MEMORY_GIB:-}
     "${ASSISTANT_TP:-}" "${ASSISTANT_MEM_FRACTION:-}" "${overrides[@]}" "$@" <<'EOF'
 import sys
 
-config, nodes, gpus, gib, model_path, tp, fraction, *overrides = sys.argv[1:]
+config, nodes, gpus, gib, model_path, tp, fraction, *args = sys.argv[1:]
+# cooper train's own flags (--resume auto, --out DIR, --overwrite) go to the trainer as they are; the check
+# reads the dotted overrides (key=value), so a flag's value is the next word when that is not one
+overrides, i = [], 0
+while i < len(args):
+    if args[i].startswith("--"):
+        value = "=" not in args[i] and i + 1 < len(args) and "=" not in args[i + 1] and not args[i + 1].startswith("--")
+        i += 2 if value else 1
+    else:
+        overrides.append(args[i])
+        i += 1
 if not gib:
     import torch
     if torch.cuda.is_available():
@@ -164,8 +178,9 @@ else
 it on every node, ASSISTANT_URL=http://HOST:PORT for a separate server, or override rm.negatives=policy."
 fi
 
-# 3. training
-cmd=("$PYTHON" -m torch.distributed.run
+# 3. training: torchrun's agent, whose failures are one line each and whose exit code is the ranks'
+# (cooper_mcore/torchrun.py): 75 preempted, 69 a node lost or never joined the rendezvous, 2 a config refusal
+cmd=("$PYTHON" -m cooper_mcore.torchrun
      --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
      --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID"
      --rdzv-conf="join_timeout=$RDZV_TIMEOUT,read_timeout=$RDZV_TIMEOUT"
@@ -181,7 +196,7 @@ fi
 workers() {
     local stat line fields
     for stat in /proc/[0-9]*/stat; do
-        line=$(<"$stat") 2>/dev/null || continue
+        { line=$(<"$stat"); } 2>/dev/null || continue  # (a process that ended meanwhile)
         read -r -a fields <<< "${line##*) }"  # after "pid (comm) ": state ppid ...
         if [[ ${fields[1]} == "$1" ]]; then
             echo "${line%% *}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -74,25 +75,43 @@ def answer(text: str) -> tuple[Outcome, str]:
     return outcome, wrong_rewrite(solution)
 
 
+class _Server(ThreadingHTTPServer):
+    """The HTTP server; with ``reuse_port`` several processes may listen on one port (``SO_REUSEPORT``: the
+    kernel spreads the connections over them), as the servers of two "nodes" on one machine do."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], reuse_port: bool) -> None:
+        self.reuse_port = reuse_port
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        if self.reuse_port:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
 class StandInAssistant:
     """The server, in a thread of the calling process; use as a context manager.
 
     Args:
         model: the model name it serves (the preset's ``rm.assistant_model``).
         slow_s: how long a "slow" answer waits.
+        port: its port on 127.0.0.1 (0: a free one).
+        reuse_port: share ``port`` with other servers (``SO_REUSEPORT``): a multi-node test runs one per
+            "node" on one machine, where each real node serves its own at the same address.
 
     Attributes:
         url: its base URL once started.
         counts: answers given per outcome.
     """
 
-    def __init__(self, model: str, slow_s: float = SLOW_S) -> None:
+    def __init__(self, model: str, slow_s: float = SLOW_S, port: int = 0, reuse_port: bool = False) -> None:
         self.model = model or "assistant"
         self.slow_s = slow_s
         self.counts: dict[str, int] = {o: 0 for o, _ in OUTCOME_WEIGHTS}
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", port), self._handler(), reuse_port)
         self._thread = threading.Thread(target=self._server.serve_forever, name="stand-in-assistant", daemon=True)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
@@ -133,6 +152,8 @@ class StandInAssistant:
             def do_GET(self) -> None:  # noqa: N802 - the http.server interface
                 if self.path.rstrip("/").endswith("/models"):
                     self._send(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
+                elif self.path.rstrip("/") == "/health":  # what a launcher waits for (SGLang's route)
+                    self._send(200, {"status": "ok"})
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
 

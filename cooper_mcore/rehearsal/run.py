@@ -400,8 +400,9 @@ def launch(name: str, cfg_path: str, out: str, nproc: int, limits: Limits, resum
     return result
 
 
-def _same_metrics(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Keys whose values differ (timings aside; NaN equals NaN)."""
+def metrics_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Keys of two metrics lines whose values differ (timings aside; NaN equals NaN): the resume checks here and
+    in the multi-node tests compare a resumed run's steps with its reference's with it."""
     keys = {k for k in a.keys() | b.keys() if not k.startswith(TIME_PREFIX)}
 
     def same(x: Any, y: Any) -> bool:
@@ -420,7 +421,9 @@ def _weights(ckpt: str) -> dict[str, torch.Tensor]:
                 if isinstance(v, torch.Tensor) and not _OPTIMIZER_KEY.match(k)}
 
 
-def _weights_differ(a: str, b: str) -> list[str]:
+def weights_differ(a: str, b: str) -> list[str]:
+    """The names of the model tensors that differ between the checkpoints at ``a`` and ``b``, bit for bit (all of
+    them, when the two do not hold the same names)."""
     wa, wb = _weights(a), _weights(b)
     if wa.keys() != wb.keys():
         return [f"tensor names differ: {sorted(wa.keys() ^ wb.keys())[:4]}"]
@@ -484,13 +487,13 @@ def _resume_check(cfg: CooperConfig, ref: RunResult, resumed: RunResult, folder:
     if cfg.rollout.uses_sglang:
         return True, (f"resumed from step {STOP_STEP} and finished; not compared with the reference: SGLang's CPU "
                       "backend does not honour per-request seeds, so two runs sample different rollouts")
-    diffs = [f"step {a[K.STEP]}: {d}" for a, b in zip(ref.steps, resumed.steps) if (d := _same_metrics(a, b))]
+    diffs = [f"step {a[K.STEP]}: {d}" for a, b in zip(ref.steps, resumed.steps) if (d := metrics_differ(a, b))]
     if diffs:
         return False, "metrics differ from the uninterrupted run's: " + "; ".join(diffs[:3])
     parts = ["policy"] + (["rm"] if cfg.reward.mode.trains_rm else [])
     final = f"step_{STEPS}"
     for part in parts:
-        differ = _weights_differ(os.path.join(cfg.out, "reference", "checkpoints", final, part),
+        differ = weights_differ(os.path.join(cfg.out, "reference", "checkpoints", final, part),
                                  os.path.join(cfg.out, folder, "checkpoints", final, part))
         if differ:
             return False, f"{part} weights at {final} differ from the uninterrupted run's: {differ[:3]}"

@@ -10,7 +10,7 @@ subprocesses, each in its own session (a Ctrl-C goes to its process group only, 
   writer processes and leaves nothing running; ``--resume auto`` then continues;
 * prompts too long for the policy's context are skipped and counted (``data/skipped_too_long``);
 * a collective that one rank never joins ends at the timeout with one line naming the rank, the
-  call and the group;
+  call and the group (exit 69);
 * a run folder belongs to one run: a second run on the same ``--out`` is refused with one line naming
   the first (every rank of a torchrun job, none left waiting), whose metrics stay its own; a resume
   that changes what is trained is refused naming the keys, and allowed as a new config version.
@@ -32,6 +32,7 @@ import time
 
 import pytest
 
+from cooper_mcore.exit_codes import EXIT_PEER_LOST
 from tests.conftest import ROOT, WORKERS, _free_port, hold_lock, last_json
 
 pytestmark = pytest.mark.multiproc
@@ -226,7 +227,7 @@ def test_a_collective_timeout_is_one_line_naming_rank_call_and_group(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     got = last_json(r.stdout)
-    assert got["rc"] == 2 and got["seconds"] < 60, got
+    assert got["rc"] == EXIT_PEER_LOST and got["seconds"] < 60, got
     (line,) = got["errors"]
     assert line.startswith("rank 0 of 2: torch.distributed.all_reduce over ranks [0, 1] timed out, called from "
                            "cooper_mcore/collectives.py"), line
@@ -307,8 +308,11 @@ def test_every_rank_of_a_refused_torchrun_job_stops_with_the_holders_line(assets
     assert r.returncode != 0
     ranks = sorted(glob.glob(str(logs / "**" / "stderr.log"), recursive=True))
     assert len(ranks) == 2, r.stderr[-3000:]
-    for path in ranks:  # rank 0 met the lock; rank 1 learned it from rank 0 instead of waiting for it
-        text = open(path).read()
-        assert f"run folder '{out}' is in use by another run: pid {holder.pid} on host" in text, text[-3000:]
-        assert "Traceback" not in text and "timed out" not in text
+    texts = [open(path).read() for path in ranks]
+    line = f"run folder '{out}' is in use by another run: pid {holder.pid} on host"
+    # rank 0 met the lock; rank 1 learned it from rank 0 instead of waiting for it; both refuse with exit 2, and
+    # the line every rank raises is printed once per node
+    assert sum(text.count(line) for text in texts) == 1, texts
+    assert all("Traceback" not in text and "timed out" not in text for text in texts)
+    assert r.stderr.count("exitcode  : 2") == 2 or "exit code 2" in r.stderr or "(exit 2)" in r.stderr, r.stderr[-3000:]
     assert os.listdir(out) == ["run.lock"]  # nothing written

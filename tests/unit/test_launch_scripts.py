@@ -120,7 +120,7 @@ def test_colocated_assistant_sized_from_the_model_then_torchrun_rendezvous(model
                               "--mem-fraction-static", "0.12", "--chunked-prefill-size", str(ASSISTANT_CHUNKED_PREFILL),
                               "--max-running-requests", str(ASSISTANT_MAX_RUNNING), "--host", "127.0.0.1",
                               "--port", "30010", "&"]
-    assert torchrun.split() == [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8",
+    assert torchrun.split() == [PY, "-m", "cooper_mcore.torchrun", "--nnodes=2", "--nproc-per-node=8",
                                 "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=cooper",
                                 "--rdzv-conf=join_timeout=1500,read_timeout=1500", "--max-restarts=0",
                                 "-m", "cooper_mcore", "train", "--config", PRESET,
@@ -179,18 +179,19 @@ def test_launcher_rejects_bad_input():
 
 def test_sbatch_derives_everything_from_the_allocation(tmp_path):
     """Not from the caller's environment (sbatch exports it): a stale MASTER_ADDR, RDZV_ID or GPUS_PER_NODE
-    from an earlier run is ignored; srun is given --cpus-per-task (not inherited since Slurm 22.05)."""
+    from an earlier run is ignored; srun is given --cpus-per-task (not inherited since Slurm 22.05). `cooper
+    train`'s own flags (--resume auto, which a stopped run's message asks for) pass through both scripts."""
     with ChatServer(canned="OK") as server:
         url = server.url
-        r = _run(["bash", str(SBATCH), PRESET, "train.steps=2"], PATH=_slurm_stubs(tmp_path), DRY_RUN="1",
-                 **SLURM, MASTER_ADDR="stale-host", RDZV_ID="stale", GPUS_PER_NODE="3", ASSISTANT_URL=url)
+        r = _run(["bash", str(SBATCH), PRESET, "--resume", "auto", "train.steps=2"], PATH=_slurm_stubs(tmp_path),
+                 DRY_RUN="1", **SLURM, MASTER_ADDR="stale-host", RDZV_ID="stale", GPUS_PER_NODE="3", ASSISTANT_URL=url)
     assert r.returncode == 0, r.stderr
     options = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("srun-option")]
     assert options == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=64"]
     (torchrun,) = _lines(r.stdout)
     assert "--nnodes=2 --nproc-per-node=8" in torchrun
     assert "--rdzv-endpoint=gpu07:29500 --rdzv-id=cooper-4242" in torchrun
-    assert torchrun.endswith(f"--config {PRESET} rm.assistant_url={url} train.steps=2")
+    assert torchrun.endswith(f"--config {PRESET} rm.assistant_url={url} --resume auto train.steps=2")
     text = SBATCH.read_text()
     assert "\n#SBATCH --signal=B:USR1@600\n" in text and text.index("--signal") < text.index("\nset -euo")
 
@@ -269,7 +270,7 @@ def test_the_early_signal_reaches_the_workers_not_torchrun(tmp_path):
     (tmp_path / "worker.py").write_text(FAKE_WORKER)
     fake_python = tmp_path / "fakepy"
     fake_python.write_text(f"""#!/usr/bin/env bash
-if [[ ${{1:-}} == -m && ${{2:-}} == torch.distributed.run ]]; then
+if [[ ${{1:-}} == -m && ${{2:-}} == cooper_mcore.torchrun ]]; then
     exec {PY} {tmp_path / 'agent.py'} {tmp_path / 'worker.py'} {out}
 fi
 exec {PY} "$@"
