@@ -34,7 +34,7 @@ $(STAMP): setup.py constraints-cpu.txt
 demo: $(STAMP)
 	$(VPY) -m cooper_mcore demo
 
-# The core tiers one after another (tests/tiers.py: unit, multiproc, packaging, rehearsal, gpu), each a
+# The core tiers one after another (tests/tiers.py: unit, badinput, multiproc, packaging, rehearsal, gpu), each a
 # pytest run with its own options (two workers where tests are independent), then a table of tests and
 # seconds per tier; every tier runs even after a failure. One tier: `.venv/bin/python tests/tiers.py unit`.
 test: $(STAMP)

@@ -34,7 +34,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
@@ -51,7 +51,7 @@ from cooper_mcore.exit_codes import (  # noqa: F401 - the jobs' exit codes, impo
     EXIT_PEER_LOST,
     EXIT_PREEMPTED,
 )
-from cooper_mcore.metrics import MetricsLogger, ProgressBar
+from cooper_mcore.metrics import METRICS_FILE, MetricsLogger, ProgressBar
 from cooper_mcore.parallel import CollectiveFailed, ParallelConfig, collective_failure, job_world
 from cooper_mcore.run_lock import LOCK_FILE, RunLock
 
@@ -285,7 +285,8 @@ def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None
 
     Yields:
         The job's :class:`JobRoom`; on exit the stop handlers are restored, the bar and the log
-        closed, the folder released and the world torn down where it was set up here.
+        closed, the folder released and the world torn down where it was set up here. A body that
+        raises before anything was logged leaves the folder as the job found it (:func:`_take_back`).
 
     Raises:
         cooper_mcore.run_lock.FolderInUse: another run holds the folder.
@@ -293,11 +294,32 @@ def job(out: str, total_steps: int, *, parallel: Optional[ParallelConfig] = None
     """
     world = job_world(parallel, seed) if parallel is not None else _callers_world()
     with world, hold_run_folder(out, check, lock_file):
-        if config is not None and write_metrics and dist.get_rank() == 0:
+        recorded = config is not None and write_metrics and dist.get_rank() == 0
+        if recorded:
             write_record(os.path.join(out, RECORD_FILE), ConfigRecord.start(config))
-        with job_room(out, total_steps, config=config, metrics_dir=metrics_dir, write_metrics=write_metrics,
-                      use_wandb=use_wandb, wandb_project=wandb_project, run_name=run_name) as room:
-            yield room
+        try:
+            with job_room(out, total_steps, config=config, metrics_dir=metrics_dir, write_metrics=write_metrics,
+                          use_wandb=use_wandb, wandb_project=wandb_project, run_name=run_name) as room:
+                yield room
+        except BaseException:
+            if recorded:
+                _take_back(out, metrics_dir or out)
+            raise
+
+
+def _take_back(out: str, metrics_dir: str) -> None:
+    """What a job that failed before it logged anything had started in its folder (its config record,
+    its empty metrics log and checkpoint room) is removed: a job refused at its start (a damaged
+    checkpoint, a tokenizer that does not fit) leaves the folder as it found it, and the same command,
+    its input fixed, runs again there. A job that logged a line keeps everything."""
+    metrics = os.path.join(metrics_dir, METRICS_FILE)
+    if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+        return
+    for path in (metrics, os.path.join(out, RECORD_FILE)):
+        with suppress(FileNotFoundError):
+            os.remove(path)
+    with suppress(OSError):  # not empty: keep it
+        os.rmdir(os.path.join(out, CHECKPOINTS_DIR))
 
 
 @contextmanager

@@ -90,16 +90,18 @@ RUN_PANELS = (
 )
 
 
-def plot_run(metrics: Sequence[Mapping[str, Any]], path: str, title: str = "") -> list[str]:
+def plot_run(metrics: Sequence[Mapping[str, Any]], path: str, title: str = "",
+             source: str = "the metrics") -> list[str]:
     """Draw a run's main curves (:data:`RUN_PANELS`: reward, accuracy, KL, RM accuracy, timing) from
-    its ``metrics.jsonl`` lines to the PNG ``path``; return the names of the panels drawn.
+    its ``metrics.jsonl`` lines to the PNG ``path``; return the names of the panels drawn. ``source``:
+    where the lines were read (the error names it).
 
     Raises:
         ValueError: the lines hold none of the panels' keys (not a ``cooper train`` run's metrics).
     """
     panels = [p for p in RUN_PANELS if any(series(metrics, c.key)[0] for c in p.curves)]
     if not panels:
-        raise ValueError(f"{title or 'the metrics'}: none of {', '.join(p.name for p in RUN_PANELS)} logged "
+        raise ValueError(f"{source}: none of {', '.join(p.name for p in RUN_PANELS)} logged "
                          f"({len(metrics)} lines): not the metrics of a `cooper train` run")
     fig, axes = stacked_figure(len(panels))
     for i, (ax, panel) in enumerate(zip(axes, panels)):

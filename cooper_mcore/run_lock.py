@@ -4,9 +4,11 @@
 writes its holder into it (:class:`Holder`: host, pid, start time, command line). A second run
 meets the lock and is refused with one line naming the holder (:class:`FolderInUse`). The kernel
 releases the lock when its process dies, however it dies, so a SIGKILLed run's folder is free at
-once; a clean release removes the file. POSIX locks rather than ``flock``: forked children (the
-checkpoint writers megatron-core forks) do not inherit them, so a writer left behind by a killed
-trainer never keeps the folder locked, and they are the locks NFS forwards to its server.
+once; a clean release removes the file, and the folders the lock created for it when they stayed
+empty (a run refused before it wrote anything leaves no ``--out`` behind). POSIX locks rather than
+``flock``: forked children (the checkpoint writers megatron-core forks) do not inherit them, so a
+writer left behind by a killed trainer never keeps the folder locked, and they are the locks NFS
+forwards to its server.
 
 Shared file systems: NFS (v4, or v3 with lockd) and GPFS lock across nodes; Lustre does only when
 mounted with ``-o flock`` (``localflock`` locks per node). So the recorded holder is checked too:
@@ -119,6 +121,7 @@ class RunLock:
         self._fd: Optional[int] = None
         self._stop = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self._made: list[str] = []  # the folders acquire() created for the file, innermost first
 
     def acquire(self) -> None:
         """Take the lock and write this process into it; a refresher thread keeps it fresh.
@@ -129,10 +132,14 @@ class RunLock:
         """
         if self._real in RunLock._held_here:
             raise FolderInUse(f"{self.guards} is already used by this process (pid {os.getpid()}): one run at a time")
-        os.makedirs(os.path.dirname(self._real), exist_ok=True)
+        self._made = _missing_folders(os.path.dirname(self._real))
         self._stop = threading.Event()
         for _ in range(_ATTEMPTS):
-            fd = os.open(self._real, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            os.makedirs(os.path.dirname(self._real), exist_ok=True)
+            try:
+                fd = os.open(self._real, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # another run's release removed the folder it had made: make it again
+                continue
             try:
                 locked = self._lock(fd)
                 if self._same_file(fd):
@@ -151,7 +158,8 @@ class RunLock:
         self._heartbeat.start()
 
     def release(self) -> None:
-        """Remove the file and drop the lock (idempotent)."""
+        """Remove the file, drop the lock and remove the folders :meth:`acquire` created that stayed
+        empty (idempotent)."""
         if self._fd is None:
             return
         self._stop.set()
@@ -165,6 +173,11 @@ class RunLock:
             os.close(self._fd)  # drops the lock
             self._fd = None
             RunLock._held_here.discard(self._real)
+        for folder in self._made:
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty (the run wrote there), or gone: keep what is there
+                break
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -230,6 +243,15 @@ class RunLock:
                 os.utime(self._fd)  # type: ignore[arg-type]  # the descriptor: never a file that replaced it
             except OSError:  # the folder is gone: nothing to refresh
                 return
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """The folders on the way to ``folder`` (itself included) that do not exist yet, innermost first."""
+    missing = []
+    while not os.path.exists(folder) and folder != os.path.dirname(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing
 
 
 def _read(fd: int) -> str:

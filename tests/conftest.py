@@ -62,6 +62,16 @@ def hold_lock(path: str) -> subprocess.Popen:
     return proc
 
 
+def flip_a_byte(folder: Path) -> str:
+    """Flip one bit in the middle of the folder's first ``.distcp`` shard (inside a tensor); return the
+    shard's name."""
+    shard = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0]
+    data = bytearray((folder / shard).read_bytes())
+    data[len(data) // 2] ^= 0x08
+    (folder / shard).write_bytes(bytes(data))
+    return shard
+
+
 def last_json(stdout: str):
     """The last line of a worker's output that is a JSON document."""
     for line in reversed(stdout.strip().splitlines()):
@@ -100,6 +110,60 @@ def tiny_models(tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
                 hf_to_mcore(hf_dir, ckpt)
             out[(family, model_type)] = (hf_dir, ckpt)
     return out
+
+
+@pytest.fixture(scope="session")
+def checkpoint_runs(tmp_path_factory) -> Path:
+    """Checkpoints as the trainer writes them, built once per test run (shared by the workers; tests copy
+    before they change anything):
+
+    * ``hf/``: a tiny two-layer Qwen2 with a tokenizer; ``policy_src/``, ``rm_src/``: it converted (a
+      causal LM, a reward model; each with its tokenizer in ``hf_extra/`` and a manifest);
+    * ``run/checkpoints/step_{1,2}/{policy,rm}``: two training checkpoints of them, written by the trainer's
+      own ``save_training_checkpoint`` (the policy with its optimizer);
+    * ``random/checkpoints/step_1/policy``: a ``model.init=random`` run's (no tokenizer files);
+    * ``prompts.jsonl``: eight arithmetic prompts (``question``, ``answer``).
+    """
+    from cooper_mcore.atomic import exclusive
+
+    root = shared_dir(tmp_path_factory, "checkpoint_runs")
+    with exclusive(str(root)):
+        if not (root / "prompts.jsonl").is_file():  # written last
+            _write_checkpoint_runs(root)
+    return root
+
+
+def _write_checkpoint_runs(root: Path) -> None:
+    from cooper_mcore.checkpoint.model import load_checkpoint_model, open_model_checkpoint
+    from cooper_mcore.checkpoint.training import save_training_checkpoint
+    from cooper_mcore.convert.hf import hf_to_mcore
+    from cooper_mcore.models.tiny import save_tiny_hf_model, save_tiny_tokenizer
+    from cooper_mcore.parallel import ParallelConfig, single_process_world
+    from cooper_mcore.train.model_state import ModelState
+    from cooper_mcore.train.offload import ModelOffloader
+    from cooper_mcore.train.step import OptimConfig, build_scheduler, wrap_for_training
+
+    def state(name: str, ckpt: str) -> ModelState:
+        """A model as the trainer holds it: loaded, wrapped for training, with its optimizer and schedule."""
+        module, arch = load_checkpoint_model(ckpt, ParallelConfig())
+        ddp, opt = wrap_for_training(module, OptimConfig(lr=1e-3))
+        _, hf_config, dtype = open_model_checkpoint(ckpt)
+        return ModelState(name, module, arch, hf_config, dtype, ckpt, tokenizer=None,
+                          offloader=ModelOffloader(ddp, opt), ddp=ddp, optimizer=opt,
+                          scheduler=build_scheduler(opt, 1e-3, 0, 10, 0.0))
+
+    hf = save_tiny_hf_model(str(root / "hf"), "qwen2", num_hidden_layers=2)
+    save_tiny_tokenizer(hf)
+    hf_to_mcore(hf, str(root / "policy_src"))
+    hf_to_mcore(hf, str(root / "rm_src"), model_type="reward")
+    with single_process_world():
+        policy, rm = state("policy", str(root / "policy_src")), state("rm", str(root / "rm_src"))
+        for step in (1, 2):
+            save_training_checkpoint(str(root / "run" / "checkpoints"), step, [policy, rm], {})
+        policy.source_ckpt = ""  # built with random weights: no checkpoint, so no tokenizer files
+        save_training_checkpoint(str(root / "random" / "checkpoints"), 1, [policy], {})
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                                for i in range(8)))
 
 
 @pytest.fixture(autouse=True, scope="module")

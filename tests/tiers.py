@@ -38,6 +38,9 @@ class Tier:
 TIERS = {t.name: t for t in (
     Tier("unit", ("tests/unit",), ("-n", "2", "--dist", "loadfile"),
          "pure functions, one-process trainer pieces, configs, CLI (two pytest workers)"),
+    Tier("badinput", ("tests/badinput",), (),
+         "every bad input a user met, through the CLI: one clear line, nothing lost (one process: a second "
+         "worker's imports cost more than it saves)"),
     Tier("multiproc", ("tests/multiproc",), ("-n", "2", "--dist", "loadfile"),
          "torchrun + gloo: TP/PP/DP/EP against one process, faults, launch (two pytest workers)"),
     Tier("packaging", ("tests/packaging",), (), "the wheel built from a clean checkout, installed and run"),
@@ -47,7 +50,7 @@ TIERS = {t.name: t for t in (
     Tier("sglang", ("tests/sglang",), ("-m", "sglang", "-n", "2", "--dist", "loadfile"),
          "the real SGLang 0.5.23 on its CPU backend (two pytest workers: the rehearsal beside the rest)"),
 )}
-CORE = ("unit", "multiproc", "packaging", "rehearsal", "gpu")
+CORE = ("unit", "badinput", "multiproc", "packaging", "rehearsal", "gpu")
 
 
 @dataclass

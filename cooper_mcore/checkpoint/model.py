@@ -353,7 +353,7 @@ def open_model_checkpoint(ckpt_dir: str) -> tuple[ArchSpec, dict[str, Any], torc
         ValueError: one line naming the checkpoint, the file and what to do.
         FileNotFoundError: no ``cooper_model.json``.
     """
-    _refuse_unfinished(ckpt_dir)
+    refuse_unfinished(ckpt_dir)
     meta = read_meta(ckpt_dir)
     check_checkpoint_files(ckpt_dir)
     verify_model_checkpoint(ckpt_dir)
@@ -379,9 +379,14 @@ def _what_to_do(ckpt_dir: str) -> str:
             f"{os.path.join(room, f'step_{others[-1]}', name)}")
 
 
-def _refuse_unfinished(ckpt_dir: str) -> None:
+def refuse_unfinished(ckpt_dir: str) -> None:
     """Refuse a folder that was still being written (its writer died or is running): one under a
-    temporary name (``<dest>.tmp``, ``<out>.tmp-*``) or in a training checkpoint's ``step_<n>.tmp``."""
+    temporary name (``<dest>.tmp``, ``<out>.tmp-*``) or in a training checkpoint's ``step_<n>.tmp``,
+    whether or not its writer got as far as its ``cooper_model.json``.
+
+    Raises:
+        ValueError: one line naming the folder and what to do.
+    """
     folder = os.path.realpath(ckpt_dir)
     step = _training_step(folder)
     if step is not None and step.group(2):
@@ -404,7 +409,7 @@ def verify_model_checkpoint(ckpt_dir: str) -> None:
         ValueError: unfinished, no manifest in its training checkpoint, or a file missing, of
             another size or CRC-32 (one line: the checkpoint, the file, what to do).
     """
-    _refuse_unfinished(ckpt_dir)
+    refuse_unfinished(ckpt_dir)
     folder = os.path.realpath(ckpt_dir)
     parent = os.path.dirname(folder)
     if os.path.isfile(os.path.join(folder, MANIFEST)):

@@ -19,5 +19,6 @@ def plot(args: argparse.Namespace) -> None:
     out = args.out or os.path.join(folder, PLOT_FILE)
     source = os.path.join(args.run, METRICS_FILE) if os.path.isdir(args.run) else args.run
     check_output_file(out)
-    panels = plot_run(read_metrics(source), out, title=args.title or os.path.basename(os.path.abspath(folder)))
+    panels = plot_run(read_metrics(source), out, title=args.title or os.path.basename(os.path.abspath(folder)),
+                      source=source)
     print(f"{out}: {', '.join(panels)}", flush=True)  # what was drawn, where

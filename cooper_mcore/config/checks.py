@@ -69,7 +69,8 @@ def validate(cfg: CooperConfig | SFTConfig | VerifyRMConfig, world_size: Optiona
         elsewhere: see :class:`Elsewhere` (a Cooper run only).
 
     Raises:
-        ValueError: listing every problem found, one per line.
+        ValueError: the one problem found in one line (``invalid config: ...``), or every problem
+            found, one per line under ``invalid config (N problems):``.
     """
     if elsewhere is not None:
         assert isinstance(cfg, CooperConfig), "only a Cooper run is checked away from its machines"
@@ -78,15 +79,17 @@ def validate(cfg: CooperConfig | SFTConfig | VerifyRMConfig, world_size: Optiona
         assert world_size is not None, "a run checked where it runs has a world size"
         problems = JOB_PROBLEMS[type(cfg)](cfg, world_size)
     if problems:
-        hint = ""
+        hints = []
         if any("does not exist" in p and "tiny_assets" in p for p in problems):
-            hint = ("\nThe tiny assets are made by `cooper tiny-assets --out runs/tiny_assets` "
-                    "(examples/tiny_cpu.yaml reads them from there).")
+            hints.append("The tiny assets are made by `cooper tiny-assets --out runs/tiny_assets` "
+                         "(examples/tiny_cpu.yaml reads them from there).")
         if any("does not exist" in p and "tests/fixtures/" in p for p in problems):
-            hint += ("\ntests/fixtures/ is a folder of the cooper_mcore repository, not of the installed package: "
-                     "run from a checkout, or point the setting at your own file.")
-        raise ValueError(f"invalid config ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
-                         + "\n".join(f"  - {p}" for p in problems) + hint)
+            hints.append("tests/fixtures/ is a folder of the cooper_mcore repository, not of the installed package: "
+                         "run from a checkout, or point the setting at your own file.")
+        if len(problems) == 1:  # one line, as every other user error
+            raise ValueError(" ".join([f"invalid config: {problems[0]}", *hints]))
+        raise ValueError(f"invalid config ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)
+                         + "".join(f"\n{h}" for h in hints))
 
 
 def config_problems(cfg: CooperConfig, world_size: Optional[int], elsewhere: Optional[Elsewhere] = None) -> list[str]:

@@ -13,7 +13,7 @@ import tempfile
 
 import torch
 
-from cooper_mcore.checkpoint.model import EXTRA_DIR, is_model_checkpoint, read_meta
+from cooper_mcore.checkpoint.model import EXTRA_DIR, META_FILE, is_model_checkpoint, read_meta, refuse_unfinished
 from cooper_mcore.checkpoint.tokenizer import tokenizer_folder
 from cooper_mcore.convert.hf import mcore_to_hf
 from cooper_mcore.data.datasets import read_prompts
@@ -50,6 +50,10 @@ def evaluate_policy(model_dir: str, data_path: str, k: int = 8, temperature: flo
     """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model folder not found: {model_dir} (an HF folder or a cooper_mcore checkpoint)")
+    refuse_unfinished(model_dir)  # a checkpoint its writer never finished, with or without its cooper_model.json
+    if not is_model_checkpoint(model_dir) and not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"--model {model_dir!r} is neither an HF model folder (no config.json) nor a cooper_mcore "
+                         f"checkpoint (no {META_FILE})")
     prompts, _ = read_prompts(data_path)  # a bad --data fails before any model is loaded
     if limit:
         prompts = prompts[:limit]

@@ -1,11 +1,14 @@
-"""Checkpoints are verified wherever they are read, and an HF export always has its tokenizer.
+"""Checkpoints are verified wherever they are read, and an HF export always has its tokenizer: the
+library's side.
 
-Training checkpoints are written by the trainer's own :func:`save_training_checkpoint` (a policy
-with its optimizer and a reward model, two steps; and a checkpoint of a ``model.init=random``
-run, whose models come from no checkpoint and so carry no tokenizer). Then one flipped byte in a
-shard, or an unfinished ``step_<n>.tmp``, is refused with one line by ``cooper convert``, ``cooper
-eval``, ``cooper eval-rm`` and the loaders the trainers and the rehearsal use, and nothing is written.
-CRC-32s of pieces are checked against zlib's CRC-32 of the whole.
+The trainer's own checkpoints (:func:`tests.conftest.checkpoint_runs`: written by
+``save_training_checkpoint``; and a ``model.init=random`` run's, whose models carry no tokenizer):
+one flipped byte in a shard, or an unfinished ``step_<n>.tmp``, is refused by the loaders the
+trainers and the rehearsal use, and by the converter; model checkpoints carry a manifest (older ones
+are read with a warning); an export given ``--tokenizer`` writes the one transformers loads; no
+checkpoint reader skips the check. CRC-32s of pieces are checked against zlib's CRC-32 of the whole.
+What ``cooper convert``, ``cooper eval``, ``eval-rm``, ``train``, ``sft`` and ``train-rm`` tell the user
+about these checkpoints are cases of the bad-input tier (``tests/badinput/checkpoints.py``).
 """
 
 from __future__ import annotations
@@ -24,61 +27,11 @@ import pytest
 
 from cooper_mcore.checkpoint import manifest
 from cooper_mcore.checkpoint.manifest import MANIFEST, crc32_combine, verify_checkpoint, write_manifest
-from cooper_mcore.checkpoint.model import load_checkpoint_model, load_checkpoint_tensors, open_model_checkpoint
-from cooper_mcore.checkpoint.training import save_training_checkpoint
+from cooper_mcore.checkpoint.model import load_checkpoint_model, load_checkpoint_tensors
 from cooper_mcore.cli import main as cli_main
-from cooper_mcore.convert.hf import hf_to_mcore, mcore_to_hf
-from cooper_mcore.models.tiny import save_tiny_hf_model, save_tiny_tokenizer
+from cooper_mcore.convert.hf import mcore_to_hf
 from cooper_mcore.parallel import ParallelConfig, single_process_world
-from cooper_mcore.train.model_state import ModelState
-from cooper_mcore.train.offload import ModelOffloader
-from cooper_mcore.train.step import OptimConfig, build_scheduler, wrap_for_training
-
-ROOT = Path(__file__).resolve().parents[2]
-VERIFYBENCH = str(ROOT / "tests" / "fixtures" / "verifybench_tiny.jsonl")
-
-
-def _state(name: str, ckpt: str) -> ModelState:
-    """A model as the trainer holds it: loaded, wrapped for training, with its optimizer and schedule."""
-    module, arch = load_checkpoint_model(ckpt, ParallelConfig())
-    ddp, opt = wrap_for_training(module, OptimConfig(lr=1e-3))
-    _, hf_config, dtype = open_model_checkpoint(ckpt)
-    return ModelState(name, module, arch, hf_config, dtype, ckpt, tokenizer=None, offloader=ModelOffloader(ddp, opt),
-                      ddp=ddp, optimizer=opt, scheduler=build_scheduler(opt, 1e-3, 0, 10, 0.0))
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """``run/checkpoints/step_{1,2}/{policy,rm}`` (models converted with a tokenizer) and
-    ``random/checkpoints/step_1/policy`` (a ``model.init=random`` run's: no tokenizer files)."""
-    root = tmp_path_factory.mktemp("ckptverify")
-    hf = save_tiny_hf_model(str(root / "hf"), "qwen2", num_hidden_layers=2)
-    save_tiny_tokenizer(hf)
-    hf_to_mcore(hf, str(root / "policy_src"))
-    hf_to_mcore(hf, str(root / "rm_src"), model_type="reward")
-    with single_process_world():
-        policy, rm = _state("policy", str(root / "policy_src")), _state("rm", str(root / "rm_src"))
-        for step in (1, 2):
-            save_training_checkpoint(str(root / "run" / "checkpoints"), step, [policy, rm], {})
-        policy.source_ckpt = ""  # built with random weights: no checkpoint, so no tokenizer files
-        save_training_checkpoint(str(root / "random" / "checkpoints"), 1, [policy], {})
-    return root
-
-
-def _flip_a_byte(folder: Path) -> str:
-    """Flip one bit in the middle of the folder's first shard (inside a tensor); return the shard's name."""
-    shard = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0]
-    data = bytearray((folder / shard).read_bytes())
-    data[len(data) // 2] ^= 0x08
-    (folder / shard).write_bytes(bytes(data))
-    return shard
-
-
-def _one_error(caplog) -> str:
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and "\n" not in errors[0], errors
-    caplog.clear()
-    return errors[0]
+from tests.conftest import ROOT, flip_a_byte
 
 
 def _nothing_written(parent: Path, name: str) -> None:
@@ -131,12 +84,12 @@ def test_crc32_of_pieces_combines_to_zlibs_and_ranks_share_the_work(tmp_path, mo
     assert three_ranks() == [want] * 3
 
 
-def test_a_flipped_byte_is_refused_by_every_reader(runs, tmp_path, caplog):
-    shutil.copytree(runs / "run", tmp_path / "run")
+def test_a_flipped_byte_is_refused_by_every_loader(checkpoint_runs, tmp_path):
+    shutil.copytree(checkpoint_runs / "run", tmp_path / "run")
     room = tmp_path / "run" / "checkpoints"
     policy, rm = room / "step_2" / "policy", room / "step_2" / "rm"
-    shard = _flip_a_byte(policy)
-    rm_shard = _flip_a_byte(rm)
+    shard = flip_a_byte(policy)
+    rm_shard = flip_a_byte(rm)
 
     def refusal(ckpt: Path, shard: str) -> str:
         return (rf"^checkpoint '{re.escape(str(ckpt))}' is damaged: {ckpt.name}/{re.escape(shard)} has CRC-32 "
@@ -144,58 +97,48 @@ def test_a_flipped_byte_is_refused_by_every_reader(runs, tmp_path, caplog):
                 rf"use the previous step's checkpoint, e.g. the newest other complete one: "
                 rf"{re.escape(str(room / 'step_1' / ckpt.name))}$")
 
-    out = tmp_path / "hf"
-    assert cli_main(["convert", "mcore-to-hf", "--ckpt", str(policy), "--out", str(out)]) == 2
-    assert re.match(refusal(policy, shard), _one_error(caplog))
-    _nothing_written(tmp_path, "hf")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"question": "1+1?", "answer": "2"}\n')
-    assert cli_main(["eval", "--model", str(policy), "--data", str(prompts), "--k", "1"]) == 2
-    assert re.match(refusal(policy, shard), _one_error(caplog))
-    pred = tmp_path / "pred.jsonl"
-    assert cli_main(["eval-rm", "--ckpt", str(rm), "--data", VERIFYBENCH, "--predictions", str(pred)]) == 2
-    assert re.match(refusal(rm, rm_shard), _one_error(caplog))
-    _nothing_written(tmp_path, "pred")
     with single_process_world():  # the loaders of the trainers (RL, SFT, train-rm) and of the rehearsal
         with pytest.raises(ValueError, match=refusal(policy, shard)):
             load_checkpoint_model(str(policy), ParallelConfig())
         with pytest.raises(ValueError, match=refusal(rm, rm_shard)):
             load_checkpoint_tensors(str(rm))
+    with pytest.raises(ValueError, match=refusal(policy, shard)):
+        mcore_to_hf(str(policy), str(tmp_path / "hf"))
+    _nothing_written(tmp_path, "hf")
     # the previous step, named in the message, is whole and exports (with the tokenizer it was trained with)
-    assert cli_main(["convert", "mcore-to-hf", "--ckpt", str(room / "step_1" / "policy"), "--out", str(out)]) == 0
-    assert (out / "tokenizer.json").is_file()
+    mcore_to_hf(str(room / "step_1" / "policy"), str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-def test_an_unfinished_checkpoint_is_refused(runs, tmp_path, caplog):
+def test_an_unfinished_checkpoint_is_refused(checkpoint_runs, tmp_path):
     room = tmp_path / "run" / "checkpoints"
-    shutil.copytree(runs / "run" / "checkpoints" / "step_1", room / "step_1")
-    shutil.copytree(runs / "run" / "checkpoints" / "step_2", room / "step_4.tmp")  # its writer was killed
+    shutil.copytree(checkpoint_runs / "run" / "checkpoints" / "step_1", room / "step_1")
+    shutil.copytree(checkpoint_runs / "run" / "checkpoints" / "step_2", room / "step_4.tmp")  # its writer was killed
     os.remove(room / "step_4.tmp" / MANIFEST)
     ckpt = room / "step_4.tmp" / "policy"
     line = (f"checkpoint '{ckpt}' is unfinished: its training checkpoint {room / 'step_4.tmp'} was never completed "
             "(no manifest, not renamed); use the previous step's checkpoint, e.g. the newest other complete one: "
             f"{room / 'step_1' / 'policy'}")
-    assert cli_main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
-    assert _one_error(caplog) == line
-    _nothing_written(tmp_path, "hf")
     with single_process_world(), pytest.raises(ValueError, match=re.escape(line)):
         load_checkpoint_model(str(ckpt), ParallelConfig())
     # a model checkpoint whose writer never renamed it (save_model_checkpoint_atomic's, hf_to_mcore's)
     tmp_model = tmp_path / "sft_out.tmp"
-    shutil.copytree(runs / "policy_src", tmp_model)
+    shutil.copytree(checkpoint_runs / "policy_src", tmp_model)
     with pytest.raises(ValueError, match=rf"^checkpoint '{re.escape(str(tmp_model))}' is unfinished: it is a "
                                          r"temporary folder its writer never renamed into place; write it again"):
         mcore_to_hf(str(tmp_model), str(tmp_path / "hf"))
+    _nothing_written(tmp_path, "hf")
 
 
-def test_model_checkpoints_carry_a_manifest_and_older_ones_are_read_with_a_warning(runs, tmp_path, caplog):
-    src = runs / "policy_src"  # hf_to_mcore's output
+def test_model_checkpoints_carry_a_manifest_and_older_ones_are_read_with_a_warning(checkpoint_runs, tmp_path,
+                                                                                    caplog):
+    src = checkpoint_runs / "policy_src"  # hf_to_mcore's output
     listed = set(json.loads((src / MANIFEST).read_text())["files"])
     assert listed == {str(p.relative_to(src)) for p in src.rglob("*") if p.is_file() and p.name != MANIFEST}
     assert "hf_extra/tokenizer.json" in listed
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
-    shard = _flip_a_byte(bad)
+    shard = flip_a_byte(bad)
     with pytest.raises(ValueError, match=rf"^checkpoint '{re.escape(str(bad))}' is damaged: {re.escape(shard)} has "
                                          r"CRC-32 [0-9a-f]{8}, the manifest says [0-9a-f]{8} .*; write it again "):
         mcore_to_hf(str(bad), str(tmp_path / "hf"))
@@ -211,27 +154,16 @@ def test_model_checkpoints_carry_a_manifest_and_older_ones_are_read_with_a_warni
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-def test_an_export_without_a_tokenizer_is_refused_naming_the_flag(runs, tmp_path, caplog):
+def test_an_export_given_a_tokenizer_writes_the_one_transformers_loads(checkpoint_runs, tmp_path):
+    """A ``model.init=random`` run's checkpoint has no tokenizer: ``--tokenizer`` gives the one the export
+    carries (the refusals without it are bad-input cases)."""
     import transformers
 
-    ckpt = runs / "random" / "checkpoints" / "step_1" / "policy"
+    ckpt = checkpoint_runs / "random" / "checkpoints" / "step_1" / "policy"
     out = tmp_path / "hf"
-    assert cli_main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out)]) == 2
-    assert _one_error(caplog) == (
-        f"checkpoint '{ckpt}' has no tokenizer (no tokenizer files in its hf_extra/: the checkpoints of a "
-        "model.init=random run carry none), so its export could not be used: give one with --tokenizer DIR (an HF "
-        "model or tokenizer folder, e.g. the run's model.policy_hf)")
-    _nothing_written(tmp_path, "hf")
-    big = save_tiny_tokenizer(str(tmp_path / "big_tok"), 200)  # ids past the model's 128
-    assert cli_main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--tokenizer", big]) == 2
-    assert "has 200 token ids (0..199), the model" in _one_error(caplog)
     assert cli_main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
-                     "--tokenizer", str(tmp_path)]) == 2
-    assert _one_error(caplog).startswith(f"--tokenizer '{tmp_path}': no tokenizer files in")
-    _nothing_written(tmp_path, "hf")
-    assert cli_main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
-                     "--tokenizer", str(runs / "hf")]) == 0
-    tok, source = (transformers.AutoTokenizer.from_pretrained(str(d)) for d in (out, runs / "hf"))
+                     "--tokenizer", str(checkpoint_runs / "hf")]) == 0
+    tok, source = (transformers.AutoTokenizer.from_pretrained(str(d)) for d in (out, checkpoint_runs / "hf"))
     assert tok.get_vocab() == source.get_vocab() and len(tok) == 128 and tok.eos_token == "<|endoftext|>"
     assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).config.vocab_size == 128
 

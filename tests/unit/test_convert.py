@@ -105,28 +105,14 @@ def _run_cli(*args):
     return cli_main(list(args))
 
 
-def test_cli_convert_and_errors(tmp_path, caplog, capsys):
+def test_cli_convert_round_trip(tmp_path):
+    """Both directions through `cooper convert` (its refusals are cases of the bad-input tier)."""
     hf_dir = save_tiny_hf_model(str(tmp_path / "hf"), "qwen2_tied")
     save_tiny_tokenizer(hf_dir)
     assert _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "mc")) == 0
     assert _run_cli("convert", "mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "b")) == 0
     extra = set(os.listdir(tmp_path / "mc" / "hf_extra"))  # the tokenizer goes into the checkpoint and back out
     assert "tokenizer.json" in extra and extra <= set(os.listdir(tmp_path / "b"))
-    caplog.clear()
-    # output exists: refused, nothing overwritten
-    assert _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "mc")) == 2
-    assert "already exists" in caplog.text
-    # missing files
-    assert _run_cli("convert", "hf-to-mcore", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "x")) == 2
-    assert "no config.json" in caplog.text
-    assert _run_cli("convert", "mcore-to-hf", "--ckpt", hf_dir, "--out", str(tmp_path / "y")) == 2
-    assert "not a cooper_mcore model checkpoint" in caplog.text
-    with pytest.raises(SystemExit) as refused:  # the flag's type refuses it as the command line is read
-        _run_cli("convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "z"), "--model-type",
-                 "reward", "--head-std", "-1")
-    assert refused.value.code == 2 and "--head-std: must be a finite number >= 0, got '-1'" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
-    assert not os.path.exists(tmp_path / "z")
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 

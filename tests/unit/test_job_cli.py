@@ -1,18 +1,18 @@
 """``cooper sft`` and ``cooper train-rm`` take a typed job config from a YAML preset
 (``examples/jobs/``) and dotted overrides, as ``cooper train`` does; ``cooper config --job`` lists
-their settings."""
+their settings. Their refusals (no --ckpt, an output another run holds) are cases of the bad-input
+tier (``tests/badinput/``)."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from cooper_mcore.cli import EXIT_USER_ERROR, main
+from cooper_mcore.cli import main
 from cooper_mcore.config import schema as C
 from cooper_mcore.metric_names import MetricKey as K
-from tests.conftest import ROOT, hold_lock
+from tests.conftest import ROOT
 
 SFT_PRESET = str(ROOT / "examples" / "jobs" / "sft_tiny_cpu.yaml")
 RM_PRESET = str(ROOT / "examples" / "jobs" / "verify_rm_tiny_cpu.yaml")
@@ -69,29 +69,3 @@ def test_cooper_train_rm_from_its_preset(assets, tmp_path, capsys):
     assert [x["step"] for x in train] == list(range(1, summary["steps"] + 1))
     assert [x["step"] for x in lines if K.RM_EVAL_ACCURACY in x] == [0, summary["steps"]]
     assert (out / "final" / "cooper_model.json").is_file() and (out / "summary.json").is_file()
-
-
-def test_cooper_train_rm_needs_a_checkpoint(tmp_path, caplog):
-    assert main(["train-rm", "--out", str(tmp_path / "o"), "data.train_path=x.jsonl"]) == EXIT_USER_ERROR
-    assert "--ckpt" in caplog.text
-
-
-@pytest.mark.parametrize("job", ["sft", "train-rm"])
-def test_an_output_another_run_holds_is_refused_naming_it(job, assets, tmp_path, caplog):
-    """The lock of SFT's output, which appears whole at the end, is a file beside it; train-rm's is in its folder."""
-    out = tmp_path / "out"
-    lock = f"{out}.lock" if job == "sft" else str(out / "run.lock")
-    args = (["sft", "--config", SFT_PRESET, "--ckpt", assets["policy_ckpt"], "train.steps=1", "data.num_examples=4",
-             "train.global_batch_size=4", "train.micro_batch_size=4"] if job == "sft" else
-            ["train-rm", "--config", RM_PRESET, "--ckpt", assets["rm_ckpt"], "train.epochs=1",
-             f"data.train_path={ROOT / 'tests' / 'fixtures' / 'verifybench_tiny.jsonl'}"])
-    holder = hold_lock(lock)
-    try:
-        assert main([*args, "--out", str(out)]) == EXIT_USER_ERROR
-    finally:
-        holder.kill()
-        holder.wait()
-    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert line.startswith(f"run folder '{out}' is in use by another run: pid {holder.pid} on host "), line
-    assert sorted(os.listdir(tmp_path)) == (["out.lock"] if job == "sft" else ["out"])  # nothing written
-    assert job == "sft" or os.listdir(out) == ["run.lock"]  # the killed holder's, which a next run takes over

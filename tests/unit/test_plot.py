@@ -4,7 +4,6 @@ that the run logged."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 from matplotlib.image import imread
@@ -56,12 +55,3 @@ def test_a_rule_runs_plot_leaves_out_the_reward_models_panel(tmp_path, capsys):
     assert cli_main(["plot", str(run / "metrics.jsonl"), "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"{out}: reward, accuracy, KL, timing"
     assert _panels_in(out) == 4 and not (run / "metrics.png").exists()
-
-
-def test_metrics_of_no_run_are_refused_in_one_line(tmp_path, caplog):
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({K.STEP: 1, "rm_train/loss": 0.5}) + "\n")
-    with caplog.at_level(logging.ERROR):
-        assert cli_main(["plot", str(tmp_path)]) == 2
-    assert "none of reward, accuracy, KL, RM accuracy, timing logged (1 lines)" in caplog.text
-    assert not (tmp_path / "metrics.png").exists()
-    assert cli_main(["plot", str(tmp_path / "missing")]) == 2  # no metrics.jsonl there

@@ -2,8 +2,8 @@
 
 * outputs written under a temporary name and renamed (every such writer) refuse a target that
   exists and is not a regular file (a FIFO, a link to /dev/null, a folder) instead of replacing it;
-* ``cooper verify`` / ``cooper annotate`` on an input without rows, and a judge none of whose
-  answers could be read, are errors (never a 0.0 score or an empty output with exit 0);
+* ``cooper annotate`` on an input without rows, and a judge none of whose answers could be read,
+  are errors (never a 0.0 score or an empty output with exit 0);
 * a run folder that holds a run is continued or refused, never mixed (``check_run_folder``);
 * Ctrl-C: the first is a stop signal, the second raises, forked children ignore both; the fault
   injection sends them;
@@ -11,7 +11,9 @@
 * a collective timeout is one clear line from the CLI.
 
 The subprocess runs (a real trainer interrupted, a checkpoint write that fails, a collective that
-times out) are in ``tests/multiproc/test_reliability_runs.py``.
+times out) are in ``tests/multiproc/test_reliability_runs.py``; what ``cooper verify`` tells the user
+about an output that is not a regular file or an input without rows are cases of the bad-input tier
+(``tests/badinput/files.py``).
 
 Only files under ``tmp_path`` are created or touched (``/dev/null`` is only pointed at).
 """
@@ -98,17 +100,6 @@ def test_a_failed_atomic_write_leaves_the_target_and_no_temporary_file(tmp_path)
     assert target.read_text() == "before" and os.listdir(tmp_path) == ["out.txt"]
 
 
-def test_verify_refuses_a_special_output_before_any_work(specials, tmp_path):
-    from cooper_mcore.verify.rule import verify_jsonl
-
-    inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"gold": "1", "pred": "1"}) + "\n")
-    for kind in specials:
-        with pytest.raises(ValueError, match="exists and is not a regular file"):
-            verify_jsonl(str(inp), str(specials[kind]), num_workers=1)
-    _untouched(specials)
-
-
 def test_annotate_and_eval_rm_refuse_special_outputs_before_any_work(specials, tmp_path):
     from cooper_mcore.jobs.annotate import annotate
     from cooper_mcore.jobs.verify_rm import eval_rm
@@ -151,18 +142,6 @@ def test_run_files_manifests_and_demo_files_refuse_special_targets(specials, tmp
 
 
 # --------------------------------------------------------------------------- nothing to do
-
-
-def test_verify_on_an_input_without_rows_is_an_error_not_a_zero_score(tmp_path):
-    from cooper_mcore.verify.rule import verify_jsonl
-
-    out = tmp_path / "out.jsonl"
-    for text in ("", "\n  \n"):
-        inp = tmp_path / "in.jsonl"
-        inp.write_text(text)
-        with pytest.raises(ValueError, match=r"in.jsonl has no rows to verify .*nothing was written"):
-            verify_jsonl(str(inp), str(out), num_workers=1)
-        assert not out.exists()
 
 
 class _Judge:

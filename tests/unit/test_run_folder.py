@@ -9,8 +9,12 @@
 * the config record (:mod:`cooper_mcore.config.versions`) and what a Cooper resume may change
   (:mod:`cooper_mcore.rl.run_folder`): a change of what is trained is refused naming each key (old ->
   new), allowed with the flag as a new version; a folder written before versions reads as version 1;
-* ``cooper sft`` and ``cooper train-rm`` refuse an output another run holds (the SFT output's lock is
-  beside it) are in test_job_cli.py, the real runs in tests/multiproc/test_reliability_runs.py.
+* a lock removes the folders it created for its file when they stayed empty (a refused run leaves no
+  ``--out``), and keeps one the run wrote into.
+
+What ``cooper train``, ``sft`` and ``train-rm`` tell the user about a folder another run holds, or a
+resume that changes what is trained, are cases of the bad-input tier (``tests/badinput/run_folders.py``);
+the real runs are in tests/multiproc/test_reliability_runs.py.
 """
 
 from __future__ import annotations
@@ -114,6 +118,18 @@ def test_one_process_cannot_hold_a_folder_twice(tmp_path):
             RunLock(str(tmp_path / "." / "run.lock"), "run folder 'r'").acquire()
     with RunLock(path, "run folder 'r'"):  # released: free again
         pass
+
+
+def test_a_lock_removes_the_folders_it_made_when_they_stayed_empty(tmp_path):
+    with RunLock(str(tmp_path / "runs" / "new" / "run.lock"), "run folder 'new'"):
+        assert (tmp_path / "runs" / "new").is_dir()
+    assert os.listdir(tmp_path) == []  # both folders it made: the run wrote nothing
+    with RunLock(str(tmp_path / "runs" / "new" / "run.lock"), "run folder 'new'"):
+        (tmp_path / "runs" / "new" / "metrics.jsonl").write_text("")
+    assert os.listdir(tmp_path / "runs" / "new") == ["metrics.jsonl"]  # what the run wrote stays, with its folders
+    with RunLock(str(tmp_path / "run.lock"), "run folder 'x'"):  # a folder that was there stays
+        pass
+    assert os.listdir(tmp_path) == ["runs"]
 
 
 def test_hold_run_folder_hands_over_the_check_and_releases_on_errors(world, tmp_path):
