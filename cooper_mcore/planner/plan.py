@@ -274,6 +274,7 @@ class Evaluation:
     engine: EngineInfo
     host_per_gpu: int
     problems: list[str] = field(default_factory=list)
+    stages: list[list[PhaseMemory]] = field(default_factory=list)  # every phase of every pipeline stage
 
     @property
     def peak(self) -> PhaseMemory:
@@ -541,7 +542,7 @@ class _Planner:
                             f"or use more tensor/pipeline parallelism")
         if self.assistant is not None and (problem := assistant_problem(self.assistant)):
             problems.append(problem)
-        return Evaluation(offload, self.capacity, worst, engine, self._host_bytes(offload, engine), problems)
+        return Evaluation(offload, self.capacity, worst, engine, self._host_bytes(offload, engine), problems, per_stage)
 
     def _phases(self, stage: int, off: OffloadConfig, engine: EngineInfo) -> list[PhaseMemory]:
         cfg, arch, lay, b = self.cfg, self.policy, self.lay, self.b
