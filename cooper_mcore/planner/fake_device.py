@@ -206,21 +206,25 @@ class SimulatedDevice(TorchDispatchMode):
         return FakeTensor(t.fake_mode, meta, t.device, constant=self.values.like(t))
 
     def _settle(self, func, args, kwargs, out, factory: bool) -> None:
-        """Give new small tensors their values; report new storages to the tracker."""
+        """Report new storages of the device to the tracker (what the models' construction makes, and
+        anything computed from the device's tensors; host values made from host values are not the
+        device's); then give new small tensors their values."""
         for o in pytree.tree_leaves(out):
             if not _fake(o):
                 continue
-            if (o.constant is None and o.numel() <= SMALL_NUMEL and (factory or o.dtype not in _HALF)
-                    and o.device.type != "meta"):  # a byte view of a storage (offload.py) has no values
-                if factory:
-                    with unset_fake_temporarily():
-                        o.constant = func(*args, **kwargs)
-                        if func in (_aten.empty.memory_format, _aten.empty_strided.default):
-                            o.constant.zero_()  # deterministic: sizes may be read from it
-                else:
-                    o.constant = self.values.like(o)
-            if self.building or o.constant is None:
-                self.tracker.saw(o, state=self.building, host=factory and self._allocating_host_copy())
+            if self.building or (o.constant is None and not factory):
+                self.tracker.saw(o, state=self.building)
+            elif factory and o.constant is None and o.numel() > SMALL_NUMEL:
+                self.tracker.saw(o, host=self._allocating_host_copy())
+            if o.constant is not None or o.numel() > SMALL_NUMEL or o.device.type == "meta":
+                continue  # a byte view of a storage (offload.py) has no values
+            if factory and not (self.building and o.dtype.is_floating_point):  # weights are the device's
+                with unset_fake_temporarily():
+                    o.constant = func(*args, **kwargs)
+                    if func in (_aten.empty.memory_format, _aten.empty_strided.default):
+                        o.constant.zero_()  # deterministic: sizes may be read from it
+            elif not factory and o.dtype not in _HALF:
+                o.constant = self.values.like(o)
 
     def _allocating_host_copy(self) -> bool:
         frame = sys._getframe(1)
