@@ -219,6 +219,7 @@ class SimulationCheck:
         sims: the simulated ranks.
         host_peak / host_planned: host memory per GPU, simulated (the reference's copy, offloaded
             state) and planned.
+        host_engine: of ``host_planned``, the released transformers engine's weights (not simulated).
         notes: what the simulation changed or could not see.
         seconds: the simulation's wall seconds.
     """
@@ -227,6 +228,7 @@ class SimulationCheck:
     sims: list[RankSimulation]
     host_peak: int
     host_planned: int
+    host_engine: int = 0
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -240,8 +242,10 @@ class SimulationCheck:
         ranks = ", ".join(f"{s.rank} (stage {s.stage})" for s in self.sims)
         lines = [format_checks(self.checks, f"simulated step (fake tensors, rank {ranks}; GiB per GPU, live bytes at "
                                             f"each phase's peak):")]
+        engine = (f", of it the released engine's {self.host_engine / GIB:.2f}: not simulated" if self.host_engine
+                  else "")
         lines.append(f"host memory per GPU (reference copy, offloaded state): simulated {self.host_peak / GIB:.2f}, "
-                     f"plan {self.host_planned / GIB:.2f} GiB")
+                     f"plan {self.host_planned / GIB:.2f} GiB{engine}")
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"simulated in {self.seconds:.0f} s")
         return "\n".join(lines)
@@ -250,6 +254,7 @@ class SimulationCheck:
         """The JSON form (``cooper plan --simulate --json``'s ``simulation``)."""
         return {**checks_to_dict(self.checks), "ranks": [s.rank for s in self.sims],
                 "host_peak_gib": round(self.host_peak / GIB, 3), "host_planned_gib": round(self.host_planned / GIB, 3),
+                "host_engine_gib": round(self.host_engine / GIB, 3),
                 "notes": list(self.notes), "seconds": round(self.seconds, 1)}
 
 
@@ -271,5 +276,6 @@ def check_plan(cfg: CooperConfig, policy: ModelShape, rm: Optional[ModelShape], 
         if abs(ours.total - theirs.total) > 0.01 * theirs.total:
             notes.append(f"the plan of the run's own batch differs in {ours.phase}: {theirs.total / GIB:.2f} GiB "
                          f"(simulated batch: {ours.total / GIB:.2f})")
-    return SimulationCheck(compare(sims, given), sims, max(s.host_peak for s in sims), given.host_per_gpu, notes,
-                           time.perf_counter() - start)
+    engine = given.engine.weights if not given.engine.is_sglang and given.offload.release_engine else 0
+    return SimulationCheck(compare(sims, given), sims, max(s.host_peak for s in sims), given.host_per_gpu, engine,
+                           notes, time.perf_counter() - start)

@@ -27,8 +27,8 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   (``offload.release_engine``) it holds nothing; it is resumed, KV pool and CUDA graphs included,
   for rollouts and for every weight sync.
 * The HF engine: the whole model in the model dtype on the group leader's GPU, plus the KV cache
-  of up to :data:`HF_ENGINE_BATCH` sequences generated together; moved to host memory while
-  released.
+  of up to :data:`HF_ENGINE_BATCH` sequences generated together and its prefill's activations (its
+  workspace); moved to host memory while released.
 * Activations (torch-native spec, SDPA attention, no dropout), as the memory simulation measures
   the trainer's own step (:mod:`cooper_mcore.planner.simulate`, ``cooper plan --simulate``), per
   token in the model dtype (:func:`~cooper_mcore.planner.sizes.layer_activation_bytes`): a layer
@@ -58,10 +58,12 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   (rounded up to 8, as the trainer pads); RM inputs at that length too, capped at the RM's
   ``max_position_embeddings``. A micro-batch by a token budget holds as many whole sequences as
   fit the budget (at least one); the reward model's update has ``rm.pairs_per_prompt`` pairs per
-  prompt, a pair's two rows in one micro-batch.
-* The weight push (:func:`~cooper_mcore.planner.sizes.sync_buffer_bytes`): SGLang's flat copy of a
-  bucket; at TP, PP or EP above 1 the gathered whole tensors too (two buckets, or twice the largest
-  weight). Before it the trainer has offloaded all it is told to but the policy's parameters.
+  prompt, a pair's two rows in one micro-batch, ``train.micro_batch_size`` pairs in each when there
+  is no budget (the last filled up with masked copies).
+* The weight push (:func:`~cooper_mcore.planner.sizes.sync_buffer_bytes`): on the first stage SGLang's
+  flat copy of a bucket and, at TP, PP or EP above 1, the bucket of gathered whole tensors; on later
+  stages the gather of the largest weight. Before it the trainer has offloaded all it is told to but
+  the policy's parameters.
 * A colocated assistant (``rm.negatives: assistant`` with ``rm.assistant_url`` on this host, as the
   presets are written): ``examples/launch_multinode.sh`` starts one SGLang server per node before
   training, with ``ASSISTANT_TP`` GPUs per replica and one replica per GPU group, so every GPU holds
@@ -616,7 +618,7 @@ class _Planner:
                 rollout[k] = 0
         if on_engine_gpu and not engine.is_sglang:
             prefill = min(HF_ENGINE_BATCH, self.seqs) * self.opts.prompt_tokens
-            rollout["activations"] = forward_activation_bytes(arch, prefill, b)
+            rollout["engine_workspace"] = forward_activation_bytes(arch, prefill, b)  # the engine's prefill
 
         chunk = cfg.train.logprob_chunk_tokens
         logprobs = dict(resident, **pass_memory(arch, lay, stage, tokens, 1, b, False, logits=logits_bytes(
@@ -633,15 +635,18 @@ class _Planner:
             rm_score.update(pass_memory(self.rm, lay, stage, score_tokens, 1, b, False))
             if cfg.reward.mode.trains_rm:
                 pairs = self.prompts * cfg.rm.pairs_per_prompt  # this rank's pairs, two rows each
-                pair_tokens = min(max(2 * rm_seq, budget // (2 * rm_seq) * 2 * rm_seq) if budget
-                                  else 2 * min(self.mbs, pairs) * rm_seq, 2 * pairs * rm_seq)
-                micro_pairs = max(1, -(-2 * pairs * rm_seq // pair_tokens))
+                if budget:  # whole pairs up to the budget
+                    pair_tokens = min(max(2 * rm_seq, budget // (2 * rm_seq) * 2 * rm_seq), 2 * pairs * rm_seq)
+                    micro_pairs = max(1, -(-2 * pairs * rm_seq // pair_tokens))
+                else:  # micro_batch_size pairs, the last filled up with masked copies (train/reward_model.py)
+                    pair_tokens = 2 * cfg.train.micro_batch_size * rm_seq
+                    micro_pairs = -(-pairs // cfg.train.micro_batch_size)
                 rm_update.update(pass_memory(self.rm, lay, stage, pair_tokens, micro_pairs, b, True,
                                              self.opts.recompute))
         # before the weight push the trainer offloads all it is told to but the policy's parameters
         # (rl/colocate.py); the engine holds everything in the first step (it starts resident)
         sync = dict(base, **eng, buffers=sync_buffer_bytes(arch, cfg.rollout.bucket_mb * 2**20, b, lay.tp, lay.pp,
-                                                           lay.ep, cfg.rollout.uses_sglang))
+                                                           lay.ep, cfg.rollout.uses_sglang, receiver=stage == 0))
         for k in state:
             if k != "policy_params" and getattr(off, k):
                 sync[k] = 0

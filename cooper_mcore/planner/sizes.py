@@ -185,15 +185,20 @@ def largest_tensor_numel(arch: ArchSpec) -> int:
 
 
 def sync_buffer_bytes(arch: ArchSpec, bucket_bytes: int, dtype_bytes: int, tp: int = 1, pp: int = 1, ep: int = 1,
-                      flattened: bool = True) -> int:
+                      flattened: bool = True, receiver: bool = True) -> int:
     """The weight push's own memory on a pipeline stage's first TP rank (the memory simulation's
-    measure): the engine's flat copy of a bucket (SGLang's payload, ``flattened``); and when the pushed
-    tensors are not the parameters themselves (gathered over TP, EP or the pipeline), two buckets of
-    them (one kept while the next is made), at least two of the largest weight."""
+    measure). The ``receiver`` (the first stage, whose rank hands the engine the buckets): the engine's
+    flat copy of a bucket (SGLang's payload, ``flattened``), and, when the pushed tensors are not the
+    parameters themselves (gathered over TP, EP or the pipeline), the bucket of them (at least the
+    largest weight). A later stage: the gather of one whole weight at a time, the largest (its TP shards
+    and the joined tensor)."""
+    largest = largest_tensor_numel(arch) * dtype_bytes
+    if not receiver:
+        return (2 if tp > 1 else 1) * largest
     flat = bucket_bytes if flattened else 0
     if tp == 1 and pp == 1 and ep == 1:
         return flat
-    return flat + 2 * max(bucket_bytes, largest_tensor_numel(arch) * dtype_bytes)
+    return flat + max(bucket_bytes, largest)
 
 
 def kv_bytes_per_token(arch: ArchSpec, dtype_bytes: int, tp: int = 1) -> int:
