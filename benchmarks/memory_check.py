@@ -18,6 +18,8 @@ the simulation's live bytes against a GPU allocator's.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -26,6 +28,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
+import transformers
+from lm_step import megatron_lm_step  # benchmarks/lm_step.py (scripts run from their folder)
+from shapes import SHAPES
+
+from cooper_mcore.cli import main as cli
+from cooper_mcore.models.arch import ArchSpec
+from cooper_mcore.models.builder import build_model
+from cooper_mcore.parallel import ParallelConfig
+from cooper_mcore.planner.fake_device import simulated_device, simulated_world
+from cooper_mcore.planner.memory_tracker import MemoryTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -60,11 +74,6 @@ def plan_args(preset: Path) -> list[str]:
 
 def run_one(args: list[str]) -> None:
     """In this process: ``cooper plan`` with ``args``; prints its JSON with this process's peak memory."""
-    import contextlib
-    import io
-
-    from cooper_mcore.cli import main as cli
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli(args)
@@ -76,8 +85,9 @@ def run_one(args: list[str]) -> None:
 def simulate_preset(preset: Path) -> dict:
     """One preset's plan and simulation, in a process of its own."""
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, __file__, "--one", json.dumps(plan_args(preset))], capture_output=True,
-                       text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(plan_args(preset))],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     if r.returncode:
         raise RuntimeError(f"{preset.name}: exit {r.returncode}\n{r.stderr[-3000:]}")
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -116,17 +126,6 @@ def table(name: str, doc: dict) -> list[str]:
 
 def train_step_peak() -> float:
     """The simulated peak (GiB) of benchmarks/train_step.py's megatron step at its GPU defaults."""
-    import torch
-    import transformers
-    from lm_step import megatron_lm_step  # benchmarks/lm_step.py
-    from shapes import SHAPES
-
-    from cooper_mcore.models.arch import ArchSpec
-    from cooper_mcore.models.builder import build_model
-    from cooper_mcore.parallel import ParallelConfig
-    from cooper_mcore.planner.fake_device import simulated_device, simulated_world
-    from cooper_mcore.planner.memory_tracker import MemoryTracker
-
     shape = dict(SHAPES["qwen2.5-1.5b"])
     hf = transformers.Qwen2Config(**shape)
     hf.architectures = ["Qwen2ForCausalLM"]
@@ -161,7 +160,6 @@ def main() -> None:
         docs[preset.stem] = simulate_preset(preset)
         print("\n".join(table(preset.stem, docs[preset.stem])), flush=True)
     if args.train_step:
-        sys.path.insert(0, str(Path(__file__).parent))
         simulated = train_step_peak()
         print(f"benchmarks/train_step.py's step (Qwen2.5-1.5B shape, 1 GPU, 4 x 2 x 4096 tokens): simulated peak "
               f"{simulated:.2f} GiB; measured on an H200 {TRAIN_STEP_MEASURED_GIB:.2f} GiB "

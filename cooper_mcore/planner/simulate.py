@@ -14,7 +14,8 @@ bytes reached (:mod:`cooper_mcore.planner.memory_tracker`), timed by the trainer
 :class:`~cooper_mcore.metrics.PhaseTimer`.
 
 The step runs with fewer micro-batches than the run, each the same (:func:`simulation_config`): a
-data-parallel rank gets ``2 x pp`` prompts of 2 rollouts, every rollout at full length, so each pass
+data-parallel rank gets ``2 x pp`` prompts of 2 rollouts per reward-model pair (one right, one
+wrong), every rollout at full length, so each pass
 makes full micro-batches (the token budget's packs, the reward model's pairs) and a pipeline has its
 stages' 1F1B micro-batches in flight. Memory per phase does not depend on the count beyond that (a
 pass holds one micro-batch per stage in flight); time does.
@@ -59,13 +60,13 @@ from cooper_mcore.rollout.weight_sync import StageMeta, stage_metadata
 from cooper_mcore.train.model_state import ModelState
 from cooper_mcore.train.offload import CATEGORIES, ReferenceSwap, host_buffer
 
-__all__ = ["PROMPTS_PER_STAGE", "ROLLOUTS_PER_PROMPT", "RankSimulation", "simulate", "simulate_rank",
+__all__ = ["PROMPTS_PER_STAGE", "ROLLOUTS_PER_PAIR", "RankSimulation", "simulate", "simulate_rank",
            "simulation_config", "stage_ranks"]
 
 #: prompts per data-parallel rank and pipeline stage in the simulated step
 PROMPTS_PER_STAGE = 2
-#: rollouts per prompt in the simulated step (one right, one wrong: a reward-model pair per prompt)
-ROLLOUTS_PER_PROMPT = 2
+#: rollouts per prompt and reward-model pair in the simulated step (one right, one wrong)
+ROLLOUTS_PER_PAIR = 2
 
 
 @dataclass
@@ -101,12 +102,13 @@ def simulation_config(cfg: CooperConfig, world_size: int) -> tuple[CooperConfig,
     cfg.parallel.validate(world_size)
     dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
     prompts = dp * PROMPTS_PER_STAGE * cfg.parallel.pp
+    group = ROLLOUTS_PER_PAIR * cfg.rm.pairs_per_prompt  # as many wrong rollouts as the pairs need
     sim = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, prompts_per_step=prompts, mini_batches=1),
-                              rollout=dataclasses.replace(cfg.rollout, group_size=ROLLOUTS_PER_PROMPT))
+                              rollout=dataclasses.replace(cfg.rollout, group_size=group))
     notes = []
     run = (cfg.train.prompts_per_step, cfg.rollout.group_size, cfg.train.mini_batches)
-    if run != (prompts, ROLLOUTS_PER_PROMPT, 1):
-        notes.append(f"simulated batch: train.prompts_per_step={prompts} rollout.group_size={ROLLOUTS_PER_PROMPT} "
+    if run != (prompts, group, 1):
+        notes.append(f"simulated batch: train.prompts_per_step={prompts} rollout.group_size={group} "
                      f"train.mini_batches=1 (the run: {cfg.train.prompts_per_step}, {cfg.rollout.group_size}, "
                      f"{cfg.train.mini_batches}): the same micro-batches, fewer of them")
     return sim, notes
