@@ -428,6 +428,9 @@ def _add_tool_commands(sub: Any) -> None:
                     help="the assistant's --mem-fraction-static (default: derived from its size, as the launcher)")
     pl.add_argument("--recompute", action="store_true", help="plan with full activation recomputation")
     pl.add_argument("--json", action="store_true", help="print JSON (top-level boolean 'fits')")
+    pl.add_argument("--simulate", action="store_true",
+                    help="also run one rank of the real layout through a whole Cooper step on fake tensors (no GPU, "
+                         "minutes on a CPU) and print each phase's peak by kind beside the plan")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 train.micro_batch_size=4")
 
     rh = sub.add_parser("rehearse", help="run a preset's job on CPU with a tiny model of its family: its layout and "

@@ -9,14 +9,16 @@ import os
 from cooper_mcore.config.checks import Elsewhere, validate
 from cooper_mcore.config.schema import load_config
 from cooper_mcore.models.arch import ArchSpec, load_hf_config
+from cooper_mcore.planner.comparison import check_plan
 from cooper_mcore.planner.plan import AssistantSpec, PlanOptions
 from cooper_mcore.planner.plan import plan as plan_memory
-from cooper_mcore.planner.report import format_plan, load_shapes, plan_to_dict
+from cooper_mcore.planner.report import find_shapes, format_plan, plan_to_dict
 
 
 def plan(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
-    policy, rm, notes = load_shapes(cfg, args.policy_config, args.rm_config)
+    policy_shape, rm_shape, notes = find_shapes(cfg, args.policy_config, args.rm_config)
+    policy, rm = policy_shape.arch, rm_shape.arch if rm_shape is not None else None
     # the checks `cooper train` runs, with these shapes: a run the trainer refuses does not fit
     validate(cfg, args.gpus_per_node * args.nodes, Elsewhere(policy, rm))
     assistant: AssistantSpec | str = "none" if args.no_assistant else "auto"
@@ -31,11 +33,18 @@ def plan(args: argparse.Namespace) -> None:
                 arch = ArchSpec.from_hf_config(load_hf_config(path))
         assistant = AssistantSpec(arch, tp=args.assistant_tp or cfg.parallel.tp,
                                   mem_fraction=args.assistant_mem_fraction)
-    result = plan_memory(cfg, policy, rm, PlanOptions(
-        gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib, nodes=args.nodes,
-        prompt_tokens=args.prompt_tokens, overhead_gib=args.overhead_gib, recompute=args.recompute,
-        assistant=assistant))
+    options = PlanOptions(gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib, nodes=args.nodes,
+                          prompt_tokens=args.prompt_tokens, overhead_gib=args.overhead_gib, recompute=args.recompute,
+                          assistant=assistant)
+    result = plan_memory(cfg, policy, rm, options)
+    # one rank of the real layout through a whole step on fake tensors, beside the plan
+    check = check_plan(cfg, policy_shape, rm_shape, options) if args.simulate else None
     if args.json:
-        print(json.dumps(plan_to_dict(result, cfg, notes), indent=2), flush=True)
+        doc = plan_to_dict(result, cfg, notes)
+        if check is not None:
+            doc["simulation"] = check.to_dict()
+        print(json.dumps(doc, indent=2), flush=True)
     else:
         print(format_plan(result, cfg, notes), flush=True)  # the report table
+        if check is not None:
+            print("\n" + check.format(), flush=True)

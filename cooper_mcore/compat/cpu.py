@@ -172,7 +172,7 @@ def _patch_tensor_methods() -> None:
 
     def type_(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs and _called_from_megatron():
-            name = orig_type(self)
+            name = orig_type(self).replace("torch.meta.", "torch.")  # a fake tensor (memory simulation) is on meta
             if self.device.type == "cpu" and name.startswith("torch.") and ".cuda." not in name:
                 return "torch.cuda." + name[len("torch."):]
             return name

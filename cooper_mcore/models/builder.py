@@ -10,6 +10,7 @@ can live in one process; by default megatron-core's global groups are used.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Optional
 
 import torch
@@ -288,8 +289,11 @@ def build_model(
         _mark_tensor_parallel_weights(model)
     # megatron's torch-norm fallback (no apex/TE) builds its norms on the default device, as do
     # other modules that ignore use_cpu_initialization: put every tensor on this rank's device,
-    # as megatron's own get_model() does with model.cuda()
-    model.to(_init_device())
+    # as megatron's own get_model() does with model.cuda(). Only when one is elsewhere: a model
+    # already in place is left alone (the memory simulation's fake tensors cannot be swapped)
+    device = _init_device()
+    if any(t.device != device for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to(device)
     # Exact HF rotary frequencies (megatron hard-codes llama3 scaling's other parameters).
     inv = rope_inv_freq(arch.rope, arch.head_dim).to(model.rotary_pos_emb.inv_freq.device)
     model.rotary_pos_emb.inv_freq = inv

@@ -12,8 +12,8 @@ one packed row, applies the rotary embedding per segment (positions restart at 0
 ``rope_utils._apply_rotary_pos_emb_thd``) and hands ``[t, heads, head_dim]`` tensors to the core
 attention. :class:`SDPAttention` then attends within each segment only: on CUDA in half precision
 with torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) when
-torch has it, else one ``scaled_dot_product_attention`` call per segment (exact, and
-``sum L_i^2`` work instead of the ``T^2`` of a block-diagonal mask). With Transformer Engine,
+torch has it, else one ``scaled_dot_product_attention`` call per segment (``sum L_i^2`` work instead of
+the ``T^2`` of a block-diagonal mask; 4-D, so that torch's fused kernels take it). With Transformer Engine,
 ``TEDotProductAttention`` takes the same ``PackedSeqParams``.
 """
 
@@ -128,11 +128,13 @@ class SDPAttention(MegatronModule):
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end == start:
                 continue
-            part = F.scaled_dot_product_attention(  # [heads, L, head_dim]
-                query[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+            # [1, heads, L, head_dim]: 4-D inputs take torch's fused kernels (on CPU its flash attention,
+            # which keeps no [L, L] score matrix, as the GPU's does); 3-D ones only the exact math path
+            part = F.scaled_dot_product_attention(
+                *(x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, k, v)),
                 is_causal=causal, dropout_p=dropout, scale=self.softmax_scale,
             )
-            parts.append(part.transpose(0, 1))
+            parts.append(part.squeeze(0).transpose(0, 1))
         return torch.cat(parts).reshape(t, np_ * hn)
 
 

@@ -27,30 +27,43 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   (``offload.release_engine``) it holds nothing; it is resumed, KV pool and CUDA graphs included,
   for rollouts and for every weight sync.
 * The HF engine: the whole model in the model dtype on the group leader's GPU, plus the KV cache
-  of up to :data:`HF_ENGINE_BATCH` sequences generated together; moved to host memory while
-  released.
-* Activations of a training micro-batch (torch-native spec, SDPA attention, no dropout; the
-  tensors autograd keeps per token and layer, in the model dtype): 6h (two RMSNorms: input,
-  normalised output, and the normalised product before the weight) replicated across TP
-  (divided by TP with sequence parallelism), plus (5 q + 4 ffn) / TP: q, k and v expanded to
-  all heads and the attention output twice, the gate/up output (2 ffn), silu and product
-  (ffn each). With full recomputation only each layer's input (h) is kept, plus one layer's full
-  set while it is recomputed. 1F1B keeps ``min(PP - stage, micro-batches)`` micro-batches in
-  flight on a stage; one more layer's worth is counted as backward workspace. Forward-only
-  passes (log-probs, RM scores, the HF engine's prefill) count one layer's set as workspace.
+  of up to :data:`HF_ENGINE_BATCH` sequences generated together and its prefill's activations (its
+  workspace); moved to host memory while released.
+* Activations (torch-native spec, SDPA attention, no dropout), as the memory simulation measures
+  the trainer's own step (:mod:`cooper_mcore.planner.simulate`, ``cooper plan --simulate``), per
+  token in the model dtype (:func:`~cooper_mcore.planner.sizes.layer_activation_bytes`): a layer
+  keeps 8h (two RMSNorms: their fp32 input 2h, the normalised and the weighted output h each;
+  divided by TP with sequence parallelism) plus (5 q + 5 ffn) / TP: q, k and v expanded to all heads
+  and the attention output twice, the gate/up output (2 ffn), silu, megatron's ``up + offset`` copy
+  and the product (ffn each); Qwen3's q/k norms add 3 (q + kv). 1F1B keeps ``min(PP - stage,
+  micro-batches)`` micro-batches in flight on a stage. A pass is counted at its worst moment
+  (:func:`pass_memory`): a training pass at the loss (what the stage keeps, the final norm's 4h and
+  the logits) or in backward (what it keeps and backward's workspace, the MLP's gradient 2 ffn);
+  a forward-only pass (log-probs, RM scores, the HF engine's prefill) inside its largest layer
+  (5 ffn / TP beside the residual stream's 4h and, with sequence parallelism, the gathered h) or at
+  the loss (the logits alone). With full recomputation only each layer's input (h) is kept, plus
+  one layer's full set while it is recomputed.
 * Logits on the last stage, per token and vocabulary entry on this TP rank (``d`` B each, the
   model dtype): the output layer's ``[s, b, V/tp]`` and megatron's contiguous ``[b, s, V/tp]`` copy
-  (2 d for a moment); the log-probabilities and the entropy are read ``train.logprob_chunk_tokens``
-  positions at a time with fp32 temporaries of one chunk (4 B per chunk entry for the
-  log-probabilities, 8 B with the entropy); the update keeps the logits for backward, which writes
-  their gradient (d) beside them with one chunk's fp32 temporaries (4 B, 8 B with an entropy bonus).
-  Forward only: ``max(2 d T, d T + 4 c)`` x V/tp; the update: ``max(d T + 8 c, 2 d T + 4 c)`` x V/tp
-  (``8 c`` with ``algo.entropy_coef > 0``), ``T`` the micro-batch's tokens, ``c`` the chunk
+  (2 d for a moment; none for a packed micro-batch, one row whose transpose is contiguous); the
+  log-probabilities and the entropy are read ``train.logprob_chunk_tokens`` positions at a time with
+  fp32 temporaries of one chunk (4 B per chunk entry for the log-probabilities, 8 B with the
+  entropy); the update keeps the logits for backward, which writes their gradient (d) beside them
+  with one chunk's fp32 temporaries (4 B, 8 B with an entropy bonus). Forward only: ``max(2 d T, d T
+  + 4 c)`` x V/tp (``d T + 4 c`` packed); the update: ``max(d T + 8 c, 2 d T + 4 c)`` x V/tp (``8 c``
+  with ``algo.entropy_coef > 0``), ``T`` the micro-batch's tokens, ``c`` the chunk
   (:func:`~cooper_mcore.planner.sizes.logits_bytes`). Measured on CPU against the allocator's peak in
   ``tests/unit/test_logits_memory.py``.
 * Sequences are counted at their maximum length ``prompt_tokens + rollout.max_new_tokens``
   (rounded up to 8, as the trainer pads); RM inputs at that length too, capped at the RM's
-  ``max_position_embeddings``.
+  ``max_position_embeddings``. A micro-batch by a token budget holds as many whole sequences as
+  fit the budget (at least one); the reward model's update has ``rm.pairs_per_prompt`` pairs per
+  prompt, a pair's two rows in one micro-batch, ``train.micro_batch_size`` pairs in each when there
+  is no budget (the last filled up with masked copies).
+* The weight push (:func:`~cooper_mcore.planner.sizes.sync_buffer_bytes`): on the first stage SGLang's
+  flat copy of a bucket and, at TP, PP or EP above 1, the bucket of gathered whole tensors; on later
+  stages the gather of the largest weight. Before it the trainer has offloaded all it is told to but
+  the policy's parameters.
 * A colocated assistant (``rm.negatives: assistant`` with ``rm.assistant_url`` on this host, as the
   presets are written): ``examples/launch_multinode.sh`` starts one SGLang server per node before
   training, with ``ASSISTANT_TP`` GPUs per replica and one replica per GPU group, so every GPU holds
@@ -69,10 +82,12 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   data-parallel group (``expert_dp = world / (ep etp pp)``), the rest over DP (at EP=1 megatron
   treats experts as ordinary parameters, sharded over DP). Activations of a sparse layer:
   attention as above, the router's fp32 logits and scores, and per routed token copy (each token's
-  ``experts_per_token`` copies, times :data:`~cooper_mcore.planner.sizes.MOE_ROUTING_MARGIN` for
-  uneven routing) the dispatched and permuted inputs, the expert output and its weighted copy (4 h)
-  and the expert FFN (4 I_e / etp); the all-to-all's send and receive buffers (2 h per copy) are
-  counted once per pass as workspace. SGLang serves the whole model per engine, each expert split
+  ``experts_per_token`` copies, at the mean routing) the experts' permuted input (h) and 6 I_e / etp
+  (gate/up, silu, ``up + offset``, product and its weighted copy); forward only, 3 h (the
+  dispatched, exchanged and sorted inputs) beside the 6 I_e. Uneven routing is the separate
+  ``routing_margin`` component: the same per copy for ``MOE_ROUTING_MARGIN - 1`` times the mean
+  copies (:func:`~cooper_mcore.planner.sizes.routing_margin_bytes`; not measured, the simulation
+  routes evenly). SGLang serves the whole model per engine, each expert split
   over its ``tp_size`` (its default MoE tensor parallelism, no SGLang EP); its KV cache is the
   attention's, as for a dense model.
 * CUDA contexts are counted per process and GPU (``context_gib``, measured): the trainer process
@@ -80,9 +95,13 @@ does (``rl/setup.py``, ``rl/step.py``, ``rl/colocate.py``, ``train/step.py``):
   on every GPU. A flat ``overhead_gib`` per GPU stands for NCCL buffers, the rollout engine's CUDA
   graphs and allocator fragmentation.
 
-Offload settings act on the rollout phase only (the trainer offloads around rollouts and
-onloads right after), ``release_engine`` on every other phase. These are estimates: they have
-not been compared with measured GPU peak memory.
+Offload settings act on the rollout phase (the trainer offloads around rollouts and onloads right
+after) and the weight push before it (all but the policy's parameters), ``release_engine`` on every
+other phase (the first step's push finds the engine as it started: all of it resident). The
+trainer's own terms (state, activations, logits, the push's buffers) are held against a simulated
+step (``cooper plan --simulate``: every phase of the shipped presets within 15%, docs/planner.md);
+the engine's, the assistant's, the CUDA contexts and the overhead are estimates no simulation sees,
+and nothing here has been compared with a GPU's allocator.
 """
 
 from __future__ import annotations
@@ -102,17 +121,20 @@ from cooper_mcore.planner.sizes import (
     CUDA_CONTEXT_GIB,
     DTYPE_BYTES,
     GIB,
+    backward_workspace_bytes,
     check_layout,
-    dispatch_buffer_bytes,
+    final_norm_bytes,
     forward_activation_bytes,
     kv_bytes_per_token,
     layer_activation_bytes,
     logits_bytes,
     model_numel,
+    routing_margin_bytes,
     serving_numel,
     stage_expert_numel,
     stage_layers,
     stage_numel,
+    sync_buffer_bytes,
     training_state,
 )
 
@@ -122,7 +144,7 @@ OFFLOAD_FLAGS = ("policy_params", "policy_grads", "policy_optimizer", "rm_params
                  "release_engine")
 COMPONENTS = ("policy_params", "policy_grads", "policy_optimizer", "rm_params", "rm_grads", "rm_optimizer",
               "engine_weights", "engine_kv", "engine_workspace", "assistant_weights", "assistant_kv",
-              "assistant_workspace", "activations", "logits", "buffers", "contexts", "overhead")
+              "assistant_workspace", "activations", "routing_margin", "logits", "buffers", "contexts", "overhead")
 HF_ENGINE_BATCH = 64  # HFEngine's default max_batch_size (sequences generated together)
 STATE = ("params", "grads", "optimizer")
 
@@ -274,6 +296,7 @@ class Evaluation:
     engine: EngineInfo
     host_per_gpu: int
     problems: list[str] = field(default_factory=list)
+    stages: list[list[PhaseMemory]] = field(default_factory=list)  # every phase of every pipeline stage
 
     @property
     def peak(self) -> PhaseMemory:
@@ -432,20 +455,46 @@ def _seq_len(cfg: CooperConfig, opts: PlanOptions) -> int:
 
 def training_activation_bytes(arch: ArchSpec, lay: Layout, stage: int, tokens: int, micro_batches: int,
                               dtype_bytes: int, recompute: bool) -> int:
-    """Activation bytes a training pass keeps on ``stage`` (micro-batches of ``tokens`` tokens, 1F1B).
-
-    One more layer's set (the largest) is backward workspace; MoE models add one layer's
-    all-to-all buffers (:func:`~cooper_mcore.planner.sizes.dispatch_buffer_bytes`).
-    """
+    """Activation bytes a training pass keeps for backward on ``stage`` (micro-batches of ``tokens``
+    tokens, 1F1B: ``min(pp - stage, micro_batches)`` in flight), at the mean routing of a
+    mixture-of-experts model. With full recomputation each layer keeps only its input (h), plus one
+    layer's set while it is recomputed."""
     sparse = stage_layers(arch, lay.pp, stage)
     per = {s: layer_activation_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel, s, lay.etp)
            for s in set(sparse)}
-    workspace = max(per.values()) + dispatch_buffer_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel)
     in_flight = min(lay.pp - stage, micro_batches)
     if recompute:
         kept = tokens * arch.hidden_size * dtype_bytes // (lay.tp if lay.sequence_parallel else 1)
-        return in_flight * len(sparse) * kept + max(per.values()) + workspace
-    return in_flight * sum(per[s] for s in sparse) + workspace
+        return in_flight * len(sparse) * kept + max(per.values())
+    return in_flight * sum(per[s] for s in sparse)
+
+
+def pass_memory(arch: ArchSpec, lay: Layout, stage: int, tokens: int, micro_batches: int, dtype_bytes: int,
+                train: bool, recompute: bool = False, logits: int = 0) -> dict[str, int]:
+    """A forward(-backward) pass's ``activations``, ``logits`` and ``routing_margin`` on ``stage`` at
+    its worst moment (the moments the memory simulation shows: :mod:`cooper_mcore.planner.simulate`).
+
+    Forward only: inside the largest layer (:func:`~cooper_mcore.planner.sizes.forward_activation_bytes`,
+    no logits yet), or at the loss (``logits``, on the last stage: the layers' memory is gone). Training:
+    what the stage keeps (:func:`training_activation_bytes`) plus, at the loss, the final norm's set and
+    ``logits``, or, in backward, its workspace (:func:`~cooper_mcore.planner.sizes.backward_workspace_bytes`).
+    A mixture-of-experts model adds its ``routing_margin`` (uneven routing: the margin over the mean
+    routed copies of what its sparse layers hold).
+    """
+    sparse = stage_layers(arch, lay.pp, stage)
+    margin = routing_margin_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel, lay.etp, train)
+    if not train:
+        inside = forward_activation_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel, lay.etp)
+        moments = [{"activations": inside, "logits": 0}, {"activations": 0, "logits": logits}]
+        return dict(max(moments, key=lambda m: sum(m.values())), routing_margin=margin if any(sparse) else 0)
+    kept = training_activation_bytes(arch, lay, stage, tokens, micro_batches, dtype_bytes, recompute)
+    final = final_norm_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel) if stage == lay.pp - 1 else 0
+    workspace = backward_workspace_bytes(arch, tokens, dtype_bytes, lay.tp, lay.sequence_parallel, lay.ep, lay.etp,
+                                         sparse)
+    moments = [{"activations": kept + final, "logits": logits},
+               {"activations": kept + max(final, workspace), "logits": 0}]
+    return dict(max(moments, key=lambda m: sum(m.values())),
+                routing_margin=min(lay.pp - stage, micro_batches) * sum(sparse) * margin)
 
 
 class _Planner:
@@ -541,7 +590,7 @@ class _Planner:
                             f"or use more tensor/pipeline parallelism")
         if self.assistant is not None and (problem := assistant_problem(self.assistant)):
             problems.append(problem)
-        return Evaluation(offload, self.capacity, worst, engine, self._host_bytes(offload, engine), problems)
+        return Evaluation(offload, self.capacity, worst, engine, self._host_bytes(offload, engine), problems, per_stage)
 
     def _phases(self, stage: int, off: OffloadConfig, engine: EngineInfo) -> list[PhaseMemory]:
         cfg, arch, lay, b = self.cfg, self.policy, self.lay, self.b
@@ -556,9 +605,9 @@ class _Planner:
         base.update(state, **self._assistant_bytes(), contexts=self._contexts(stage),
                     overhead=int(self.opts.overhead_gib * GIB))
         last = stage == lay.pp - 1
-        budget = cfg.train.max_tokens_per_micro_batch  # micro-batches by tokens: at most the budget, or one sequence
-        tokens = max(budget, self.seq) if budget else self.mbs * self.seq
-        fwd_layer = forward_activation_bytes(arch, tokens, b, lay.tp, lay.sequence_parallel, lay.etp)
+        budget = cfg.train.max_tokens_per_micro_batch  # micro-batches by tokens: whole sequences up to the budget
+        tokens = max(self.seq, budget // self.seq * self.seq) if budget else self.mbs * self.seq
+        packed = bool(budget) and cfg.train.pack_sequences
         resident = dict(base, **(eng if not off.release_engine else {}))
 
         rollout = dict(base, **eng)
@@ -569,38 +618,47 @@ class _Planner:
                 rollout[k] = 0
         if on_engine_gpu and not engine.is_sglang:
             prefill = min(HF_ENGINE_BATCH, self.seqs) * self.opts.prompt_tokens
-            rollout["activations"] = forward_activation_bytes(arch, prefill, b)
+            rollout["engine_workspace"] = forward_activation_bytes(arch, prefill, b)  # the engine's prefill
 
         chunk = cfg.train.logprob_chunk_tokens
-        logprobs = dict(resident, activations=fwd_layer, buffers=2 * self.seqs * self.seq * 4,
-                        logits=logits_bytes(arch, tokens, b, lay.tp, False, chunk) if last else 0)
+        logprobs = dict(resident, **pass_memory(arch, lay, stage, tokens, 1, b, False, logits=logits_bytes(
+            arch, tokens, b, lay.tp, False, chunk, packed=packed) if last else 0))
         micro = (-(-self.seqs // cfg.train.mini_batches * self.seq // tokens) if budget
                  else self.seqs // cfg.train.mini_batches // self.mbs)
-        update = dict(resident, activations=training_activation_bytes(arch, lay, stage, tokens, max(micro, 1), b,
-                                                                  self.opts.recompute),
-                      logits=logits_bytes(arch, tokens, b, lay.tp, True, chunk, cfg.algo.entropy_coef > 0)
-                      if last else 0)
+        update = dict(resident, **pass_memory(arch, lay, stage, tokens, max(micro, 1), b, True, self.opts.recompute,
+                                              logits_bytes(arch, tokens, b, lay.tp, True, chunk,
+                                                           cfg.algo.entropy_coef > 0) if last else 0))
         rm_score, rm_update = dict(resident), dict(resident)
         if self.rm is not None:
             rm_seq = min(self.seq, self.rm.max_position_embeddings)
-            score_tokens = max(budget, rm_seq) if budget else self.mbs * rm_seq
-            rm_score["activations"] = forward_activation_bytes(self.rm, score_tokens, b, lay.tp,
-                                                               lay.sequence_parallel, lay.etp)
+            score_tokens = max(rm_seq, budget // rm_seq * rm_seq) if budget else self.mbs * rm_seq
+            rm_score.update(pass_memory(self.rm, lay, stage, score_tokens, 1, b, False))
             if cfg.reward.mode.trains_rm:
-                pairs = min(self.mbs, self.prompts)
-                pair_tokens = max(budget, 2 * rm_seq) if budget else 2 * pairs * rm_seq
-                rm_update["activations"] = training_activation_bytes(
-                    self.rm, lay, stage, pair_tokens, max(1, -(-2 * self.prompts * rm_seq // pair_tokens)), b,
-                    self.opts.recompute)
-        sync = dict(base, **eng, buffers=2 * cfg.rollout.bucket_mb * 2**20)
+                pairs = self.prompts * cfg.rm.pairs_per_prompt  # this rank's pairs, two rows each
+                if budget:  # whole pairs up to the budget
+                    pair_tokens = min(max(2 * rm_seq, budget // (2 * rm_seq) * 2 * rm_seq), 2 * pairs * rm_seq)
+                    micro_pairs = max(1, -(-2 * pairs * rm_seq // pair_tokens))
+                else:  # micro_batch_size pairs, the last filled up with masked copies (train/reward_model.py)
+                    pair_tokens = 2 * cfg.train.micro_batch_size * rm_seq
+                    micro_pairs = -(-pairs // cfg.train.micro_batch_size)
+                rm_update.update(pass_memory(self.rm, lay, stage, pair_tokens, micro_pairs, b, True,
+                                             self.opts.recompute))
+        # before the weight push the trainer offloads all it is told to but the policy's parameters
+        # (rl/colocate.py); the engine holds everything in the first step (it starts resident)
+        sync = dict(base, **eng, buffers=sync_buffer_bytes(arch, cfg.rollout.bucket_mb * 2**20, b, lay.tp, lay.pp,
+                                                           lay.ep, cfg.rollout.uses_sglang, receiver=stage == 0))
+        for k in state:
+            if k != "policy_params" and getattr(off, k):
+                sync[k] = 0
         comps = (rollout, rm_score, logprobs, update, rm_update, sync)
         return [PhaseMemory(name, stage, c) for name, c in zip(PHASES, comps)]
 
     def _host_bytes(self, off: OffloadConfig, engine: EngineInfo) -> int:
-        """Host memory per GPU (stage 0): reference copy and swap stash, offloaded state, released HF engine."""
+        """Host memory per GPU (stage 0): reference copy and swap stash, offloaded state (not the
+        gradients: the trainer drops them, every update zeroes them first), released HF engine."""
         state = self.states[0]
         host = 2 * state["policy_params"] if self.cfg.algo.kl_coef else 0
-        host += sum(v for k, v in state.items() if getattr(off, k))
+        host += sum(v for k, v in state.items() if getattr(off, k) and not k.endswith("_grads"))
         if not engine.is_sglang and off.release_engine:
             host += engine.weights
         return host

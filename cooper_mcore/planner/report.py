@@ -38,7 +38,8 @@ _SHORT = {"policy_params": "pol.p", "policy_grads": "pol.g", "policy_optimizer":
           "rm_grads": "rm.g", "rm_optimizer": "rm.opt", "engine_weights": "eng.w", "engine_kv": "eng.kv",
           "engine_workspace": "eng.ws", "assistant_weights": "asst.w", "assistant_kv": "asst.kv",
           "assistant_workspace": "asst.ws",
-          "activations": "act", "logits": "logits", "buffers": "buf", "contexts": "ctx", "overhead": "ovh"}
+          "activations": "act", "routing_margin": "route+", "logits": "logits", "buffers": "buf", "contexts": "ctx",
+          "overhead": "ovh"}
 
 
 def find_shapes(cfg: CooperConfig, policy_config: Optional[str] = None,
@@ -278,7 +279,8 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
     lines.append(f"host memory per node (reference copy, offloaded state): "
                  f"{ev.host_per_gpu * o.gpus_per_node / GIB:.1f} GiB")
     lines += [f"note: {n}" for n in plan.notes + list(notes or [])]
-    lines.append("note: estimates, not compared with measured GPU peak memory (see cooper_mcore/planner/plan.py)")
+    lines.append("note: the trainer's terms are held against a simulated step (cooper plan --simulate); the engine's, "
+                 "the assistant's, contexts and overhead are estimates; none compared with a GPU's allocator")
     return "\n".join(lines)
 
 

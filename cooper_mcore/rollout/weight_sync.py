@@ -152,6 +152,20 @@ def _local_params(inner: torch.nn.Module, tp: int, ep: int, etp: int) -> list[_L
     return out
 
 
+#: what a pipeline stage tells the others before its weights: each tensor's mapping names, full shape, dtype
+StageMeta = list[tuple[tuple[str, ...], tuple[int, ...], torch.dtype]]
+
+
+def _stage_meta(local: list[_Local]) -> StageMeta:
+    return [(x.names, x.shape, x.param.dtype) for x in local]
+
+
+def stage_metadata(model: torch.nn.Module, tp: int, ep: int = 1, etp: int = 1) -> StageMeta:
+    """What this pipeline stage broadcasts to the others before its weights in :func:`gathered_params`
+    (no collectives; ``tp``/``ep``/``etp`` are the group sizes)."""
+    return _stage_meta(_local_params(unwrap(model), tp, ep, etp))
+
+
 def gathered_params(model: torch.nn.Module, tp_group, pp_group, every_tp_rank: bool = False,
                     ep_group=None, etp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(mapping name, full tensor)`` of every parameter of the whole pipeline, on the
@@ -180,7 +194,7 @@ def gathered_params(model: torch.nn.Module, tp_group, pp_group, every_tp_rank: b
     device = next(inner.parameters()).device
     for stage in range(pp_size):
         if stage == pp_rank:
-            meta = [[(x.names, x.shape, x.param.dtype) for x in local]]
+            meta: list[Optional[StageMeta]] = [_stage_meta(local)]
         else:
             meta = [None]
         if pp_size > 1 and tp_root:

@@ -61,6 +61,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor for a copy of device state (pinned for asynchronous copies when ``pin``): every
+    host copy of this module is made here (the memory simulation counts them apart from the device)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over all of ``storage``."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -82,7 +88,7 @@ class _StorageStash:
         """Start copying the storage into the host tensor; returns the bytes copied."""
         assert self.storage.nbytes() == self.nbytes > 0, "storage is not allocated"
         if self.host is None or self.host.numel() != self.nbytes:
-            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.host = host_buffer((self.nbytes,), torch.uint8, pin)
         self.host.copy_(_byte_view(self.storage), non_blocking=pin)
         return self.nbytes
 
@@ -230,6 +236,11 @@ class ModelOffloader:
             stashes = self._stashes[category]
         return sum(s.storage.nbytes() for s in stashes)
 
+    def storages(self, category: str) -> list[torch.UntypedStorage]:
+        """The device storages of ``category`` (one of :data:`CATEGORIES`): what :meth:`offload` moves."""
+        stashes = self._collect_optimizer() if category == "optimizer" else self._stashes[category]
+        return [s.storage for s in stashes]
+
     def free_host_copies(self) -> int:
         """Drop the host copies of the categories that are on the device now; returns bytes freed."""
         freed = 0
@@ -364,7 +375,7 @@ class ReferenceSwap:
         logger.debug("reference copy: %d tensors, %.1f MiB", len(self._ref), self.nbytes / 2**20)
 
     def _host_like(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.empty(p.shape, dtype=p.dtype, pin_memory=self._pin)
+        return host_buffer(tuple(p.shape), p.dtype, self._pin)
 
     @property
     def nbytes(self) -> int:

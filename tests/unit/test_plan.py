@@ -22,6 +22,7 @@ from cooper_mcore.planner.plan import (
     assistant_mem_fraction,
     assistant_weights_bytes,
     colocated_assistant,
+    pass_memory,
     plan,
     sglang_default_limits,
     sglang_workspace_bytes,
@@ -29,6 +30,7 @@ from cooper_mcore.planner.plan import (
 )
 from cooper_mcore.planner.sizes import (
     GIB,
+    backward_workspace_bytes,
     kv_bytes_per_token,
     layer_activation_bytes,
     logits_bytes,
@@ -136,9 +138,12 @@ def test_sglang_kv_pool_by_hand():
 def test_activations_and_logits_by_hand():
     a = arch("qwen2.5-1.5b-instruct")
     tokens = 2 * 256  # micro-batch 2, sequence 100 + 156 tokens
-    per_token_layer = 6 * 1536 + 5 * 1536 + 4 * 8960  # 52,736 elements, bf16
+    # per token, bf16: two RMSNorms of 4 h (fp32 input 2 h, normalised h, output h), attention 5 q, the
+    # gated MLP 5 ffn (gate/up 2 ffn, silu, megatron's `up + offset` copy, product): 64,768 elements,
+    # what the memory simulation measures autograd keeping (docs/planner.md)
+    per_token_layer = 8 * 1536 + 5 * 1536 + 5 * 8960
     layer = tokens * 2 * per_token_layer
-    assert layer_activation_bytes(a, tokens, 2) == layer == 54_001_664
+    assert layer_activation_bytes(a, tokens, 2) == layer == 66_322_432
     # 512 tokens <= the 1024-token chunk: one chunk of all of them. Train: the bf16 logits (2 B), the
     # entropy metric's two fp32 temporaries (8 B) in forward; their gradient (2 B) and one fp32
     # temporary (4 B) in backward: max(2 + 8, 2 + 2 + 4) = 10 B
@@ -148,6 +153,8 @@ def test_activations_and_logits_by_hand():
     # chunks of 128 of the 512 tokens: backward 2 + 2 B per token beside 4 B per chunk entry
     assert logits_bytes(a, tokens, 2, tp=1, train=True, chunk_tokens=128) == (4 * tokens + 4 * 128) * 151936
     assert logits_bytes(a, tokens, 2, tp=1, train=False, chunk_tokens=128) == 4 * tokens * 151936  # the transpose
+    # a packed micro-batch is one row: its transpose is contiguous, no copy
+    assert logits_bytes(a, tokens, 2, 1, False, 128, packed=True) == (2 * tokens + 4 * 128) * 151936
     assert logits_bytes(a, tokens, 2, tp=1, train=True, chunk_tokens=128, entropy_grad=True) == \
         (4 * tokens + 8 * 128) * 151936
     assert logits_bytes(a, tokens, 4, tp=1, train=True, chunk_tokens=128) == (8 * tokens + 4 * 128) * 151936
@@ -156,11 +163,15 @@ def test_activations_and_logits_by_hand():
                  "rollout.max_new_tokens=156")
     opts = PlanOptions(gpus_per_node=1, gpu_memory_gib=80, prompt_tokens=100)
     update = {ph.phase: ph for ph in plan(cfg, a, None, opts).given.phases}["policy_update"].components
-    assert update["activations"] == 29 * layer  # 28 layers + one layer of backward workspace
+    # the peak is at the loss: 28 layers kept, the final norm's 4 h and the logits beside them (backward's
+    # own workspace, the MLP's gradient 2 ffn, comes later, without the logits)
+    final = tokens * 2 * 4 * 1536
+    assert update["activations"] == 28 * layer + final
     assert update["logits"] == tokens * 151936 * 10
+    assert backward_workspace_bytes(a, tokens, 2) == tokens * 2 * 2 * 8960 < update["logits"]
     rec = {ph.phase: ph for ph in plan(cfg, a, None, PlanOptions(gpus_per_node=1, gpu_memory_gib=80, prompt_tokens=100,
                                                                  recompute=True)).given.phases}["policy_update"]
-    assert rec.components["activations"] == 28 * tokens * 1536 * 2 + 2 * layer
+    assert rec.components["activations"] == 28 * tokens * 1536 * 2 + layer + final
 
 
 def test_the_logits_of_the_step_benchmark_fit_a_quarter_of_the_full_vocabulary_copies():
@@ -183,9 +194,13 @@ def test_pipeline_stages_hold_their_in_flight_micro_batches():
     a = arch("qwen2.5-1.5b-instruct")
     lay = Layout(tp=1, pp=4, dp=1, sequence_parallel=False)
     layer = layer_activation_bytes(a, 1000, 2)
-    assert training_activation_bytes(a, lay, 0, 1000, 8, 2, False) == (4 * 7 + 1) * layer
-    assert training_activation_bytes(a, lay, 3, 1000, 8, 2, False) == (1 * 7 + 1) * layer
-    assert training_activation_bytes(a, lay, 0, 1000, 2, 2, False) == (2 * 7 + 1) * layer  # only 2 exist
+    assert training_activation_bytes(a, lay, 0, 1000, 8, 2, False) == 4 * 7 * layer
+    assert training_activation_bytes(a, lay, 3, 1000, 8, 2, False) == 1 * 7 * layer
+    assert training_activation_bytes(a, lay, 0, 1000, 2, 2, False) == 2 * 7 * layer  # only 2 exist
+    # a stage that is not the last has no logits: its peak is in backward, its workspace beside what it keeps
+    first = pass_memory(a, lay, 0, 1000, 8, 2, True)
+    assert first == {"activations": 4 * 7 * layer + backward_workspace_bytes(a, 1000, 2), "logits": 0,
+                     "routing_margin": 0}
 
 
 def _hf_rollout_setting():
@@ -199,9 +214,9 @@ def test_offload_turns_a_non_fitting_run_into_a_fitting_one():
     n = QWEN15_N
     cfg, opts = _hf_rollout_setting()
     # rollout on one GPU by hand: training state (dp=1) + the HF engine's whole model + the KV cache of 64
-    # sequences of 2048 tokens + prefill workspace of 64 x 1536 prompt tokens + 2 GiB overhead + the trainer's
-    # CUDA context (the HF engine runs inside the trainer)
-    rollout = (2 + 4 + 12) * n + 2 * n + 64 * 2048 * 28_672 + 64 * 1536 * 2 * 52_736 + 2 * GIB + CTX
+    # sequences of 2048 tokens + prefill workspace of 64 x 1536 prompt tokens (a forward-only layer: 5 ffn + 4 h
+    # per token) + 2 GiB overhead + the trainer's CUDA context (the HF engine runs inside the trainer)
+    rollout = (2 + 4 + 12) * n + 2 * n + 64 * 2048 * 28_672 + 64 * 1536 * 2 * 50_944 + 2 * GIB + CTX
     ev = plan(cfg, a, None, opts).given
     assert ev.peak.phase == "rollout" and ev.peak.total == rollout
     # a GPU 1.5 x the parameters' bf16 bytes too small: offloading the bf16 params (2n) is not enough, the fp32

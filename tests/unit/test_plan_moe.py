@@ -1,6 +1,6 @@
 """The memory planner on mixture-of-experts models (Qwen3-MoE) against hand computations: parameter
 counts (total, active per token, per TP/PP/EP rank, per SGLang GPU), expert training state sharded
-over the expert data-parallel group, MoE activations and all-to-all buffers, layout checks, and
+over the expert data-parallel group, MoE activations and the uneven-routing margin, layout checks, and
 ``cooper plan``'s report; the tiny family's counts against transformers and the megatron model
 the builder makes."""
 
@@ -14,18 +14,19 @@ import pytest
 from cooper_mcore.config.schema import load_config
 from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.tiny import tiny_hf_config
-from cooper_mcore.planner.plan import Layout, PlanOptions, layout_of, plan, training_activation_bytes
+from cooper_mcore.planner.plan import Layout, PlanOptions, layout_of, pass_memory, plan, training_activation_bytes
 from cooper_mcore.planner.sizes import (
     MOE_ROUTING_MARGIN,
     active_numel,
+    backward_workspace_bytes,
     check_layout,
-    dispatch_buffer_bytes,
     expert_layer_numel,
     forward_activation_bytes,
     layer_activation_bytes,
     layer_numel,
     model_numel,
     moe_activation_bytes,
+    routing_margin_bytes,
     serving_numel,
     stage_expert_numel,
     stage_numel,
@@ -104,24 +105,34 @@ def test_expert_state_is_sharded_over_expert_dp():
         training_state(10, 2, dp=1, expert_numel=11)
 
 
-def test_moe_activations_and_dispatch_buffers_by_hand():
-    """4096 tokens, tp=4 with sequence parallelism: 1024 tokens per rank enter the MoE block."""
+def test_moe_activations_and_routing_margin_by_hand():
+    """4096 tokens, tp=4 with sequence parallelism: 1024 tokens per rank enter the MoE block. What a layer
+    keeps per routed token copy is the memory simulation's measure (docs/planner.md): the experts'
+    permuted input h and 6 I (gate/up 2 I, silu, `up + offset`, product, its probability-weighted copy)."""
     a = qwen3_30b()
-    assert MOE_ROUTING_MARGIN == 1.5
-    routed = 1024 * K * 3 // 2  # 12,288 token copies on one rank's experts
+    routed = 1024 * K  # 8,192 token copies on one rank's experts at the mean routing
     router = 1024 * 2 * E * 4  # fp32 logits and scores
-    moe = router + routed * 2 * (4 * H + 4 * IE)
-    assert moe_activation_bytes(a, 4096, 2, tp=4, sequence_parallel=True) == moe == 277_872_640
-    attention = 4096 * 2 * (6 * H // 4 + 5 * Q // 4)
+    moe = router + routed * 2 * (H + 6 * IE)
+    assert moe_activation_bytes(a, 4096, 2, tp=4, sequence_parallel=True) == moe == 110_100_480
+    kv = KV // 2  # the k (or v) elements of one token
+    attention = 4096 * 2 * (8 * H // 4 + (5 * Q + 3 * (Q + kv)) // 4)  # norms 4 h each, Qwen3's q/k norms 3 (q + kv)
     layer = attention + moe
-    assert layer_activation_bytes(a, 4096, 2, 4, True, sparse=True) == layer
-    assert dispatch_buffer_bytes(a, 4096, 2, 4, True) == 2 * routed * H * 2 == 100_663_296
-    assert forward_activation_bytes(a, 4096, 2, 4, True) == layer + 2 * routed * H * 2
+    assert layer_activation_bytes(a, 4096, 2, 4, True, sparse=True) == layer == 213_909_504
+    # uneven routing: 1.5 x the mean copies, the margin a separate (not simulated) term
+    assert MOE_ROUTING_MARGIN == 1.5
+    assert routing_margin_bytes(a, 4096, 2, 4, True) == routed // 2 * 2 * (H + 6 * IE) == 54_525_952
+    # forward only: the dispatched, exchanged and sorted inputs (3 h) beside the experts' 6 I, the residual
+    # stream and norm (4 h over TP) and the gathered input (h)
+    inside = 4096 * 2 * (4 * H // 4 + H) + router + routed * 2 * (3 * H + 6 * IE)
+    assert forward_activation_bytes(a, 4096, 2, 4, True) == inside == 210_763_776
+    # backward: the local experts' gate/up weight gradient and the copies' gradient
+    assert backward_workspace_bytes(a, 4096, 2, 4, True, ep=8) == 2 * (E // 8 * 2 * IE * H + routed * 2 * IE)
     lay = Layout(tp=4, pp=1, dp=8, sequence_parallel=True, ep=8, etp=1, expert_dp=4)
-    assert training_activation_bytes(a, lay, 0, 4096, 3, 2, False) == (L + 1) * layer + 2 * routed * H * 2
-    # a dense model has no dispatch buffers
+    assert training_activation_bytes(a, lay, 0, 4096, 3, 2, False) == L * layer
+    update = pass_memory(a, lay, 0, 4096, 3, 2, True, logits=1)
+    assert update["routing_margin"] == L * 54_525_952
     dense = ArchSpec.from_hf_config(json.loads((CONFIGS / "qwen2.5-1.5b-instruct.json").read_text()))
-    assert dispatch_buffer_bytes(dense, 4096, 2) == 0
+    assert routing_margin_bytes(dense, 4096, 2) == 0
     with pytest.raises(ValueError, match="no experts"):
         moe_activation_bytes(dense, 4096, 2)
 
@@ -136,9 +147,10 @@ def test_mixed_dense_and_sparse_layers_by_stage():
     assert stage_numel(a, 1, 2, 1, 2) == layer_numel(a, 1, True, 2) + layer_numel(a) + h + 128 * h
     sparse, dense = (layer_activation_bytes(a, 100, 2, sparse=s) for s in (True, False))
     lay = Layout(tp=1, pp=2, dp=1, sequence_parallel=False, ep=2)
-    buffers = dispatch_buffer_bytes(a, 100, 2)
-    assert training_activation_bytes(a, lay, 1, 100, 4, 2, False) == 1 * (sparse + dense) + sparse + buffers
-    assert training_activation_bytes(a, lay, 0, 100, 4, 2, True) == 2 * 2 * 100 * h * 2 + 2 * sparse + buffers
+    assert training_activation_bytes(a, lay, 1, 100, 4, 2, False) == 1 * (sparse + dense)
+    # recomputed: each of stage 0's 2 layers keeps its input (h) for its 2 micro-batches in flight, plus
+    # one layer's set while it is recomputed
+    assert training_activation_bytes(a, lay, 0, 100, 4, 2, True) == 2 * 2 * 100 * h * 2 + sparse
 
 
 @pytest.mark.parametrize("model_type", ["causal_lm", "reward"])
@@ -199,7 +211,10 @@ def test_plan_counts_the_expert_state_and_the_engine():
     assert result.given.engine.weights == 2 * 7_642_626_048
     update = {p.phase: p for p in result.given.phases}["policy_update"].components
     lay = result.layout
-    assert update["activations"] == training_activation_bytes(a, lay, 0, 1024, 1, 2, False)
+    # the peak is at the loss: what the layers keep, the final norm's set (4 h over TP) and the logits
+    final = 1024 * 2 * 4 * H // 4
+    assert update["activations"] == training_activation_bytes(a, lay, 0, 1024, 1, 2, False) + final
+    assert update["routing_margin"] == L * routing_margin_bytes(a, 1024, 2, 4, True)
 
 
 def test_cli_reports_experts_and_active_parameters(capsys, tmp_path):
