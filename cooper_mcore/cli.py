@@ -463,6 +463,11 @@ def _add_tool_commands(sub: Any) -> None:
     pt.add_argument("--title", default=None, help="the figure's title (default: the run folder's name)")
 
 
+def _late_stop_signal(signum: int, frame: Any) -> None:
+    """SIGUSR1 outside a training job's stop handler: nothing to stop (see :func:`main`)."""
+    logger.debug("SIGUSR1 outside a training job: ignored")
+
+
 def _quiet_known_warnings() -> None:
     """Hide warnings that megatron-core 0.16 and torch raise on every run and a user cannot act on
     (deprecated collectives inside megatron, its optimizer probing ``.grad`` of non-leaf tensors);
@@ -488,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         # SIGUSR1 (a scheduler's early warning) means "checkpoint and stop" inside a training job only
         # (cooper_mcore.job.StopSignal); outside it, before the job or once it has stopped, it is ignored rather
         # than killing the process: each node's launcher passes it on at its own pace, and a copy that reaches a
-        # rank after the world already stopped on another node's copy turned its clean exit 75 into a death by signal
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        # rank after the world already stopped on another node's copy turned its clean exit 75 into a death by
+        # signal. A Python handler, not SIG_IGN: an ignored signal stays ignored in every program this process
+        # starts (a launcher script could not trap it), a handler is reset to the default by exec
+        signal.signal(signal.SIGUSR1, _late_stop_signal)
     try:
         rc = handler(args.command)(args)
     except Exception as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -120,7 +121,12 @@ def test_a_refusal_is_said_once_per_node(tmp_path, monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
         "parallel.tp=3 does not divide 2", "preempted", "preempted"]
     # a late copy of SLURM's early warning, after the job stopped (a node's launcher passes it on late): ignored
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    os.kill(os.getpid(), signal.SIGUSR1)  # (this process goes on)
+    # ... by a handler, not SIG_IGN, which every program started from here would inherit: a launcher script
+    # could not trap the signal then
+    trapped = subprocess.run(["bash", "-c", "trap 'echo trapped' USR1; kill -USR1 $$"], capture_output=True,
+                             text=True, timeout=30)
+    assert trapped.stdout.strip() == "trapped", trapped
 
 
 def _raise(e):
