@@ -19,8 +19,9 @@ A part that fails to write on any rank (a full disk, a file-size limit; megatron
 ``CheckpointException`` included) raises :class:`CheckpointWriteError` on every rank (the ranks
 agree after each part instead of meeting at a barrier, so none waits for one that failed). A
 ``KeyboardInterrupt`` (a second Ctrl-C) kills the writer processes megatron-core forked for this
-write before it propagates; megatron-core's results-queue process is started with the stop
-signals blocked, so a Ctrl-C or a SIGTERM sent to every process of the job does not kill it.
+write before it propagates. megatron-core's writer hands its results back through an in-process
+queue (:mod:`cooper_mcore.compat.megatron_fixes`), not through a Manager process of its own that a
+Ctrl-C or a SIGTERM sent to every process of the job could kill in the middle of the write.
 
 Resuming verifies before loading: a ``step_<n>`` folder without a manifest, or with a file that
 is missing or whose size or CRC-32 disagrees with it (a truncated copy, a flipped bit, a partial
@@ -43,7 +44,6 @@ import os
 import random
 import re
 import shutil
-import signal
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -128,7 +128,6 @@ def save_training_checkpoint(
     rank = dist.get_rank()
     final = os.path.join(out_dir, f"step_{step}")
     tmp = final + ".tmp"
-    _start_results_queue()
     writers_before = set(multiprocessing.active_children())
     try:
         with _agreed(final, "its folder"):
@@ -222,25 +221,6 @@ def _checkpoint_exception_text(e: BaseException) -> str:
             exc = exc.__cause__
         return f"{type(exc).__name__}: {_first_line(exc)}"
     return _first_line(e)
-
-
-def _start_results_queue() -> None:
-    """Start megatron-core's write-results queue (a process it spawns once) with the stop signals
-    blocked, so that process inherits them blocked: a Ctrl-C to the terminal's process group, or
-    a SIGTERM/SIGUSR1 a scheduler sends to every process of the job, does not kill it in the
-    middle of the write the run then needs (the preemption checkpoint)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    start = getattr(filesystem_async, "_get_write_results_queue", None)
-    if start is None:  # another megatron-core: it starts its queue itself
-        return
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
-    try:
-        start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _kill_new_children(before: set) -> None:

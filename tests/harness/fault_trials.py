@@ -163,32 +163,10 @@ def run_forked(fn: Callable[[], int], log_path: str, env: Optional[dict[str, str
     return os.waitstatus_to_exitcode(status)
 
 
-_MANAGERS: list[Any] = []
-
-
-def _forked_results_queue() -> None:
-    """Give megatron's checkpoint writer its results queue from a forked, parent-bound manager.
-
-    megatron-core creates that queue on the first save with a "spawn" ``Manager``: a fresh
-    interpreter, several seconds on a loaded machine, paid by every run here. A manager started
-    by fork (before any torch code ran in this child) does the same job at once.
-    """
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    manager = SyncManager(ctx=mp.get_context("fork"))
-    manager.start()
-    _MANAGERS.append(manager)
-    filesystem_async._results_queue = manager.Queue()
-
-
 def _cli(args: list[str]) -> Callable[[], int]:
     def go() -> int:
         from cooper_mcore.cli import main
 
-        _forked_results_queue()
         return main(args)
 
     return go
