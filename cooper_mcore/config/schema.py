@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import difflib
 import errno
+import functools
 import inspect
 import json
 import os
@@ -617,7 +618,7 @@ def load_sections(cls: type[T], preset: Optional[str] = None, overrides: Optiona
     off_choice: dict[str, Any] = {}
     for source, key, value in _settings(cls, preset, overrides, presets):
         try:
-            cfg = OmegaConf.merge(cfg, _nested(key, value))
+            cfg.merge_with(_nested(key, value))  # in place: a merge copies the whole config each time
             off_choice.pop(key, None)
         except OmegaConfBaseException as e:
             if not _is_choice(cls, key):
@@ -684,15 +685,22 @@ def _library_problem(key: str, e: OmegaConfBaseException) -> str:
 
 def setting_keys(cls: type, prefix: str = "") -> list[str]:
     """The dotted key of every leaf setting of the config dataclass ``cls``, in declaration order."""
-    keys = []
+    return list(_setting_keys(cls, prefix))
+
+
+@functools.cache
+def _setting_keys(cls: type, prefix: str) -> tuple[str, ...]:
+    """:func:`setting_keys`, once per class (every key of a preset is checked against them; type hints
+    are slow to evaluate)."""
+    keys: list[str] = []
     for name, hint in typing.get_type_hints(cls).items():
         if name not in {f.name for f in fields(cls)}:
             continue
         if is_dataclass(hint):
-            keys += setting_keys(hint, f"{prefix}{name}.")
+            keys += _setting_keys(hint, f"{prefix}{name}.")
         else:
             keys.append(f"{prefix}{name}")
-    return keys
+    return tuple(keys)
 
 
 def key_problem(cls: type, key: str) -> Optional[str]:
