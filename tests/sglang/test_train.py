@@ -76,7 +76,9 @@ def test_cooper_train_with_sglang_checkpoints_and_resumes(train_assets, tmp_path
     assert saved["policy"] and any(not torch.equal(v, _state(ckpts / "step_1" / "policy")[k])
                                    for k, v in saved["policy"].items())  # the policy trained
 
-    resumed = _train(train_assets, run, "train.steps=3", "checkpoint.resume=auto", "checkpoint.keep=3")
+    # the same run (a resume must not change what it trains: algo.tis_cap as before), three steps long
+    resumed = _train(train_assets, run, "train.steps=3", "algo.tis_cap=2.0", "checkpoint.resume=auto",
+                     "checkpoint.keep=3")
     assert [m["step"] for m in resumed] == [1, 2, 3]  # appended after the two steps it resumed from
     trainer = json.loads((ckpts / "step_3" / "trainer.json").read_text())
     assert trainer["step"] == 3 and trainer["adam_steps"]["policy"] == 3.0
