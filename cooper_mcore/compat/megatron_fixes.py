@@ -14,7 +14,7 @@ Importing this module applies them, once:
   reduce group instead: the weight megatron gives without padding, when the slices are even.
 * The checkpoint writer (``FileSystemWriterAsync``) hands a save's results back through a queue
   served by a multiprocessing Manager it spawns at the process's first save: a new interpreter
-  that imports torch to unpickle them (about 6 s of CPU per process, for each rank of each
+  that imports torch to unpickle them (2-3 s of CPU per process, for each rank of each
   launch, measured at tiny scale), and a process that a Ctrl-C or a scheduler's signal to the
   process group kills in the middle of the write. cooper saves synchronously only: the writer runs
   in the saving process (its forked shard writers report through a queue of their own), so the
