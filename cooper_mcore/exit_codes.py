@@ -14,6 +14,10 @@ EXIT_PEER_LOST = 69
 """sysexits' EX_UNAVAILABLE: another rank (its process or its node) is gone, or did not join a collective
 within ``parallel.timeout_minutes``, or a node never joined the rendezvous; run the same command on every node
 with ``--resume auto`` once all nodes are up."""
+EXIT_ENGINE_LOST = 71
+"""sysexits' EX_OSERR: a rollout engine's process died more often than ``rollout.engine_restarts`` allows (an
+engine apart from the trainer); the newest complete checkpoint is named: run the same command with
+``--resume auto``."""
 EXIT_CHECKPOINT_FAILED = 74
 """sysexits' EX_IOERR: a checkpoint could not be written."""
 EXIT_PREEMPTED = 75

@@ -45,6 +45,7 @@ from cooper_mcore.collectives import any_rank
 from cooper_mcore.config.versions import RECORD_FILE, ConfigRecord, write_record
 from cooper_mcore.exit_codes import (  # noqa: F401 - the jobs' exit codes, importable from here as before
     EXIT_CHECKPOINT_FAILED,
+    EXIT_ENGINE_LOST,
     EXIT_INTERRUPTED,
     EXIT_NO_SIGNAL,
     EXIT_NONFINITE,

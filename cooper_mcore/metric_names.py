@@ -31,6 +31,9 @@ SECTIONS = {
                                 "`train.mini_batches` updates"),
     "rm": ("Reward-model update", "the reward model's pairwise update on the step's preference pairs "
                                   "(`reward.mode: cooper`)"),
+    "async": ("Asynchronous rollouts", "with `rollout.placement: disaggregated`: rollouts generated ahead by an engine "
+                                       "apart from the trainer, at most `rollout.max_staleness` policy versions old "
+                                       "(docs/async.md)"),
     "eval": ("Evaluation", "on the steps that evaluate (every `eval.every` steps): held-out avg@k at the eval "
                            "sampling (temperature 0.7, top-p 0.95 by default), split across the data-parallel "
                            "replicas, counted over the world"),
@@ -64,6 +67,7 @@ _EVERY = "every step"
 _RM = "reward.mode static_rm, cooper"
 _COOPER = "reward.mode cooper"
 _MOE = "mixture-of-experts models"
+_ASYNC = "every step, rollout.placement disaggregated"
 _ENGINE_LOGPROBS = "every step (when the engine returns log-probabilities: both engines do)"
 
 
@@ -118,6 +122,22 @@ class MetricKey:
                               "`algo.tis_cap`) of the response tokens")
     TIS_CAPPED_FRAC = _define("rollout/tis_capped_frac", "rollouts", "algo.tis_cap set",
                               "share of the response tokens whose importance weight the cap truncated")
+
+    STALENESS_MEAN = _define("rollout/staleness_mean", "async", _ASYNC,
+                             "mean over the step's rollouts of the step minus the policy version that generated them")
+    STALENESS_MAX = _define("rollout/staleness_max", "async", _ASYNC,
+                            "largest staleness of the step's rollouts, over the world (never above "
+                            "`rollout.max_staleness`)")
+    DROPPED_STALE = _define("rollout/dropped_stale", "async", _ASYNC,
+                            "rollouts left out for being older than the bound: 0, generation waits for the policy "
+                            "version each step may use")
+    TRAINER_WAIT = _define(TIME_PREFIX + "trainer_wait", "async", _ASYNC,
+                           "seconds the trainer waited for the step's rollouts (within `time/rollout`)")
+    ENGINE_IDLE = _define(TIME_PREFIX + "engine_idle", "async", _ASYNC,
+                          "seconds the engine waited for weights or prompts since the step before")
+    WEIGHT_PUSH = _define(TIME_PREFIX + "weight_push", "async", _ASYNC,
+                          "seconds the engine spent receiving weights over its weight group since the step before "
+                          "(beside training; the trainer's part is `time/weight_sync`)")
 
     LOSS = _define("loss", "policy", _EVERY, "the GRPO loss (clipped surrogate + KL term - entropy bonus)")
     KL = _define("kl", "policy", _EVERY, "KL of the policy to the reference by `algo.kl_kind` (0 with "

@@ -6,6 +6,8 @@ Layout of ``<out>/checkpoints/step_<n>/``:
   optimizer state (``dp_reshardable``), scheduler state in the common part;
 * ``trainer.json``: step, data-iterator state and anything JSON-able the loop keeps;
 * ``rng/rank<r>.pt``: every rank's RNG states (tensors only; loaded with ``weights_only``);
+* ``ranks/rank<r>.json``: a rank's own JSON-able loop state, where the loop keeps one (the rollouts an
+  asynchronous run generated ahead, on each engine's rank);
 * ``cooper_model.json`` in ``policy/`` and ``rm/``, so each is also a model checkpoint that
   ``cooper convert mcore-to-hf`` exports.
 
@@ -105,6 +107,7 @@ def _sharded_state(model: ModelState) -> dict:
 
 def save_training_checkpoint(
     out_dir: str, step: int, models: list[ModelState], trainer_state: dict[str, Any], keep: int = 2,
+    rank_state: Optional[dict[str, Any]] = None,
 ) -> str:
     """Save a complete training checkpoint (collective).
 
@@ -115,6 +118,7 @@ def save_training_checkpoint(
             named by its ``name``, with its ``cooper_model.json`` and its source's tokenizer files.
         trainer_state: JSON-able loop state (data position, ...).
         keep: newest complete checkpoints to keep (older ones are deleted).
+        rank_state: this rank's own JSON-able loop state (None: none).
 
     Returns:
         The checkpoint folder.
@@ -136,6 +140,7 @@ def save_training_checkpoint(
                 for m in models:
                     os.makedirs(os.path.join(tmp, m.name))
                 os.makedirs(os.path.join(tmp, "rng"))
+                os.makedirs(os.path.join(tmp, "ranks"))
         for m in models:
             with _agreed(final, f"the {m.name} model's files"):
                 try:
@@ -145,6 +150,9 @@ def save_training_checkpoint(
             fault_point(f"ckpt_{m.name}", step)
         with _agreed(final, "the RNG states and trainer state"):
             torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+            if rank_state is not None:
+                with open(os.path.join(tmp, "ranks", f"rank{rank}.json"), "w") as f:
+                    json.dump(rank_state, f)
             if rank == 0:
                 for m in models:
                     write_meta(os.path.join(tmp, m.name), m.arch, m.hf_config, m.dtype)
@@ -278,7 +286,8 @@ def find_resume(out_dir: str, resume: str) -> Optional[str]:
 
 
 def load_training_checkpoint(path: str, models: list[ModelState]) -> dict[str, Any]:
-    """Restore models, optimizers, schedulers and this rank's RNG; return the trainer state."""
+    """Restore models, optimizers, schedulers and this rank's RNG; return the trainer state, with this
+    rank's own state under ``rank_state`` (None when it kept none)."""
     with open(os.path.join(path, "trainer.json")) as f:
         trainer_state = json.load(f)
     if trainer_state["world_size"] != dist.get_world_size():
@@ -301,5 +310,10 @@ def load_training_checkpoint(path: str, models: list[ModelState]) -> dict[str, A
                 m.scheduler.load_state_dict(state["scheduler"])
     rng = torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=True)
     _set_rng_state(rng)
+    own = os.path.join(path, "ranks", f"rank{dist.get_rank()}.json")
+    trainer_state["rank_state"] = None
+    if os.path.isfile(own):
+        with open(own) as f:
+            trainer_state["rank_state"] = json.load(f)
     logger.info("resumed from %s (step %d)", path, trainer_state["step"])
     return trainer_state

@@ -467,6 +467,11 @@ def _engine_problems(cfg: CooperConfig, policy_arch: Optional[dict[str, Any]], i
     than refused. SGLang loads its first weights from ``model.policy_hf``, which a run with random
     weights does not have."""
     ro = cfg.rollout
+    if ro.max_staleness and not ro.disaggregated:
+        return [f"rollout.max_staleness={ro.max_staleness} needs rollout.placement=disaggregated: a colocated "
+                "engine shares the trainer's devices and generates only between its updates"]
+    if ro.disaggregated:
+        return _disaggregated_problems(cfg)
     if not ro.uses_sglang:
         return []
     if cfg.model.random_init:
@@ -484,6 +489,22 @@ def _engine_problems(cfg: CooperConfig, policy_arch: Optional[dict[str, Any]], i
         out.append(f"model.policy_ckpt ({cfg.model.policy_ckpt}) is a Qwen3-MoE with dense layers (mlp_only_layers="
                    f"{moe.get('mlp_only_layers')}, decoder_sparse_step={moe.get('decoder_sparse_step', 1)}), which "
                    "SGLang serves as all-sparse; use rollout.engine=hf, or a model whose layers are all sparse")
+    return out
+
+
+def _disaggregated_problems(cfg: CooperConfig) -> list[str]:
+    """What the disaggregated placement does not serve yet: the transformers engine in a process of its
+    own on CPU is built; SGLang's server fed over NCCL, engine GPUs apart, and routing replay are not."""
+    ro, out = cfg.rollout, []
+    if ro.uses_sglang:
+        out.append("rollout.placement=disaggregated serves the transformers engine (rollout.engine=hf) for now; "
+                   "SGLang apart from the trainer is not built yet (docs/async.md)")
+    if cfg.model.moe_routing_replay:
+        out.append("model.moe_routing_replay needs rollout.placement=colocated (routes from an engine process are "
+                   "not carried yet)")
+    out += [f"rollout.{name} must be >= 0, got {value}" for name, value in
+            (("max_staleness", ro.max_staleness), ("engine_threads", ro.engine_threads),
+             ("engine_restarts", ro.engine_restarts)) if value < 0]
     return out
 
 

@@ -45,6 +45,7 @@ NegativeKind = Literal["assistant", "policy", "rewrite", "perturb", "random"]
 RewriteKind = Literal["step", "copy", "final"]
 FailureAction = Literal["mask", "stop"]
 EngineKind = Literal["hf", "sglang"]
+Placement = Literal["colocated", "disaggregated"]
 #: where a run's model weights come from (``model.init``)
 ModelInit = Literal["checkpoint", "random"]
 RMQuestion = Literal["prompt", "question"]
@@ -181,11 +182,24 @@ class RolloutConfig:
     """SGLang's mem_fraction_static: share of the GPU memory for its weights and KV cache."""
     sglang_base_port: int = 30000
     """First HTTP port of this node's SGLang engines (local rank r: +10r, NCCL port +1): differ per job on a node."""
+    placement: Placement = "colocated"
+    """colocated (the engine shares the trainer's devices, swapped in turn) or disaggregated (a process of its own)."""
+    max_staleness: int = 0
+    """Disaggregated: rollouts may come from weights up to this many policy versions old (0: every step waits)."""
+    engine_threads: int = 0
+    """Disaggregated on CPU: torch threads of the engine's process (0: torch's default)."""
+    engine_restarts: int = 1
+    """Disaggregated: times a dead engine process is started again and re-synced before the run stops (exit 71)."""
 
     @property
     def uses_sglang(self) -> bool:
         """Whether the rollouts come from SGLang (else from the transformers engine)."""
         return self.engine == "sglang"
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the engine runs apart from the trainer (its own process), fed over a weight group."""
+        return self.placement == "disaggregated"
 
 
 @dataclass

@@ -33,9 +33,12 @@ The world, metrics log, progress bar, stop signal and checkpoint room are the jo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -48,6 +51,7 @@ from cooper_mcore.hacking_detector import RewardHackingDetector
 from cooper_mcore.job import (
     CHECKPOINTS_DIR,
     EXIT_CHECKPOINT_FAILED,
+    EXIT_ENGINE_LOST,
     EXIT_NO_SIGNAL,
     EXIT_NONFINITE,
     JobRoom,
@@ -60,10 +64,11 @@ from cooper_mcore.metric_names import MEMORY_PREFIX, TIME_PREFIX, Phase
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import cuda_peak_memory, reduce_metrics
 from cooper_mcore.parallel import owned_world
+from cooper_mcore.rl.async_rollouts import RolloutsFailed, publish_policy
 from cooper_mcore.rl.results import StepResult, no_signal_message, steps_without_signal
 from cooper_mcore.rl.rollouts import eval_samples_path, evaluate
 from cooper_mcore.rl.run_folder import check_run_folder, open_run_folder, record_config
-from cooper_mcore.rl.setup import Run, assemble_run, start_world
+from cooper_mcore.rl.setup import Run, assemble_run, open_pipeline, start_world
 from cooper_mcore.rl.step import cooper_step
 from cooper_mcore.rollout.base import RolloutEngine
 from cooper_mcore.train.faults import FaultPhaseTimer
@@ -82,13 +87,14 @@ def train(cfg: CooperConfig) -> dict[str, float]:
         checkpoint = resume_path(os.path.join(cfg.out, CHECKPOINTS_DIR), cfg.checkpoint.resume)
         run = assemble_run(cfg)
         try:
-            streak = restore(run, checkpoint)
+            restored = restore(run, checkpoint)
+            run.pipeline = open_pipeline(run, restored.kept_steps, restored.pending)
             if dist.get_rank() == 0:
                 record_config(cfg, start, run.step)
             with job_room(cfg.out, cfg.train.steps, start_step=run.step, config=to_dict(cfg),
                           use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
                           run_name=cfg.logging.run_name or None) as room:
-                return run_steps(run, room, streak)
+                return run_steps(run, room, restored.nonfinite_streak)
         finally:
             run.close()
 
@@ -106,13 +112,17 @@ def run_steps(run: Run, room: JobRoom, streak: int) -> dict[str, float]:
     silent = 0  # steps in a row without a rule verdict, where the rule trains the run
     metrics: dict[str, float] = {}
     while run.step < cfg.train.steps:
-        result = cooper_step(run, run.data.next_batch(), timer)
-        run.step += 1
-        room.step = run.step
-        eval_metrics: dict[str, float] = {}
-        if cfg.eval.every and run.step % cfg.eval.every == 0:
-            with run.colocation.generating(version=run.step, timer=timer) as engine, timer.phase(Phase.EVAL):
-                eval_metrics = run_evaluation(run, engine)
+        with engine_lost_stops(run, room):
+            result = cooper_step(run, None if run.pipeline else run.data.next_batch(), timer)
+            run.step += 1
+            room.step = run.step
+            if run.pipeline is not None:
+                with timer.phase(Phase.WEIGHT_SYNC):
+                    publish_policy(run.pipeline, run.policy, run.step)
+            eval_metrics: dict[str, float] = {}
+            if cfg.eval.every and run.step % cfg.eval.every == 0:
+                with evaluation_engine(run, timer) as engine, timer.phase(Phase.EVAL):
+                    eval_metrics = run_evaluation(run, engine)
         metrics = world_metrics(run, result, timer.pop(), eval_metrics)
         room.log(run.step, metrics)
         streak = nonfinite_streak(streak, result, run.step, cfg.train.max_nonfinite_steps)
@@ -121,6 +131,35 @@ def run_steps(run: Run, room: JobRoom, streak: int) -> dict[str, float]:
         if end_of_step(run, room, detector, metrics, streak, silent):
             break
     return metrics
+
+
+@contextlib.contextmanager
+def engine_lost_stops(run: Run, room: JobRoom) -> Iterator[None]:
+    """A rollout engine lost for good (:class:`~cooper_mcore.rl.async_rollouts.RolloutsFailed`, raised on every
+    rank) stops the run in one line naming the newest complete checkpoint.
+
+    Raises:
+        TrainingStopped: with ``EXIT_ENGINE_LOST``.
+    """
+    try:
+        yield
+    except RolloutsFailed as e:
+        last = room.newest_checkpoint()
+        raise TrainingStopped(f"stopping after step {run.step}: {e}. The newest complete checkpoint is "
+                              f"{last or 'none (the run would start over)'}: run the same command with --resume "
+                              "auto to continue from it", EXIT_ENGINE_LOST, last) from e
+
+
+@contextlib.contextmanager
+def evaluation_engine(run: Run, timer: FaultPhaseTimer) -> Iterator[Optional[RolloutEngine]]:
+    """The engine with the policy's current weights for an evaluation (collective): the colocated one
+    readied around it, or the pipeline's between two of its generations."""
+    if run.pipeline is not None:
+        yield run.pipeline.generate_with(run.step)
+        run.pipeline.check()
+        return
+    with run.colocation.generating(version=run.step, timer=timer) as engine:
+        yield engine
 
 
 def end_of_step(run: Run, room: JobRoom, detector: RewardHackingDetector, metrics: dict[str, float],
@@ -167,10 +206,17 @@ def write_checkpoint(run: Run, room: JobRoom, streak: int) -> str:
     Raises:
         TrainingStopped: it could not be written (``EXIT_CHECKPOINT_FAILED``, naming the newest complete one).
     """
+    pipeline, rank_state = run.pipeline, None
+    data = run.data.state_dict() if pipeline is None else pipeline.data_state(run.step)
+    if pipeline is not None:  # the rollouts generated ahead (the leaders'), so that a resume trains on them
+        with engine_lost_stops(run, room):
+            pending = pipeline.pending(run.step)
+        rank_state = {"pending": pending} if pending is not None else None
+    kept = pipeline.kept_steps(run.step) if pipeline is not None else 0
     try:
         return save_training_checkpoint(room.ckpt_dir, run.step, run.trained_models,
-                                        {"data": run.data.state_dict(), "nonfinite_streak": streak},
-                                        keep=run.cfg.checkpoint.keep)
+                                        {"data": data, "nonfinite_streak": streak, "kept_steps": kept},
+                                        keep=run.cfg.checkpoint.keep, rank_state=rank_state)
     except CheckpointWriteError as e:
         last = room.newest_checkpoint()
         raise TrainingStopped(f"stopping after step {run.step}: {e}. The newest complete checkpoint is "
@@ -186,7 +232,8 @@ def world_metrics(run: Run, result: StepResult, times: dict[str, float],
     timings reduced over the ranks (``time/*`` and ``memory/*``: the slowest rank sets the pace and
     the fullest GPU the limit, so maxima; the rest means), and the evaluation's (already over the world)."""
     metrics = {**result.to_metrics(), K.DATA_SKIPPED_TOO_LONG: run.skipped_too_long, **times}
-    metrics = reduce_metrics(metrics, max_keys=[k for k in metrics if k.startswith((TIME_PREFIX, MEMORY_PREFIX))])
+    metrics = reduce_metrics(metrics, max_keys=[k for k in metrics if k.startswith((TIME_PREFIX, MEMORY_PREFIX))
+                                                or k == K.STALENESS_MAX])
     metrics.update(eval_metrics)
     return metrics
 
@@ -230,15 +277,38 @@ def run_evaluation(run: Run, engine: Optional[RolloutEngine]) -> dict[str, float
     return metrics
 
 
-def restore(run: Run, path: Optional[str]) -> int:
+@dataclass(frozen=True)
+class Restored:
+    """What a checkpoint gives the loop besides the models and the data position.
+
+    Attributes:
+        nonfinite_streak: steps in a row with a skipped update before it.
+        kept_steps: steps ahead whose rollouts it kept (an asynchronous run's; 0 otherwise).
+        pending: those rollouts, on an engine's rank (None elsewhere).
+    """
+
+    nonfinite_streak: int = 0
+    kept_steps: int = 0
+    pending: Optional[list] = None
+
+
+def restore(run: Run, path: Optional[str]) -> Restored:
     """Load the checkpoint at ``path`` into the run (models, optimizers, schedules, RNG, data
-    position, step); return the non-finite streak it had. Without one, seed the host RNGs so
-    checkpoints are reproducible (torch is seeded by ``init_distributed``)."""
+    position, step); return what else it kept. Without one, seed the host RNGs so checkpoints are
+    reproducible (torch is seeded by ``init_distributed``).
+
+    Raises:
+        ValueError: it kept rollouts generated ahead, and this run does not generate ahead (a colocated one).
+    """
     if path is None:
         random.seed(run.cfg.train.seed)
         np.random.seed(run.cfg.train.seed % 2**32)
-        return 0
+        return Restored()
     state = load_training_checkpoint(path, run.trained_models)
     run.step = state["step"]
     run.data.load_state_dict(state["data"])
-    return state.get("nonfinite_streak", 0)
+    kept = state.get("kept_steps", 0)
+    if kept and not run.cfg.rollout.disaggregated:
+        raise ValueError(f"{path} keeps the rollouts of {kept} steps generated ahead by a disaggregated engine: resume "
+                         "it with rollout.placement=disaggregated")
+    return Restored(state.get("nonfinite_streak", 0), kept, (state["rank_state"] or {}).get("pending"))

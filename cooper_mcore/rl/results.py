@@ -49,6 +49,33 @@ class EngineAgreement:
 
 
 @dataclass(frozen=True)
+class PipelineStats:
+    """What the asynchronous rollouts did for one step (this rank's; the engine's times on the model-parallel
+    group's leader, 0 elsewhere: the world's maximum is the leader's).
+
+    Attributes:
+        staleness_mean / staleness_max: the step minus each rollout's policy version.
+        dropped_stale: rollouts over the bound left out (0: generation waits for the version it may use).
+        trainer_wait_s: seconds the trainer waited for the step's rollouts.
+        engine_idle_s: seconds the engine waited for weights or prompts since the step before.
+        weight_push_s: seconds the engine spent receiving weights since the step before.
+    """
+
+    staleness_mean: float
+    staleness_max: int
+    dropped_stale: int = 0
+    trainer_wait_s: float = 0.0
+    engine_idle_s: float = 0.0
+    weight_push_s: float = 0.0
+
+    def to_metrics(self) -> dict[str, float]:
+        """The ``rollout/staleness_*``, ``rollout/dropped_stale`` and engine-time keys of a metrics line."""
+        return {K.STALENESS_MEAN: self.staleness_mean, K.STALENESS_MAX: float(self.staleness_max),
+                K.DROPPED_STALE: float(self.dropped_stale), K.TRAINER_WAIT: self.trainer_wait_s,
+                K.ENGINE_IDLE: self.engine_idle_s, K.WEIGHT_PUSH: self.weight_push_s}
+
+
+@dataclass(frozen=True)
 class RolloutStats:
     """This rank's rollouts of one step.
 
@@ -228,12 +255,14 @@ class StepResult:
         policy: the policy's update.
         rm: the reward model's update; None when the reward model is not trained (rule, static_rm).
         pairs: the preference pairs the reward model was trained on (empty without an RM update).
+        pipeline: what the asynchronous rollouts did (None with a colocated engine).
     """
 
     rollouts: RolloutStats
     policy: PolicyUpdate
     rm: Optional[RMUpdate] = None
     pairs: list[PreferencePair] = field(default_factory=list)
+    pipeline: Optional[PipelineStats] = None
 
     @property
     def skipped_updates(self) -> int:
@@ -246,6 +275,8 @@ class StepResult:
         if self.rm is not None:
             metrics.update(self.rm.to_metrics())
         metrics.update(self.rollouts.to_metrics())
+        if self.pipeline is not None:
+            metrics.update(self.pipeline.to_metrics())
         return metrics
 
 

@@ -35,12 +35,12 @@ from cooper_mcore.verify.rule import GOLD_UNREADABLE
 
 
 def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVerifier], prompts: Sequence[Prompt],
-                    group_size: int, params: SamplingParams, version: int) -> list[RolloutGroup]:
+                    group_size: int, params: SamplingParams, version: int, share: bool = True) -> list[RolloutGroup]:
     """G completions per prompt, verified against the gold answers (gold first) on the group
     leader (each sample's ``rule_correct`` and ``rule_answered`` from its outcome's ``correct`` and
     ``answered``; the group's ``gold_unreadable`` when the verifier could not read the gold), then
-    shared with the model-parallel group (collective over that group), without the samples' routed
-    experts: those stay on the leader until :func:`share_routes`.
+    (``share``) shared with the model-parallel group (:func:`share_groups`; without ``share`` only the
+    leader calls it and gets them).
 
     Called while the engine holds its memory: the group's other ranks wait in the broadcast until the
     leader has generated, and so do not bring their training state back onto GPUs the engine uses.
@@ -64,6 +64,13 @@ def generate_groups(engine: Optional[RolloutEngine], verifier: Optional[BatchVer
             unreadable = any(getattr(v, "status", None) == GOLD_UNREADABLE
                              for v in outcomes[i * group_size:(i + 1) * group_size])
             groups.append(RolloutGroup(p, samples, gold_unreadable=unreadable))
+    return share_groups(groups) if share else groups
+
+
+def share_groups(groups: Optional[list[RolloutGroup]]) -> list[RolloutGroup]:
+    """The leader's groups on every rank of its model-parallel group (collective over that group;
+    ``groups`` on the leader, None elsewhere), without the samples' routed experts: those stay on the
+    leader until :func:`share_routes`."""
     if dist.get_world_size(parallel_state.get_model_parallel_group()) == 1:
         return groups
     bare = None if groups is None else [replace(g, samples=[replace(s, routed_experts=None) for s in g.samples])

@@ -57,6 +57,7 @@ MAY_CHANGE = (
     "train.max_nonfinite_steps", "train.max_steps_without_pairs",  # when to stop or warn
     "offload.",  # where tensors wait during rollouts: bit for bit the same numbers (the rehearsal's variants)
     "rollout.bucket_mb", "rollout.sglang_mem_fraction", "rollout.sglang_base_port",  # engine memory and ports
+    "rollout.engine_threads", "rollout.engine_restarts",  # an engine process's resources and patience
     "reward.verifier_timeout_s", "reward.verifier_workers",  # the verifier's resources
     # where the assistant is and how long to wait for it (its model and prompt are compared)
     "rm.assistant_url", "rm.api_key_env", "rm.assistant_timeout_s", "rm.assistant_max_retries",

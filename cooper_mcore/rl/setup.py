@@ -39,9 +39,11 @@ from cooper_mcore.models.arch import ArchSpec
 from cooper_mcore.models.builder import build_model
 from cooper_mcore.models.routing_replay import enable_routing_replay
 from cooper_mcore.parallel import init_distributed
+from cooper_mcore.rl.async_rollouts import RolloutPipeline, publish_policy
 from cooper_mcore.rl.colocate import Colocation
 from cooper_mcore.rl.references import check_references
 from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
+from cooper_mcore.rollout.engine_process import EngineProcess, EngineSpec
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
 from cooper_mcore.train.model_state import ModelState
@@ -78,6 +80,8 @@ class Run:
             policy's context (:func:`drop_too_long`; the ``data/skipped_too_long`` metric).
         engine_checked: whether this process has run a step, so the engine's first check against
             the trainer (``algo.logprob_diff_guard``) is done.
+        pipeline: the rollouts generated ahead by an engine apart from the trainer
+            (``rollout.placement: disaggregated``; :func:`open_pipeline`); None: the colocated order.
     """
 
     cfg: CooperConfig
@@ -93,9 +97,13 @@ class Run:
     skipped_too_long: int = 0
     oracle: Optional[ArithmeticOracle] = None
     engine_checked: bool = False
+    pipeline: Optional[RolloutPipeline] = None
 
     def close(self) -> None:
-        """Stop the verifier's workers and release the oracle (whatever this rank holds)."""
+        """Stop the rollout thread and its engine process, the verifier's workers and the oracle (whatever
+        this rank holds)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         for checker in (self.verifier, self.oracle):
             if checker is not None:
                 checker.close()
@@ -110,6 +118,10 @@ class Run:
         """How every pass cuts its mini-batch into micro-batches (``train.*``)."""
         t = self.cfg.train
         return MicroBatching(t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences)
+
+    def rollout_sampling(self, step: int) -> SamplingParams:
+        """The sampling of step ``step``'s rollouts on this rank (a seed of the run's seed, the step and the rank)."""
+        return self.sampling(self.cfg.train.seed * 100003 + step * 1009 + dist.get_rank())
 
     def sampling(self, seed: int) -> SamplingParams:
         """Rollout sampling with ``seed``, with each token's log-probability (the engine checked
@@ -205,7 +217,20 @@ def sglang_config(cfg: CooperConfig) -> SGLangConfig:
 def build_engine(cfg: CooperConfig, policy: ModelState) -> RolloutEngine:
     """This model-parallel group's rollout engine, started from the policy's HF folder; with
     ``model.init: random`` a transformers model of the policy's shape built on the device with its
-    weights undefined: the first generation's weight push fills it (:mod:`cooper_mcore.rl.colocate`)."""
+    weights undefined: the first generation's weight push fills it (:mod:`cooper_mcore.rl.colocate`).
+    ``rollout.placement: disaggregated``: the transformers engine in a process of its own
+    (:class:`~cooper_mcore.rollout.engine_process.EngineProcess`).
+
+    Raises:
+        ValueError: a disaggregated engine on a machine with GPUs (not built yet: docs/async.md).
+    """
+    if cfg.rollout.disaggregated:
+        if torch.cuda.is_available():
+            raise ValueError("rollout.placement=disaggregated runs the engine in a CPU process for now; engine GPUs "
+                             "apart from the trainer's are not built yet (docs/async.md)")
+        return EngineProcess(EngineSpec(cfg.model.policy_hf, policy.hf_config if cfg.model.random_init else None,
+                                        dtype=cfg.model.dtype, threads=cfg.rollout.engine_threads,
+                                        trust_remote_code=cfg.model.trust_remote_code))
     if cfg.rollout.uses_sglang:
         return SGLangEngine.offline(sglang_config(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -331,6 +356,26 @@ def build_models(cfg: CooperConfig, tokenizer) -> tuple[ModelState, Optional[Mod
     rm_tokenizer = (load_checkpoint_tokenizer(m.rm_ckpt, trust_remote_code=m.trust_remote_code)
                     if has_tokenizer else tokenizer)
     return policy, load_model("rm", m.rm_ckpt, cfg, rm_tokenizer, rm_optim, cfg.train.steps)
+
+
+def open_pipeline(run: Run, kept: int = 0, pending: Optional[list] = None) -> Optional[RolloutPipeline]:
+    """With ``rollout.placement: disaggregated``, the rollout pipeline from the run's step on: the rollouts
+    a checkpoint kept for its next ``kept`` steps (``pending``, the leader's) taken back, the current policy
+    published, the first steps' prompts drawn (collective). None for a colocated run."""
+    cfg = run.cfg
+    if not cfg.rollout.disaggregated:
+        return None
+    engine = run.colocation.engine
+    pipeline = RolloutPipeline(engine, run.verifier, run.data, cfg.rollout.max_staleness, cfg.rollout.group_size,
+                               run.rollout_sampling, start=run.step, steps=cfg.train.steps,
+                               bucket_bytes=cfg.rollout.bucket_mb * 2**20,
+                               restart=(lambda: build_engine(cfg, run.policy)) if engine is not None else None,
+                               max_restarts=cfg.rollout.engine_restarts)
+    run.colocation.engine = None  # the pipeline owns it now: nothing else may drive it
+    if kept:
+        pipeline.restore(pending, kept)
+    publish_policy(pipeline, run.policy, run.step)
+    return pipeline
 
 
 def start_world(cfg: CooperConfig) -> None:

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from cooper_mcore.algo import group_advantages, reward_from_logits
 from cooper_mcore.data.tokenizer import pad_id_of
@@ -27,7 +26,7 @@ from cooper_mcore.metrics import PhaseTimer
 from cooper_mcore.models.routing_replay import replaying, route_batch
 from cooper_mcore.rl.engine_check import check_engine, engine_agreement
 from cooper_mcore.rl.policy import GRPOLoss, policy_update
-from cooper_mcore.rl.results import EngineAgreement, PolicyUpdate, RolloutStats, StepResult
+from cooper_mcore.rl.results import EngineAgreement, PipelineStats, PolicyUpdate, RolloutStats, StepResult
 from cooper_mcore.rl.rm_update import make_pairs, update_reward_model
 from cooper_mcore.rl.rollouts import generate_groups, share_routes
 from cooper_mcore.rl.scoring import rollout_logits, rule_rewards, rule_verdicts
@@ -36,17 +35,11 @@ from cooper_mcore.train.tokens import TokenBatch, build_token_batch, compute_log
 from cooper_mcore.types import Prompt, RolloutGroup
 
 
-def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepResult:
-    """One Cooper step on this data-parallel rank's prompts; returns what it did (this rank's)."""
+def cooper_step(run: Run, prompts: Optional[Sequence[Prompt]], timer: PhaseTimer) -> StepResult:
+    """One Cooper step on this data-parallel rank's ``prompts`` (None: the rollouts the pipeline generated
+    ahead for this step); returns what it did (this rank's)."""
     cfg = run.cfg
-    seed = cfg.train.seed * 100003 + run.step * 1009 + dist.get_rank()
-    with run.colocation.generating(version=run.step, timer=timer) as engine:
-        with timer.phase(Phase.ROLLOUT):
-            groups = generate_groups(engine, run.verifier, prompts, cfg.rollout.group_size, run.sampling(seed),
-                                     run.step)
-    if cfg.model.moe_routing_replay:
-        with timer.phase(Phase.ROLLOUT):  # once the engine has released its memory (NCCL broadcasts use the device's)
-            share_routes(groups)
+    groups, pipeline = rollout_groups(run, prompts, timer)
     with timer.phase(Phase.RM_SCORE):
         logits = rollout_logits(run.rm, groups, cfg, run.batching) if run.rm is not None else None
     rewards = (reward_from_logits(logits, cfg.reward.rm_transform) if logits is not None
@@ -68,7 +61,27 @@ def cooper_step(run: Run, prompts: Sequence[Prompt], timer: PhaseTimer) -> StepR
             with timer.phase(Phase.NEGATIVES):
                 pairs = make_pairs(groups, logits, cfg.rm, run.verifier, run.assistant, seed=cfg.train.seed + run.step)
             rm_step = update_reward_model(run.rm, pairs, cfg, run.batching)
-    return StepResult(rollout_stats(groups, rewards, run, agreement), policy, rm_step, pairs)
+    return StepResult(rollout_stats(groups, rewards, run, agreement), policy, rm_step, pairs, pipeline)
+
+
+def rollout_groups(run: Run, prompts: Optional[Sequence[Prompt]],
+                   timer: PhaseTimer) -> tuple[list[RolloutGroup], Optional[PipelineStats]]:
+    """The step's rollouts: generated now by the colocated engine from ``prompts`` (with routing replay, the
+    routes shared once the engine has released its memory: NCCL broadcasts use the device's), or (``prompts``
+    None) taken from the pipeline with its staleness and waits."""
+    if prompts is None:
+        assert run.pipeline is not None
+        with timer.phase(Phase.ROLLOUT):
+            return run.pipeline.take(run.step)
+    cfg = run.cfg
+    with run.colocation.generating(version=run.step, timer=timer) as engine:
+        with timer.phase(Phase.ROLLOUT):
+            groups = generate_groups(engine, run.verifier, prompts, cfg.rollout.group_size,
+                                     run.rollout_sampling(run.step), run.step)
+    if cfg.model.moe_routing_replay:
+        with timer.phase(Phase.ROLLOUT):
+            share_routes(groups)
+    return groups, None
 
 
 def record_rewards(groups: Sequence[RolloutGroup], rewards: torch.Tensor) -> None:

@@ -122,7 +122,8 @@ def _step_run(monkeypatch, engine_logprobs, overrides=()):
     monkeypatch.setattr(step, "update_policy", update_policy)
     colocation = SimpleNamespace(generating=lambda version, timer: contextlib.nullcontext(None))
     run = SimpleNamespace(cfg=cfg, step=0, engine_checked=False, colocation=colocation, verifier=None, rm=None,
-                          sampling=lambda seed: SamplingParams(), policy=SimpleNamespace(tokenizer={"pad_token_id": 0}))
+                          sampling=lambda seed: SamplingParams(), rollout_sampling=lambda step: SamplingParams(),
+                          policy=SimpleNamespace(tokenizer={"pad_token_id": 0}))
     return run, seen
 
 
