@@ -50,7 +50,7 @@ from cooper_mcore.data.templates import longest_prompt_tokens
 from cooper_mcore.data.tokenizer import load_tokenizer
 from cooper_mcore.demo.assets import build_real_shape_assets, build_tiny_assets
 from cooper_mcore.job import EXIT_PREEMPTED
-from cooper_mcore.metric_names import TIME_PREFIX, Phase, memory_key, time_key
+from cooper_mcore.metric_names import SCHEMA, TIME_PREFIX, Phase, memory_key, time_key
 from cooper_mcore.metric_names import MetricKey as K
 from cooper_mcore.metrics import METRICS_FILE
 from cooper_mcore.models.arch import ArchSpec
@@ -400,10 +400,16 @@ def launch(name: str, cfg_path: str, out: str, nproc: int, limits: Limits, resum
     return result
 
 
+#: the asynchronous rollouts' keys (metric_names' ``async`` section), written by a disaggregated run only
+ASYNC_KEYS = frozenset(k for k, m in SCHEMA.items() if m.section == "async")
+
+
 def metrics_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Keys of two metrics lines whose values differ (timings aside; NaN equals NaN): the resume checks here and
-    in the multi-node tests compare a resumed run's steps with its reference's with it."""
-    keys = {k for k in a.keys() | b.keys() if not k.startswith(TIME_PREFIX)}
+    """Keys of two metrics lines whose values differ (timings aside; NaN equals NaN; the asynchronous rollouts'
+    keys only where both lines have them: a colocated reference has none): the resume checks here and in the
+    multi-node tests compare a resumed run's steps with its reference's with it."""
+    keys = {k for k in a.keys() | b.keys() if not k.startswith(TIME_PREFIX)
+            and not (k in ASYNC_KEYS and (k not in a or k not in b))}
 
     def same(x: Any, y: Any) -> bool:
         both_nan = isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)

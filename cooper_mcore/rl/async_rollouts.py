@@ -274,13 +274,14 @@ class RolloutPipeline:
         return job.result
 
     def close(self) -> None:
-        """Stop the thread after its current request, then the engine (the leader's)."""
+        """Stop the engine and the thread (the leader's) without waiting for a request in flight: a stopping
+        trainer exits with its peers (its checkpoint already holds everything the engine had)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=600)
             self.engine.shutdown()
+            self._thread.join(timeout=0.1)  # a daemon: one still waiting on the engine ends with the process
 
     # -- the thread -----------------------------------------------------------------------------
     def _work(self) -> bool:
@@ -311,6 +312,9 @@ class RolloutPipeline:
                     self._forget()
                     self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which stops every rank
+            with self._cv:
+                if self._stop:  # the engine was shut down under a request: nothing to report
+                    return
             logger.error("rollout thread: %s", e)
             with self._cv:
                 self._error = e
@@ -325,7 +329,7 @@ class RolloutPipeline:
                 self._push(version)
                 return fn()
             except EngineLost as e:
-                if self._restart is None or self._restarts >= self.max_restarts:
+                if self._stop or self._restart is None or self._restarts >= self.max_restarts:
                     raise EngineLost(f"{e}; rollout.engine_restarts={self.max_restarts} used up") from e
                 self._restarts += 1
                 logger.warning("%s: starting it again (restart %d of rollout.engine_restarts=%d)", e, self._restarts,

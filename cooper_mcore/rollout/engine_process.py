@@ -10,8 +10,11 @@ push announces every bucket's names, dtypes and shapes and broadcasts its tensor
 
 A child that dies (killed, out of memory, a crash) is noticed by the next request, or while one
 waits, within a second: :class:`EngineLost` names its pid and exit code and the request it was
-serving; nothing hangs. ``COOPER_FAULT=engine_generate@<n>`` kills the child as it takes its n-th
-generate request (:mod:`cooper_mcore.train.faults`; the fault tests).
+serving; nothing hangs. The child ignores the stop signals a scheduler or a Ctrl-C sends the whole job
+(:data:`STOP_SIGNALS`): the trainer writes its checkpoint, with the rollouts the engine generated ahead,
+and then shuts the child down; a trainer that dies closes the pipe, and the child exits.
+``COOPER_FAULT=engine_generate@<n>`` kills the child as it takes its n-th generate request
+(:mod:`cooper_mcore.train.faults`; the fault tests).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,6 +44,8 @@ __all__ = ["EngineLost", "EngineProcess", "EngineSpec", "serve"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _POLL_S = 1.0  # how often a waiting request checks that the child is alive
+#: what a scheduler or a Ctrl-C sends every process of the job; the child ignores them (the trainer's to act on)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class EngineLost(RuntimeError):
@@ -83,6 +89,8 @@ def serve(conn: Connection, spec: EngineSpec) -> None:
     """The child's loop: build the engine, answer ``ready``, then serve requests until ``shutdown``
     or a closed pipe. A request that fails answers ``("error", traceback)`` and the loop goes on."""
     logging.basicConfig(level=logging.WARNING, format="[engine %(process)d] %(levelname)s %(message)s")
+    for sig in STOP_SIGNALS:  # sent to the whole job: the trainer decides, writes its checkpoint, then stops this
+        signal.signal(sig, signal.SIG_IGN)
     try:
         engine = _build(spec)
     except Exception:  # noqa: BLE001 - reported to the parent, which raises it
@@ -233,16 +241,11 @@ class EngineProcess:
         """Nothing is cached between requests."""
 
     def shutdown(self) -> None:
-        """Stop the child (killed when it does not exit within 10 s)."""
-        if self._proc.is_alive():
-            try:
-                self._conn.send(("shutdown", ()))
-            except (BrokenPipeError, OSError):
-                pass
-            self._proc.join(timeout=10.0)
+        """Stop the child at once (SIGKILL: it holds nothing worth a graceful exit, and a request in flight
+        is dropped rather than waited for, so that a stopping trainer exits with its peers)."""
         if self._proc.is_alive():
             self._proc.kill()
-            self._proc.join(timeout=5.0)
+        self._proc.join(timeout=5.0)
         if self._group is not None:
             self._group.close()
             self._group = None
