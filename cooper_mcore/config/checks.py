@@ -470,14 +470,12 @@ def _engine_problems(cfg: CooperConfig, policy_arch: Optional[dict[str, Any]], i
     if ro.max_staleness and not ro.disaggregated:
         return [f"rollout.max_staleness={ro.max_staleness} needs rollout.placement=disaggregated: a colocated "
                 "engine shares the trainer's devices and generates only between its updates"]
-    if ro.disaggregated:
-        return _disaggregated_problems(cfg)
+    out = _disaggregated_problems(cfg) if ro.disaggregated else []
     if not ro.uses_sglang:
-        return []
+        return out
     if cfg.model.random_init:
-        return ["model.init=random needs rollout.engine=hf: SGLang starts from the weights in model.policy_hf, "
-                "the transformers engine is built empty and filled by the weight push"]
-    out = []
+        return out + ["model.init=random needs rollout.engine=hf: SGLang starts from the weights in model.policy_hf, "
+                      "the transformers engine is built empty and filled by the weight push"]
     if not 1024 <= ro.sglang_base_port <= 60000:
         out.append(f"rollout.sglang_base_port must be in 1024..60000 (each local rank takes 10 ports above it), "
                    f"got {ro.sglang_base_port}")
@@ -493,12 +491,9 @@ def _engine_problems(cfg: CooperConfig, policy_arch: Optional[dict[str, Any]], i
 
 
 def _disaggregated_problems(cfg: CooperConfig) -> list[str]:
-    """What the disaggregated placement does not serve yet: the transformers engine in a process of its
-    own on CPU is built; SGLang's server fed over NCCL, engine GPUs apart, and routing replay are not."""
+    """What the disaggregated placement does not serve: routing replay (routes from an engine apart are not
+    carried), and negative counts. (Engine GPUs apart from the trainer's are refused where the engine is built.)"""
     ro, out = cfg.rollout, []
-    if ro.uses_sglang:
-        out.append("rollout.placement=disaggregated serves the transformers engine (rollout.engine=hf) for now; "
-                   "SGLang apart from the trainer is not built yet (docs/async.md)")
     if cfg.model.moe_routing_replay:
         out.append("model.moe_routing_replay needs rollout.placement=colocated (routes from an engine process are "
                    "not carried yet)")

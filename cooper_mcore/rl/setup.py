@@ -46,6 +46,7 @@ from cooper_mcore.rollout.base import RolloutEngine, SamplingParams
 from cooper_mcore.rollout.engine_process import EngineProcess, EngineSpec
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.sglang_engine import SGLangConfig, SGLangEngine
+from cooper_mcore.rollout.weight_group import WeightGroupSpec, free_port
 from cooper_mcore.train.model_state import ModelState
 from cooper_mcore.train.moe_aux import set_aux_loss_coef
 from cooper_mcore.train.offload import ModelOffloader, ReferenceSwap
@@ -218,7 +219,8 @@ def build_engine(cfg: CooperConfig, policy: ModelState) -> RolloutEngine:
     """This model-parallel group's rollout engine, started from the policy's HF folder; with
     ``model.init: random`` a transformers model of the policy's shape built on the device with its
     weights undefined: the first generation's weight push fills it (:mod:`cooper_mcore.rl.colocate`).
-    ``rollout.placement: disaggregated``: the transformers engine in a process of its own
+    ``rollout.placement: disaggregated``: an engine in a process of its own, fed over a weight group: a
+    launched SGLang server (its ``init_weights_update_group`` made here), or the transformers engine
     (:class:`~cooper_mcore.rollout.engine_process.EngineProcess`).
 
     Raises:
@@ -226,8 +228,12 @@ def build_engine(cfg: CooperConfig, policy: ModelState) -> RolloutEngine:
     """
     if cfg.rollout.disaggregated:
         if torch.cuda.is_available():
-            raise ValueError("rollout.placement=disaggregated runs the engine in a CPU process for now; engine GPUs "
-                             "apart from the trainer's are not built yet (docs/async.md)")
+            raise ValueError("rollout.placement=disaggregated runs the engine on CPU for now; engine GPUs apart from "
+                             "the trainer's are not built yet (docs/async.md)")
+        if cfg.rollout.uses_sglang:
+            engine = SGLangEngine.launch(sglang_config(cfg))
+            engine.init_weights_update_group(WeightGroupSpec("127.0.0.1", free_port(), world_size=1 + engine.tp_size))
+            return engine
         return EngineProcess(EngineSpec(cfg.model.policy_hf, policy.hf_config if cfg.model.random_init else None,
                                         dtype=cfg.model.dtype, threads=cfg.rollout.engine_threads,
                                         trust_remote_code=cfg.model.trust_remote_code))

@@ -15,6 +15,7 @@ need it.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -32,6 +33,7 @@ import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions
 from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
 from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
 from cooper_mcore.rollout.sglang_payload import LOAD_FORMAT, rank_payload
+from cooper_mcore.rollout.weight_group import WeightGroup, WeightGroupSpec, specs_of
 
 logger = logging.getLogger(__name__)
 
@@ -416,6 +418,15 @@ def _check(op: str, result: Any) -> None:
         raise RuntimeError(f"SGLang engine: {op} failed: {msg}")
 
 
+def _check_reply(op: str, reply: Any) -> None:
+    """A control call's reply over HTTP or offline: ``{"success": false, "message": ...}``, or a
+    ``(success, message)`` pair, raises naming the call."""
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise RuntimeError(f"SGLang {op} failed: {reply.get('message')}")
+    if isinstance(reply, (tuple, list)) and reply and reply[0] is False:
+        raise RuntimeError(f"SGLang {op} failed: {reply[1] if len(reply) > 1 else ''}")
+
+
 def _warn_version(found: Optional[str], where: str) -> None:
     if found and found != SGLANG_VERSION:
         logger.warning("%s runs sglang %s; this engine was written against %s", where, found, SGLANG_VERSION)
@@ -447,6 +458,7 @@ class SGLangEngine:
         self.weight_version = 0
         self._released: list[str] = []
         self._closed = False
+        self._group: Optional[WeightGroup] = None  # the weight group, once made
         #: the processes the offline engine started (its shutdown must stop these, and only these)
         self.engine_pids: frozenset[int] = frozenset()
 
@@ -561,7 +573,11 @@ class SGLangEngine:
         """One ``update_weights_from_tensor`` call per bucket inside one weight-update session, the
         cache flushed with the last; then ``weight_version = version``. Every SGLang TP rank gets its
         own payload of the same tensors (this process's; over CUDA IPC from its GPU). Tensors must
-        stay valid until this returns."""
+        stay valid until this returns. After :meth:`init_weights_update_group` they are broadcast over
+        the group instead (:meth:`_update_over_group`)."""
+        if self._group is not None:
+            self._update_over_group(buckets, version)
+            return
         as_base64 = self._client is not None
 
         def payloads() -> Iterator[list[Any]]:
@@ -577,9 +593,8 @@ class SGLangEngine:
         (:func:`gather_rank_payloads`). Every payload holds the full (unsharded) Hugging Face
         tensors of the bucket: SGLang's ``load_weights`` cuts each rank's shard out of them."""
         self._live("update_weights")
-        self._call("begin_weight_update", {"selector": "all"})
         count = 0
-        try:
+        with self._weight_session():
             for blobs, last in _with_last(payloads):
                 blobs = list(blobs)
                 if len(blobs) != self.tp_size:
@@ -590,6 +605,16 @@ class SGLangEngine:
                 del blobs
             if count == 0:
                 raise ValueError("SGLangEngine.update_weights: no buckets")
+        self.weight_version = version
+        logger.info("SGLang weights updated to version %d (%d buckets)", version, count)
+
+    @contextlib.contextmanager
+    def _weight_session(self) -> Iterator[None]:
+        """The ``begin_weight_update`` / ``end_weight_update`` session SGLang 0.5.23 loads weights in (ended
+        after a failure too, keeping the original error)."""
+        self._call("begin_weight_update", {"selector": "all"})
+        try:
+            yield
         except BaseException:
             try:
                 self._call("end_weight_update", {})
@@ -597,8 +622,6 @@ class SGLangEngine:
                 logger.error("SGLang end_weight_update after a failed update also failed: %s", close_error)
             raise
         self._call("end_weight_update", {})
-        self.weight_version = version
-        logger.info("SGLang weights updated to version %d (%d buckets)", version, count)
 
     def _update_bucket(self, blobs: list[Any], last: bool, version: int) -> None:
         if self._engine is not None:
@@ -618,6 +641,60 @@ class SGLangEngine:
             _check(op, result)
             return result
         return self._client.request("POST", "/" + op, op, payload)
+
+    # -- weights over a process group (an engine apart from the trainer) -----------------------
+    def init_weights_update_group(self, spec: WeightGroupSpec) -> None:
+        """Make the weight group with the engine's TP ranks (ranks ``1 .. tp_size`` of ``spec``; this process
+        is rank 0 and hosts its store): SGLang's ``init_weights_update_group``, called while this side joins.
+        From then on :meth:`update_weights` broadcasts over the group instead of sharing tensors.
+
+        Raises:
+            ValueError: ``spec.world_size`` is not ``1 + tp_size``.
+            RuntimeError: SGLang could not join (its message).
+        """
+        self._live("init_weights_update_group")
+        if spec.world_size != 1 + self.tp_size:
+            raise ValueError(f"a weight group with an SGLang engine of TP {self.tp_size} has {1 + self.tp_size} "
+                             f"ranks, got world_size {spec.world_size}")
+        body = {"master_address": spec.master_address, "master_port": spec.master_port, "rank_offset": 1,
+                "world_size": spec.world_size, "group_name": spec.group_name, "backend": spec.backend}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self._call, "init_weights_update_group", body)
+            group = WeightGroup(spec, rank=0, device="cpu" if spec.backend == "gloo" else "cuda")
+            _check_reply("init_weights_update_group", joined.result())
+        self._group = group
+
+    def destroy_weights_update_group(self) -> None:
+        """Leave the weight group (SGLang's ``destroy_weights_update_group``); pushes share tensors again."""
+        if self._group is None:
+            return
+        _check_reply("destroy_weights_update_group",
+                     self._call("destroy_weights_update_group", {"group_name": self._group.spec.group_name}))
+        self._group.close()
+        self._group = None
+
+    def _update_over_group(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """In a weight session, one ``update_weights_from_distributed`` per bucket, its tensors broadcast
+        (on a thread of their own) while SGLang receives them; the cache flushed and the version set with
+        the last. A refusal (its reply) is raised at once, not after the broadcast's timeout."""
+        assert self._group is not None
+        self._live("update_weights")
+        count = 0
+        with self._weight_session(), concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for bucket, last in _with_last(buckets):
+                specs = specs_of(bucket)
+                body = {"names": [t.name for t in specs], "dtypes": [t.dtype for t in specs],
+                        "shapes": [list(t.shape) for t in specs], "group_name": self._group.spec.group_name,
+                        "flush_cache": last, "weight_version": str(version) if last else None}
+                received = pool.submit(self._call, "update_weights_from_distributed", body)
+                sent = pool.submit(self._group.send, bucket)
+                _check_reply("update_weights_from_distributed", received.result())
+                sent.result()
+                count += 1
+            if count == 0:
+                raise ValueError("SGLangEngine.update_weights: no buckets")
+        self.weight_version = version
+        logger.info("SGLang weights updated to version %d over the weight group (%d buckets)", version, count)
 
     # -- memory and cache --------------------------------------------------------------------
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:

@@ -90,7 +90,7 @@ class WeightGroup:
     Args:
         spec: where the group meets.
         rank: this process's rank in it (0 hosts the store).
-        device: where received tensors are made (``cpu`` with gloo, the rank's GPU with nccl).
+        device: where tensors are sent from and received into (``cpu`` with gloo, the rank's GPU with nccl).
     """
 
     def __init__(self, spec: WeightGroupSpec, rank: int, device: str = "cpu") -> None:
@@ -98,7 +98,12 @@ class WeightGroup:
         self.spec, self.rank, self.device = spec, rank, device
         self._store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0,
                                     timeout=timeout)
-        prefixed = dist.PrefixStore(spec.group_name, self._store)
+        # As SGLang's side makes it (its init_custom_process_group through torch's _new_process_group_helper):
+        # under the group's name, then "<name>/", then "<device>/" of the first device type the backend serves
+        # (torch makes one backend when one serves them all: gloo's "cpu/", NCCL's "cuda/").
+        kind = dist.Backend.backend_capability[spec.backend][0]
+        prefixed = dist.PrefixStore(f"{kind}/", dist.PrefixStore(f"{spec.group_name}/",
+                                                                 dist.PrefixStore(spec.group_name, self._store)))
         if spec.backend == "gloo":
             self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
         else:  # pragma: no cover - needs GPUs
@@ -116,7 +121,7 @@ class WeightGroup:
         assert self.rank == 0, "only the trainer's rank 0 sends"
         sent = 0
         for _, t in bucket:
-            t = t.contiguous()
+            t = t.to(self.device).contiguous()  # NCCL sends from the rank's GPU
             self._broadcast(t)
             sent += t.numel() * t.element_size()
         return sent

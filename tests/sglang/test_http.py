@@ -15,11 +15,13 @@ import time
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
-from cooper_mcore.rollout.base import SamplingParams
+from cooper_mcore.rollout.base import SamplingParams, bucketize
 from cooper_mcore.rollout.sglang_engine import SGLangEngine
 from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
-from cooper_mcore.rollout.weight_sync import sync_weights
+from cooper_mcore.rollout.weight_group import WeightGroupSpec
+from cooper_mcore.rollout.weight_sync import hf_named_tensors, sync_weights
 from tests.conftest import last_json
 from tests.sglang.conftest import free_port, megatron_logprobs, megatron_step_max, torchrun_sglang
 
@@ -105,6 +107,39 @@ def test_http_weight_sync_with_version(server, policy, tokenizer):
             for n, p in params.items():
                 p.copy_(original[n])
         sync_weights(model, arch, eng, version=6)
+    assert_matches(model, eng.generate(ids, sp), ids)
+    eng.flush_cache()
+
+
+def test_weights_over_a_gloo_group_as_to_an_engine_apart(server, policy, tokenizer):
+    """SGLang's own init_weights_update_group / update_weights_from_distributed with this process as the
+    trainer's rank 0 (gloo, the weight group of docs/async.md): the policy's perturbed weights, in several
+    buckets, reach the server with their version; after the group is left, pushes share tensors again."""
+    model, arch = policy
+    eng = server.engine
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    params = dict(model.named_parameters())
+    original = {n: p.detach().clone() for n, p in params.items()}
+    gen = torch.Generator().manual_seed(7)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    eng.init_weights_update_group(WeightGroupSpec("127.0.0.1", free_port(), world_size=2, backend="gloo",
+                                                  timeout_s=120))
+    try:
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        named = list(hf_named_tensors(model, arch, parallel_state.get_tensor_model_parallel_group(),
+                                      parallel_state.get_pipeline_model_parallel_group()))
+        eng.update_weights(bucketize(named, 16 * 1024), version=7)
+        assert eng.weight_version == 7
+        assert_matches(model, eng.generate(ids, sp), ids)
+        assert {o["meta_info"]["weight_version"] for o in raw_generate(server.url, ids)} == {"7"}
+    finally:
+        eng.destroy_weights_update_group()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(original[n])
+        sync_weights(model, arch, eng, version=8)  # shared tensors again
     assert_matches(model, eng.generate(ids, sp), ids)
     eng.flush_cache()
 

@@ -87,3 +87,32 @@ def test_cooper_train_with_sglang_checkpoints_and_resumes(train_assets, tmp_path
     for part in ("policy", "rm"):
         again = _state(ckpts / "step_2" / part)  # untouched by the resumed run
         assert all(torch.equal(again[k], v) for k, v in saved[part].items())
+
+
+def test_cooper_train_with_an_sglang_server_apart(train_assets, tmp_path):
+    """``rollout.placement: disaggregated`` with SGLang (docs/async.md): a launched server (its own process
+    and session) generates a step ahead (staleness 1), its weights pushed over a gloo weight group through
+    SGLang's init_weights_update_group / update_weights_from_distributed; the checkpoint keeps the
+    rollouts generated ahead, and the server is gone when the run is."""
+    run = tmp_path / "apart"
+    lines = _train(train_assets, run, "train.steps=3", "rollout.placement=disaggregated", "rollout.max_staleness=1")
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert [m["rollout/staleness_max"] for m in lines] == [0, 1, 1]
+    assert lines[0]["rollout/logprob_diff_mean"] < 1e-4  # step 1's rollouts: the pushed weights, not stale
+    assert all(m["time/weight_push"] >= 0 and m["skipped/nonfinite"] == 0.0 for m in lines)
+    assert 0.0 <= lines[1]["eval/acc"] <= 1.0
+    kept = json.loads((run / "checkpoints" / "step_2" / "ranks" / "rank0.json").read_text())["pending"]
+    assert len(kept) == 1 and {s["weight_version"] for g in kept[0] for s in g["samples"]} == {1}  # step 3's: policy 1
+    assert not _servers_of(train_assets["policy_hf"])
+
+
+def _servers_of(model_path: str) -> list:
+    """Running SGLang servers of ``model_path``."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "sglang.launch_server" in cmd and model_path in cmd:
+            found.append(p)
+    return found
