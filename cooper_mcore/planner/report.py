@@ -279,6 +279,10 @@ def format_plan(plan: Plan, cfg: CooperConfig, notes: Optional[list[str]] = None
     lines.append(f"host memory per node (reference copy, offloaded state): "
                  f"{ev.host_per_gpu * o.gpus_per_node / GIB:.1f} GiB")
     lines += [f"note: {n}" for n in plan.notes + list(notes or [])]
+    if cfg.rollout.disaggregated:
+        lines.append("note: rollout.placement=disaggregated is planned as if colocated (the engine counted on the "
+                     "trainer's GPUs, an upper bound): engines on GPUs of their own are not built or planned yet "
+                     "(docs/async.md)")
     lines.append("note: the trainer's terms are held against a simulated step (cooper plan --simulate); the engine's, "
                  "the assistant's, contexts and overhead are estimates; none compared with a GPU's allocator")
     return "\n".join(lines)
