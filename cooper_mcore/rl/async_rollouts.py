@@ -40,8 +40,7 @@ from cooper_mcore.collectives import any_rank, is_group_leader
 from cooper_mcore.data.iterator import PromptIterator
 from cooper_mcore.rl.results import PipelineStats
 from cooper_mcore.rl.rollouts import generate_groups, share_groups
-from cooper_mcore.rollout.base import GenerateOutput, Prompts, RolloutEngine, SamplingParams, bucketize
-from cooper_mcore.rollout.engine_process import EngineLost
+from cooper_mcore.rollout.base import EngineLost, GenerateOutput, Prompts, RolloutEngine, SamplingParams, bucketize
 from cooper_mcore.rollout.weight_sync import hf_named_tensors
 from cooper_mcore.train.model_state import ModelState
 from cooper_mcore.types import Prompt, RolloutGroup, Sample

@@ -14,6 +14,10 @@ from typing import Optional, Protocol, Union
 import torch
 
 
+class EngineLost(RuntimeError):
+    """The engine's process is gone (killed, out of memory, crashed): what a caller may start again."""
+
+
 @dataclass
 class SamplingParams:
     """How to sample.

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from cooper_mcore.data.tokenizer import load_tokenizer
-from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
+from cooper_mcore.rollout.base import EngineLost, GenerateOutput, Prompts, SamplingParams
 from cooper_mcore.rollout.hf_engine import HFEngine
 from cooper_mcore.rollout.weight_group import WeightGroup, WeightGroupSpec, free_port, specs_of
 from cooper_mcore.train.faults import fault_point
@@ -46,10 +46,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _POLL_S = 1.0  # how often a waiting request checks that the child is alive
 #: what a scheduler or a Ctrl-C sends every process of the job; the child ignores them (the trainer's to act on)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-class EngineLost(RuntimeError):
-    """The engine's process is gone."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions on ForkingPickler)
 
-from cooper_mcore.rollout.base import GenerateOutput, Prompts, SamplingParams
+from cooper_mcore.rollout.base import EngineLost, GenerateOutput, Prompts, SamplingParams
 from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
 from cooper_mcore.rollout.sglang_payload import LOAD_FORMAT, rank_payload
 from cooper_mcore.rollout.weight_group import WeightGroup, WeightGroupSpec, specs_of
@@ -525,6 +525,23 @@ class SGLangEngine:
         if self._closed:
             raise RuntimeError(f"SGLangEngine.{op} called after shutdown()")
 
+    @contextlib.contextmanager
+    def _server_watch(self, op: str) -> Iterator[None]:
+        """A failed request to a launched server that has exited (given 5 s to) raises :class:`EngineLost`
+        naming its pid and exit code, which a caller may start again; other failures as they are."""
+        try:
+            yield
+        except (ConnectionError, TimeoutError, RuntimeError) as e:
+            proc = self._process
+            if proc is None:
+                raise
+            try:
+                code = proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                raise e from None
+            raise EngineLost(f"the SGLang server {self._client.base_url} (pid {proc.pid}) exited with code {code} "
+                             f"during {op}") from e
+
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until the server answers its health check (offline engines are ready once built)."""
         self._live("wait_until_ready")
@@ -559,9 +576,10 @@ class SGLangEngine:
             kwargs = {"prompt" if key == "text" else "input_ids": value, **request}
             outs = self._engine.generate(sampling_params=sampling, return_logprob=params.logprobs, **kwargs)
         else:
-            outs = self._client.request("POST", "/generate", "generate",  # seeded, stateless: safe to resend
-                                        {key: value, "sampling_params": sampling, "return_logprob": params.logprobs,
-                                         **request}, idempotent=True)
+            with self._server_watch("generate"):
+                outs = self._client.request("POST", "/generate", "generate",  # seeded, stateless: safe to resend
+                                            {key: value, "sampling_params": sampling,
+                                             "return_logprob": params.logprobs, **request}, idempotent=True)
         if not isinstance(outs, list) or len(outs) != len(value):
             raise RuntimeError(f"SGLang generate returned {type(outs).__name__} "
                                f"{len(outs) if isinstance(outs, list) else ''} for {len(value)} prompts")
@@ -576,7 +594,8 @@ class SGLangEngine:
         stay valid until this returns. After :meth:`init_weights_update_group` they are broadcast over
         the group instead (:meth:`_update_over_group`)."""
         if self._group is not None:
-            self._update_over_group(buckets, version)
+            with self._server_watch("update_weights"):
+                self._update_over_group(buckets, version)
             return
         as_base64 = self._client is not None
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from cooper_mcore.rollout.base import SamplingParams, bucketize
+from cooper_mcore.rollout.base import EngineLost, SamplingParams, bucketize
 from cooper_mcore.rollout.sglang_engine import SGLangEngine
 from cooper_mcore.rollout.sglang_http import SGLangHTTPClient
 from cooper_mcore.rollout.weight_group import WeightGroupSpec
@@ -167,8 +167,9 @@ def test_dead_server_is_a_clear_bounded_error():
 
 
 def test_killed_then_restarted_server(server, policy, tokenizer):
-    """A connected engine reports a killed server by its URL without hanging, and works again once
-    the server is back at the same address (with the checkpoint's weights)."""
+    """A connected engine reports a killed server by its URL without hanging, the engine that launched it
+    as lost (:class:`EngineLost`, its pid and exit code), and works again once the server is back at the
+    same address (with the checkpoint's weights)."""
     model, _ = policy
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     eng = SGLangEngine.connect(server.url, device="cpu", max_retries=1, backoff_s=0.1, connect_timeout_s=2)
@@ -181,6 +182,11 @@ def test_killed_then_restarted_server(server, policy, tokenizer):
     with pytest.raises(ConnectionError, match=re.escape(server.url) + ".*flush_cache"):
         eng.flush_cache()
     assert time.monotonic() - t0 < 15
+    # the launched engine knows its server's process: a lost engine, which a disaggregated run starts again
+    pid = server.engine._process.pid
+    with pytest.raises(EngineLost, match=rf"\(pid {pid}\) exited with code -9 during generate"):
+        server.engine.generate(ids, SamplingParams(max_new_tokens=4))
+    assert time.monotonic() - t0 < 30
     server.restart()
     outs = eng.generate(ids, SamplingParams(max_new_tokens=8, temperature=0.0))
     assert_matches(model, outs, ids)

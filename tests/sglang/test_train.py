@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -28,17 +30,21 @@ pytestmark = pytest.mark.sglang
 
 
 def _train(assets: dict[str, str], out, *overrides: str) -> list[dict]:
-    args = [sys.executable, "-m", "cooper_mcore", "train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
+    args = _train_args(assets, out, *overrides)
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    assert r.returncode == 0, r.stderr[-6000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def _train_args(assets: dict[str, str], out, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "cooper_mcore", "train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
             "--out", str(out), f"model.policy_ckpt={assets['policy_ckpt']}", f"model.policy_hf={assets['policy_hf']}",
             f"model.rm_ckpt={assets['rm_ckpt']}", f"data.train_path={assets['train']}",
             f"data.eval_path={assets['eval']}", "rollout.engine=sglang", "reward.mode=cooper",
             "rm.negatives=policy", "rollout.max_new_tokens=12", "rollout.group_size=4", "train.prompts_per_step=4",
             "train.micro_batch_size=4", "eval.every=2", "data.eval_limit=4", "checkpoint.every=1",
             "logging.wandb=false", *overrides]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
-    assert r.returncode == 0, r.stderr[-6000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
 def _state(ckpt) -> dict[str, torch.Tensor]:
@@ -92,17 +98,35 @@ def test_cooper_train_with_sglang_checkpoints_and_resumes(train_assets, tmp_path
 def test_cooper_train_with_an_sglang_server_apart(train_assets, tmp_path):
     """``rollout.placement: disaggregated`` with SGLang (docs/async.md): a launched server (its own process
     and session) generates a step ahead (staleness 1), its weights pushed over a gloo weight group through
-    SGLang's init_weights_update_group / update_weights_from_distributed; the checkpoint keeps the
-    rollouts generated ahead, and the server is gone when the run is."""
+    SGLang's init_weights_update_group / update_weights_from_distributed. Killed after the first step, the
+    server is launched again and re-synced (``rollout.engine_restarts``) and the run goes on; the checkpoint
+    keeps the rollouts generated ahead, and no server outlives the run."""
     run = tmp_path / "apart"
-    lines = _train(train_assets, run, "train.steps=3", "rollout.placement=disaggregated", "rollout.max_staleness=1")
-    assert [m["step"] for m in lines] == [1, 2, 3]
-    assert [m["rollout/staleness_max"] for m in lines] == [0, 1, 1]
+    args = _train_args(train_assets, run, "train.steps=4", "rollout.placement=disaggregated",
+                       "rollout.max_staleness=1")
+    log = tmp_path / "train.log"  # a file, not a pipe: nothing blocks on a full pipe while the test waits
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    servers = _servers_of(train_assets["policy_hf"])
+    assert len(servers) == 1
+    os.killpg(servers[0].pid, signal.SIGKILL)
+    proc.wait(timeout=900)
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr[-6000:]
+    assert "starting it again (restart 1 of rollout.engine_restarts=1)" in stderr
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert [m["rollout/staleness_max"] for m in lines] == [0, 1, 1, 1]
     assert lines[0]["rollout/logprob_diff_mean"] < 1e-4  # step 1's rollouts: the pushed weights, not stale
     assert all(m["time/weight_push"] >= 0 and m["skipped/nonfinite"] == 0.0 for m in lines)
     assert 0.0 <= lines[1]["eval/acc"] <= 1.0
-    kept = json.loads((run / "checkpoints" / "step_2" / "ranks" / "rank0.json").read_text())["pending"]
-    assert len(kept) == 1 and {s["weight_version"] for g in kept[0] for s in g["samples"]} == {1}  # step 3's: policy 1
+    kept = json.loads((run / "checkpoints" / "step_3" / "ranks" / "rank0.json").read_text())["pending"]
+    assert len(kept) == 1 and {s["weight_version"] for g in kept[0] for s in g["samples"]} == {2}  # step 4's: policy 2
     assert not _servers_of(train_assets["policy_hf"])
 
 
