@@ -219,6 +219,11 @@ class RolloutPipeline:
         self._agree(problem)
         return kept
 
+    def evaluation_failed(self, error: BaseException) -> None:
+        """Record an evaluation's failure on this leader, for :meth:`check` to raise on every rank."""
+        with self._cv:
+            self._eval_error = error
+
     def check(self) -> None:
         """Raise on every rank when a leader's thread or evaluation failed (collective over the world).
 
@@ -383,8 +388,7 @@ class _ThreadEngine:
         try:
             return self.pipeline.call(lambda e: e.generate(prompts, params), self.weight_version)
         except Exception as e:  # noqa: BLE001 - raised on every rank by check()
-            with self.pipeline._cv:
-                self.pipeline._eval_error = e
+            self.pipeline.evaluation_failed(e)
             return [GenerateOutput(token_ids=[], text="", logprobs=None, finish_reason="stop") for _ in prompts]
 
 

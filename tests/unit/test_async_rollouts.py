@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from cooper_mcore.data.iterator import PromptIterator
-from cooper_mcore.rl.async_rollouts import RolloutPipeline, groups_from_json, groups_to_json, staleness_of
+from cooper_mcore.rl.async_rollouts import (
+    RolloutPipeline,
+    RolloutsFailed,
+    groups_from_json,
+    groups_to_json,
+    staleness_of,
+)
 from cooper_mcore.rollout.base import GenerateOutput, SamplingParams
 from cooper_mcore.types import Prompt, RolloutGroup, Sample
 
@@ -34,7 +40,11 @@ class VersionEngine:
     def shutdown(self):
         self.closed = True
 
+    fail = False
+
     def generate(self, prompts, params):
+        if self.fail:
+            raise RuntimeError("the engine broke")
         return [GenerateOutput(token_ids=[self.weight_version], text=str(self.weight_version), logprobs=[0.0],
                                finish_reason="stop") for _ in prompts]
 
@@ -92,6 +102,22 @@ def test_an_evaluation_gets_the_newest_policy_and_generation_goes_back_to_its_ow
         versions = [s.weight_version for g in p.take(3)[0] for s in g.samples]
         assert set(versions) == {1}
         assert set(v for g in p.take(4)[0] for v in [s.weight_version for s in g.samples]) == {2}
+    finally:
+        p.close()
+
+
+def test_a_failed_evaluation_lets_the_collectives_finish_then_stops_every_rank(world):
+    engine = VersionEngine()
+    p = pipeline(engine, PromptIterator(PROMPTS, 4), 1)
+    try:
+        p.publish(0, weights(0))
+        p.feed()
+        drive(p, 0, 2)
+        engine.fail = True
+        out = p.generate_with(2).generate([[1], [2]], SamplingParams())
+        assert [o.token_ids for o in out] == [[], []]  # empty completions: the evaluation's all-reduce goes on
+        with pytest.raises(RolloutsFailed, match="the engine broke"):
+            p.check()
     finally:
         p.close()
 
