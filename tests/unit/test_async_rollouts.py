@@ -63,14 +63,19 @@ def pipeline(engine, data, k, start=0, steps=8):
                            start=start, steps=steps, bucket_bytes=1 << 20)
 
 
+def begin(p, version):
+    """The trainer's side at start (or resume): the current policy published, the first prompts drawn."""
+    p.publish(version, weights(version))
+    p.feed()
+
+
 def drive(p, first, last):
     """The trainer's side from step ``first``: take, 'train', publish the next version, feed."""
     seen = {}
     for step in range(first, last):
         groups, stats = p.take(step)
         seen[step] = ([s.weight_version for g in groups for s in g.samples], stats)
-        p.publish(step + 1, weights(step + 1))
-        p.feed()
+        begin(p, step + 1)
     return seen
 
 
@@ -79,8 +84,7 @@ def test_step_s_comes_from_version_s_minus_k_and_each_version_is_pushed_once_in_
     engine = VersionEngine()
     p = pipeline(engine, PromptIterator(PROMPTS, 4), k)
     try:
-        p.publish(0, weights(0))
-        p.feed()
+        begin(p, 0)
         seen = drive(p, 0, 8)
     finally:
         p.close()
@@ -94,8 +98,7 @@ def test_an_evaluation_gets_the_newest_policy_and_generation_goes_back_to_its_ow
     engine = VersionEngine()
     p = pipeline(engine, PromptIterator(PROMPTS, 4), 2)
     try:
-        p.publish(0, weights(0))
-        p.feed()
+        begin(p, 0)
         drive(p, 0, 3)  # version 3 published; steps 3 and 4 come from versions 1 and 2
         out = p.generate_with(3).generate([[1]], SamplingParams())
         assert out[0].token_ids == [3]
@@ -110,8 +113,7 @@ def test_a_failed_evaluation_lets_the_collectives_finish_then_stops_every_rank(w
     engine = VersionEngine()
     p = pipeline(engine, PromptIterator(PROMPTS, 4), 1)
     try:
-        p.publish(0, weights(0))
-        p.feed()
+        begin(p, 0)
         drive(p, 0, 2)
         engine.fail = True
         out = p.generate_with(2).generate([[1], [2]], SamplingParams())
@@ -127,8 +129,7 @@ def test_a_checkpoint_keeps_the_rollouts_ahead_and_a_resume_continues_the_stream
     data = PromptIterator(PROMPTS, 4)
     p = pipeline(engine, data, 2)
     try:
-        p.publish(0, weights(0))
-        p.feed()
+        begin(p, 0)
         drive(p, 0, 3)
         kept, position = p.pending(3), p.data_state(3)
         assert p.kept_steps(3) == len(kept) == 2
@@ -140,8 +141,7 @@ def test_a_checkpoint_keeps_the_rollouts_ahead_and_a_resume_continues_the_stream
     q = pipeline(VersionEngine(), data2, 2, start=3)
     try:
         q.restore(kept, 2)
-        q.publish(3, weights(3))
-        q.feed()
+        begin(q, 3)
         resumed = drive(q, 3, 8)
     finally:
         q.close()
